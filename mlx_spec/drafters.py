@@ -1,0 +1,106 @@
+"""Drafters propose tokens for the target to verify.
+
+A drafter keeps its own view of the sequence. The engine calls `prefill` with the prompt,
+then each round `propose(k)` and, after verification, `commit(kept, k)` with the tokens the
+round emitted (the accepted draft tokens followed by the target's own token).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from .errors import SpecError
+from .sampling import SamplingParams, probabilities, sample
+
+
+class Drafter(Protocol):
+    def prefill(self, tokens: list[int]) -> None:
+        """Start a new sequence (or continue a cached one) from these tokens."""
+
+    def propose(
+        self, k: int, params: SamplingParams, key: mx.array
+    ) -> tuple[mx.array, mx.array | None]:
+        """k draft tokens (k,) and, unless greedy, their distributions q (k, vocab). Lazy."""
+
+    def commit(self, kept: list[int], k: int) -> None:
+        """The round emitted `kept`: the first len(kept)-1 drafted tokens, then one more."""
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def prefill_cache(model, cache: list, tokens: list[int], step: int = 2048) -> None:
+    """Run `tokens` through `model`, filling `cache`, in chunks that bound peak memory."""
+    for start in range(0, len(tokens), step):
+        model(mx.array(tokens[start : start + step])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def check_trimmable(cache: list, role: str) -> None:
+    if not can_trim_prompt_cache(cache):
+        kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
+        raise SpecError(
+            f"the {role} model's KV cache ({', '.join(kinds)}) cannot be rolled back, "
+            "so it cannot be used for speculative decoding"
+        )
+
+
+class ModelDrafter:
+    """A small language model from the target's family, with its own KV cache.
+
+    Invariant between rounds: the cache holds every token of the sequence except `pending`
+    (one token, or two after a round where every draft token was accepted: the draft never
+    ran on its own last proposal).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.cache = make_prompt_cache(model)
+        check_trimmable(self.cache, "draft")
+        self.cached: list[int] = []  # tokens in the cache
+        self.pending: list[int] = []
+
+    def prefill(self, tokens: list[int]) -> None:
+        reuse = min(common_prefix_len(self.cached, tokens), len(tokens) - 1)
+        trim_prompt_cache(self.cache, len(self.cached) - reuse)
+        prefill_cache(self.model, self.cache, tokens[reuse:-1])
+        self.cached = list(tokens[:-1])
+        self.pending = [tokens[-1]]
+
+    def propose(self, k, params, key):
+        if k == 0:
+            return mx.zeros((0,), mx.uint32), None
+        keys = mx.random.split(key, k)
+        y = mx.array(self.pending)
+        tokens, qs = [], []
+        for i in range(k):
+            logits = self.model(y[None], cache=self.cache)[0, -1]  # (vocab,)
+            if params.greedy:
+                y = mx.argmax(logits, axis=-1, keepdims=True)
+            else:
+                q = probabilities(logits, params)
+                y = sample(q, keys[i])[None]
+                qs.append(q)
+            mx.async_eval(y)  # let the device start while Python builds the next step
+            tokens.append(y)
+        return mx.concatenate(tokens), (mx.stack(qs) if qs else None)
+
+    def commit(self, kept, k):
+        if k == 0:
+            self.pending = self.pending + kept
+            return
+        # the draft ran on pending + x1..x(k-1); the accepted draft tokens are kept[:-1]
+        fed_drafts = k - 1
+        valid = min(len(kept) - 1, fed_drafts)
+        trim_prompt_cache(self.cache, fed_drafts - valid)
+        self.cached += self.pending + kept[:valid]
+        self.pending = kept[valid:]

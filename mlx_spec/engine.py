@@ -1,0 +1,315 @@
+"""The decode loop, in three layers (as in mlx_lm.generate):
+
+- `Decoder`: prefill, then rounds of draft -> one target pass -> verify -> roll back.
+  Yields token ids per round; one host sync per round.
+- `stream`: prompt handling, detokenization, timing and stats; yields one `Event` per token.
+- `generate`: collects a stream into a `Result`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from .acceptance import verify_greedy, verify_stochastic
+from .drafters import Drafter, ModelDrafter, check_trimmable, common_prefix_len, prefill_cache
+from .errors import SpecError
+from .sampling import SamplingParams, probabilities, sample
+from .stats import Stats
+
+
+@dataclass
+class Round:
+    tokens: list[int]  # emitted this round, EOS excluded
+    accepted: int  # how many of `tokens` (a prefix) are accepted draft tokens
+    drafted: int  # k used this round
+    verified: int  # draft tokens the target agreed with, before EOS truncation
+    finished: bool = False  # an end-of-sequence token ended the round
+
+
+def pad_vocab(a: mx.array, size: int) -> mx.array:
+    """Zero-pad the last axis: draft and target heads may differ in padding rows."""
+    extra = size - a.shape[-1]
+    if extra <= 0:
+        return a
+    return mx.concatenate([a, mx.zeros((*a.shape[:-1], extra), a.dtype)], axis=-1)
+
+
+class Decoder:
+    """Speculative decoding over one target and an optional drafter.
+
+    Between rounds the target cache holds every token of `sequence` except the last, which is
+    fed at the start of the next round. `sequence` keeps an end-of-sequence token when one
+    ended generation, so a follow-up prompt that continues the conversation reuses the caches.
+    """
+
+    def __init__(self, target, drafter: Drafter | None, eos_token_ids=(), seed: int | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.cache = make_prompt_cache(target)
+        if drafter is not None:
+            check_trimmable(self.cache, "target")
+        self.eos = set(eos_token_ids)
+        self.sequence: list[int] = []
+        self.key = mx.random.key(seed if seed is not None else time.time_ns() % 2**63)
+
+    def _next_key(self) -> mx.array:
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def prefill(self, prompt: list[int], use_draft: bool = True) -> int:
+        """Fill the caches for `prompt`; returns how many prompt tokens were reused."""
+        cached = self.sequence[:-1]
+        reuse = min(common_prefix_len(cached, prompt), len(prompt) - 1)
+        trim_prompt_cache(self.cache, len(cached) - reuse)
+        prefill_cache(self.target, self.cache, prompt[reuse:-1])
+        if self.drafter is not None and use_draft:
+            self.drafter.prefill(prompt)
+        self.sequence = list(prompt)
+        return reuse
+
+    def _target_token(self, logits: mx.array, params: SamplingParams) -> mx.array:
+        if params.greedy:
+            return mx.argmax(logits, axis=-1)
+        return sample(probabilities(logits, params), self._next_key())
+
+    def rounds(
+        self, max_tokens: int, params: SamplingParams, k: int, use_draft: bool = True
+    ) -> Iterator[Round]:
+        if self.drafter is None or not use_draft:
+            yield from self._plain_rounds(max_tokens, params)
+            return
+        emitted = 0
+        while emitted < max_tokens:
+            # the round adds at most k+1 tokens; never draft past max_tokens
+            r = self._speculative_round(min(k, max_tokens - emitted - 1), params)
+            emitted += len(r.tokens)
+            yield r
+            if r.finished:
+                return
+
+    def _speculative_round(self, k: int, params: SamplingParams) -> Round:
+        draft_tokens, q = self.drafter.propose(k, params, self._next_key())  # (k,), (k, V)|None
+        inputs = mx.concatenate([mx.array(self.sequence[-1:], mx.uint32), draft_tokens])
+        logits = self.target(inputs[None], cache=self.cache)[0]  # (k+1, vocab)
+        if params.greedy:
+            n, next_token = verify_greedy(draft_tokens, logits)
+        else:
+            p = probabilities(logits, params)  # (k+1, vocab)
+            if q is None:
+                q = mx.zeros((0, p.shape[-1]))
+            vocab = max(p.shape[-1], q.shape[-1])
+            n, next_token = verify_stochastic(
+                draft_tokens, pad_vocab(p, vocab), pad_vocab(q, vocab), self._next_key()
+            )
+        out = mx.concatenate([mx.stack([n, next_token]).astype(mx.int32), draft_tokens])
+        n, next_token, *drafted = out.tolist()  # the one host sync of the round
+        kept = drafted[:n] + [next_token]
+        # cut at the first end-of-sequence token; it stays in `sequence`, not in the output
+        stop = next((i for i, t in enumerate(kept) if t in self.eos), None)
+        if stop is not None:
+            kept = kept[: stop + 1]
+        # the target ran on last + x1..xk; keep last + every kept token but the new last
+        trim_prompt_cache(self.cache, k + 1 - len(kept))
+        self.drafter.commit(kept, k)
+        self.sequence += kept
+        out_tokens = kept if stop is None else kept[:-1]
+        return Round(
+            tokens=out_tokens,
+            accepted=min(n, len(out_tokens)),
+            drafted=k,
+            verified=n,
+            finished=stop is not None,
+        )
+
+    def _plain_rounds(self, max_tokens: int, params: SamplingParams) -> Iterator[Round]:
+        """Plain decoding, one token per round, pipelined as mlx_lm.generate_step is: the
+        next step is queued before the current token is read back."""
+
+        def step(token: mx.array) -> mx.array:
+            logits = self.target(token.reshape(1, 1), cache=self.cache)[0, -1]
+            return self._target_token(logits, params)
+
+        queued = step(mx.array(self.sequence[-1:], mx.uint32))
+        mx.async_eval(queued)
+        lookahead = False  # whether the cache already holds the last token of `sequence`
+        try:
+            for emitted in range(1, max_tokens + 1):
+                current = queued
+                lookahead = emitted < max_tokens
+                if lookahead:
+                    queued = step(current)
+                    mx.async_eval(queued)
+                token = current.item()
+                self.sequence.append(token)
+                if token in self.eos:
+                    yield Round(tokens=[], accepted=0, drafted=0, verified=0, finished=True)
+                    return
+                yield Round(tokens=[token], accepted=0, drafted=0, verified=0)
+        finally:
+            if lookahead:
+                trim_prompt_cache(self.cache, 1)
+
+
+# ----------------------------------------------------------------------------- stream layer
+
+
+@dataclass
+class Event:
+    text: str  # detokenized text this token completes (may be "" while a word is unfinished)
+    token: int
+    accepted: bool  # True: a draft token the target accepted; False: produced by the target
+    round: int  # index of the verify round that emitted it
+    stats: Stats = field(repr=False)  # live statistics, updated once per round
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    accepted: list[bool]
+    stats: Stats
+    finish_reason: str  # "stop" (end-of-sequence), "length" (max_tokens or context)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "tokens": self.tokens,
+            "accepted": self.accepted,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_json(),
+        }
+
+
+def encode_prompt(tokenizer, prompt, system: str | None = None) -> list[int]:
+    """str (raw text), list of {"role", "content"} messages, or list of token ids -> ids."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise SpecError("the prompt is empty")
+        if system is not None:
+            return encode_prompt(
+                tokenizer,
+                [{"role": "system", "content": system}, {"role": "user", "content": prompt}],
+            )
+        bos = tokenizer.bos_token
+        return list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
+    if isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
+        if not any(str(m.get("content", "")).strip() for m in prompt):
+            raise SpecError("the prompt is empty")
+        if system is not None and prompt[0].get("role") != "system":
+            prompt = [{"role": "system", "content": system}, *prompt]
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise SpecError("this model's tokenizer has no chat template; pass raw text instead")
+        text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    if isinstance(prompt, list | tuple | mx.array):
+        ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
+        if not ids:
+            raise SpecError("the prompt is empty")
+        return ids
+    raise SpecError(f"unsupported prompt type {type(prompt).__name__}")
+
+
+def make_decoder(pair, seed: int | None = None) -> Decoder:
+    drafter = ModelDrafter(pair.draft) if pair.draft is not None else None
+    return Decoder(pair.target, drafter, pair.tokenizer.eos_token_ids, seed=seed)
+
+
+def stream(
+    pair,
+    prompt,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    num_draft_tokens: int | None = None,
+    seed: int | None = None,
+    *,
+    system: str | None = None,
+    use_draft: bool = True,
+    decoder: Decoder | None = None,
+    stats: Stats | None = None,
+) -> Iterator[Event]:
+    """Generate from `pair`, one `Event` per emitted token.
+
+    Pass a `decoder` (from `make_decoder`) to keep KV caches across calls: a prompt that
+    extends the previous conversation only prefills its new tokens. Pass `stats` to read the
+    totals afterwards (every event also carries them, live).
+    """
+    params = SamplingParams(temperature, top_p, top_k, min_p)
+    k = pair.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+    if not isinstance(k, int) or k < 1:
+        raise SpecError(f"num-draft-tokens must be an integer >= 1, got {k}")
+    if max_tokens < 1:
+        raise SpecError(f"max-tokens must be >= 1, got {max_tokens}")
+    tokens = encode_prompt(pair.tokenizer, prompt, system)
+    context = pair.context_length
+    if context is not None and len(tokens) >= context:
+        raise SpecError(
+            f"the prompt is {len(tokens)} tokens, longer than the model's context of {context}"
+        )
+    if context is not None:
+        max_tokens = min(max_tokens, context - len(tokens))
+    speculative = use_draft and pair.draft is not None
+    if decoder is None:
+        decoder = make_decoder(pair, seed)
+    elif seed is not None:
+        decoder.key = mx.random.key(seed)
+
+    stats = stats if stats is not None else Stats()
+    stats.prompt_tokens = len(tokens)
+    stats.num_draft_tokens = k if speculative else 0
+    detokenizer = pair.tokenizer.detokenizer
+    detokenizer.reset()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    stats.prompt_tokens_reused = decoder.prefill(tokens, use_draft=speculative)
+    mx.synchronize()
+    stats.prefill_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+
+    held: Event | None = None  # an event whose token's text the detokenizer still holds
+    finished = False
+    for index, r in enumerate(decoder.rounds(max_tokens, params, k, use_draft=speculative)):
+        stats.add_round(r, time.perf_counter() - start)
+        finished = r.finished
+        events = []
+        for i, token in enumerate(r.tokens):
+            detokenizer.add_token(token)
+            events.append(Event(detokenizer.last_segment, token, i < r.accepted, index, stats))
+        if finished or stats.generated_tokens >= max_tokens:
+            detokenizer.finalize()
+            tail = detokenizer.last_segment
+            if events:
+                events[-1].text += tail
+            elif held is not None:
+                held.text += tail
+        if events and held is not None:
+            yield held
+            held = None
+        if events and not events[-1].text and not finished:
+            held = events.pop()
+        yield from events
+    if held is not None:
+        yield held
+    stats.finish_reason = "stop" if finished else "length"
+    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+
+
+def generate(pair, prompt, **kwargs) -> Result:
+    """Run `stream` to the end; `res.text`, `res.tokens`, `res.accepted`, `res.stats`."""
+    stats = Stats()
+    events = list(stream(pair, prompt, stats=stats, **kwargs))
+    return Result(
+        text="".join(e.text for e in events),
+        tokens=[e.token for e in events],
+        accepted=[e.accepted for e in events],
+        stats=stats,
+        finish_reason=stats.finish_reason,
+    )

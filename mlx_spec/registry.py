@@ -1,0 +1,103 @@
+"""models.toml: curated pairs shipped with the package, plus a user file that adds or
+overrides pairs (~/.config/mlx-spec/models.toml, or the path in MLX_SPEC_MODELS)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import SpecError
+
+BUILTIN = Path(__file__).with_name("models.toml")
+PAIR_KEYS = {"target", "draft", "num_draft_tokens", "note"}
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    name: str
+    target: str
+    draft: str | None = None
+    num_draft_tokens: int = 4
+    note: str = ""
+    draft_bits: int | None = None  # draft = the target re-quantized to this many bits
+    draft_group_size: int = 32
+    source: Path | None = None
+
+
+def user_file() -> Path:
+    env = os.environ.get("MLX_SPEC_MODELS")
+    if env:
+        return Path(env).expanduser()
+    base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return base / "mlx-spec" / "models.toml"
+
+
+def _line_of(text: str, name: str) -> int:
+    pattern = re.compile(r'^\s*\[\s*pairs\s*\.\s*"?' + re.escape(name) + r'"?\s*\]', re.M)
+    m = pattern.search(text)
+    return text.count("\n", 0, m.start()) + 1 if m else 1
+
+
+def _parse_pair(name: str, entry, path: Path, text: str) -> PairSpec:
+    where = f"{path}:{_line_of(text, name)}"
+    if not isinstance(entry, dict):
+        raise SpecError(f"{where}: pair {name!r} must be a table")
+    unknown = set(entry) - PAIR_KEYS
+    if unknown:
+        raise SpecError(f"{where}: pair {name!r} has unknown keys {sorted(unknown)}")
+    target = entry.get("target")
+    if not isinstance(target, str) or not target:
+        raise SpecError(f"{where}: pair {name!r} needs target = \"path or hub id\"")
+    k = entry.get("num_draft_tokens", 4)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise SpecError(f"{where}: pair {name!r}: num_draft_tokens must be an integer >= 1")
+    draft = entry.get("draft")
+    draft_bits, group_size = None, 32
+    if isinstance(draft, dict):
+        if draft.get("from_target") is not True or not isinstance(draft.get("bits"), int):
+            raise SpecError(
+                f"{where}: pair {name!r}: a draft table must be "
+                "{ from_target = true, bits = N, group_size = G }"
+            )
+        draft_bits, group_size = draft["bits"], draft.get("group_size", 32)
+        draft = None
+    elif draft is not None and not isinstance(draft, str):
+        raise SpecError(f"{where}: pair {name!r}: draft must be a path or hub id")
+    note = entry.get("note", "")
+    return PairSpec(name, target, draft, k, str(note), draft_bits, group_size, path)
+
+
+def parse_file(path: Path) -> dict[str, PairSpec]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise SpecError(f"{path}: malformed TOML: {err}") from err
+    pairs = data.get("pairs", {})
+    if not isinstance(pairs, dict):
+        raise SpecError(f"{path}:{_line_of(text, '')}: [pairs] must be a table of pairs")
+    return {name: _parse_pair(name, entry, path, text) for name, entry in pairs.items()}
+
+
+class Registry:
+    def __init__(self, pairs: dict[str, PairSpec]):
+        self.pairs = pairs
+
+    def get_pair(self, name: str) -> PairSpec:
+        if name not in self.pairs:
+            known = ", ".join(sorted(self.pairs))
+            raise SpecError(f"unknown pair {name!r}; known pairs: {known}")
+        return self.pairs[name]
+
+
+def load_registry() -> Registry:
+    pairs = parse_file(BUILTIN)
+    user = user_file()
+    if user.is_file():
+        pairs.update(parse_file(user))
+    elif os.environ.get("MLX_SPEC_MODELS"):
+        raise SpecError(f"MLX_SPEC_MODELS names a file that does not exist: {user}")
+    return Registry(pairs)

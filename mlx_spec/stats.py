@@ -1,0 +1,99 @@
+"""Acceptance and speed statistics, accumulated once per verify round."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    prompt_tokens_reused: int = 0  # served from a KV cache kept across calls
+    generated_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0  # accepted draft tokens among the emitted ones
+    target_passes: int = 0  # verify rounds (prefill not counted)
+    num_draft_tokens: int = 0  # k; 0 for plain decoding
+    # position i: how often the i-th draft token was proposed / accepted
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    # accepted-length histogram: rounds in which exactly n draft tokens were accepted
+    accepted_lengths: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    generation_seconds: float = 0.0
+    peak_memory_gb: float = 0.0
+    finish_reason: str = "length"
+
+    def add_round(self, r, elapsed: float) -> None:
+        self.target_passes += 1
+        self.generated_tokens += len(r.tokens)
+        self.drafted += r.drafted
+        self.accepted += r.accepted
+        self.generation_seconds = elapsed
+        if r.drafted:
+            grow = r.drafted - len(self.drafted_at)
+            if grow > 0:
+                self.drafted_at += [0] * grow
+                self.accepted_at += [0] * grow
+            for i in range(r.drafted):
+                self.drafted_at[i] += 1
+                self.accepted_at[i] += i < r.verified
+            if r.verified >= len(self.accepted_lengths):
+                self.accepted_lengths += [0] * (r.verified + 1 - len(self.accepted_lengths))
+            self.accepted_lengths[r.verified] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_target_pass(self) -> float:
+        return self.generated_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        if not self.generation_seconds:
+            return 0.0
+        return self.generated_tokens / self.generation_seconds
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        computed = self.prompt_tokens - self.prompt_tokens_reused
+        return computed / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_reused": self.prompt_tokens_reused,
+            "generated_tokens": self.generated_tokens,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_target_pass": round(self.tokens_per_target_pass, 4),
+            "target_passes": self.target_passes,
+            "num_draft_tokens": self.num_draft_tokens,
+            "acceptance_by_position": [round(a, 4) for a in self.acceptance_by_position],
+            "accepted_length_histogram": self.accepted_lengths,
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "prompt_tokens_per_second": round(self.prompt_tokens_per_second, 2),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "generation_seconds": round(self.generation_seconds, 4),
+            "peak_memory_gb": round(self.peak_memory_gb, 3),
+            "finish_reason": self.finish_reason,
+        }
+
+    def summary(self) -> str:
+        line = f"{self.generated_tokens} tokens · {self.tokens_per_second:.1f} tok/s"
+        if self.num_draft_tokens:
+            line += (
+                f" · acceptance {self.acceptance_rate:.0%}"
+                f" · {self.tokens_per_target_pass:.2f} tokens/pass (k={self.num_draft_tokens})"
+            )
+        else:
+            line += " · no draft"
+        return line

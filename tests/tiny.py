@@ -1,0 +1,107 @@
+"""Tiny random models in the Hugging Face layout, built in code (no network).
+
+A byte-level BPE tokenizer trained on a few sentences, and float32 llama models with a
+few layers. Drafts are derived from a target so that they agree with it some of the time:
+`truncated` keeps the target's first layers (a smaller model), `copy` agrees always,
+`deranged` permutes the output head so it never proposes the target's choice.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens with a small model and verifies them with a large one.",
+    "def add(a, b):\n    return a + b\n",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "Once upon a time there was a tiny model that predicted the next token.",
+]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tokenizer(path: Path, vocab_size: int = 320) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        bos_token=None,
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+
+
+def llama_config(vocab_size: int, layers: int, hidden: int = 64, eos: int = 2) -> dict:
+    return {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": hidden * 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 512,
+        "eos_token_id": eos,
+    }
+
+
+def random_weights(config: dict, seed: int, head_scale: float = 4.0) -> dict[str, mx.array]:
+    """Random float32 weights; a scaled output head makes distributions peaked, not uniform."""
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    weights["lm_head.weight"] = weights["lm_head.weight"] * head_scale
+    return {k: v.astype(mx.float32) for k, v in weights.items()}
+
+
+def write_model(path: Path, config: dict, weights: dict[str, mx.array], tokenizer_from: Path):
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    for f in tokenizer_from.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (path / f.name).write_bytes(f.read_bytes())
+    return path
+
+
+def truncated(weights: dict, config: dict, layers: int) -> tuple[dict, dict]:
+    """A smaller draft: the target's first `layers` blocks with its embedding and head."""
+    keep = {
+        k: v
+        for k, v in weights.items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+    }
+    return keep, {**config, "num_hidden_layers": layers}
+
+
+def deranged(weights: dict, vocab_size: int) -> dict:
+    """Rotate the output head by one row: the draft's argmax is never the target's."""
+    head = weights["lm_head.weight"]  # (vocab, hidden)
+    perm = mx.array(np.roll(np.arange(vocab_size), 1))
+    return {**weights, "lm_head.weight": head[perm]}
