@@ -58,8 +58,8 @@ class ModelDrafter:
     """A small language model from the target's family, with its own KV cache.
 
     Invariant between rounds: the cache holds every token of the sequence except `pending`
-    (one token, or two after a round where every draft token was accepted: the draft never
-    ran on its own last proposal).
+    (one token; two after a round where every draft token was accepted, since the draft never
+    ran on its own last proposal; one more for each round that drafted nothing).
     """
 
     def __init__(self, model):

@@ -197,15 +197,19 @@ def encode_prompt(tokenizer, prompt, system: str | None = None) -> list[int]:
                 [{"role": "system", "content": system}, {"role": "user", "content": prompt}],
             )
         bos = tokenizer.bos_token
-        return list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
+        return list(
+            tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        )
     if isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
         if not any(str(m.get("content", "")).strip() for m in prompt):
             raise SpecError("the prompt is empty")
         if system is not None and prompt[0].get("role") != "system":
             prompt = [{"role": "system", "content": system}, *prompt]
-        if getattr(tokenizer, "chat_template", None) is None:
+        if not tokenizer.has_chat_template:
             raise SpecError("this model's tokenizer has no chat template; pass raw text instead")
-        text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            list(prompt), tokenize=False, add_generation_prompt=True
+        )
         return list(tokenizer.encode(text, add_special_tokens=False))
     if isinstance(prompt, list | tuple | mx.array):
         ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,13 +62,15 @@ def _hub_snapshot(repo_id: str) -> Path:
             snapshot_download(repo_id, local_files_only=True, allow_patterns=DEFAULT_ALLOW_PATTERNS)
         )
     except HFValidationError as err:
-        raise SpecError(f"model path does not exist and is not a Hugging Face id: {repo_id}") from err
+        raise SpecError(
+            f"model path does not exist and is not a Hugging Face id: {repo_id}"
+        ) from err
     except (LocalEntryNotFoundError, OSError):
         pass
     hint = f"download it on a connected machine with `{download_command(repo_id)}`"
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         raise SpecError(f"{repo_id} is not downloaded and HF_HUB_OFFLINE is set; {hint}")
-    print(f"Downloading {repo_id} from the Hugging Face hub…", flush=True)
+    print(f"Downloading {repo_id} from the Hugging Face hub…", file=sys.stderr, flush=True)
     try:
         return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except Exception as err:  # network, auth, missing repo: all mean "cannot get it"
@@ -95,8 +98,9 @@ def first_vocab_difference(target_vocab: dict, draft_vocab: dict) -> str | None:
     by_id_t = {i: t for t, i in target_vocab.items()}
     by_id_d = {i: t for t, i in draft_vocab.items()}
     for i in sorted(set(by_id_t) | set(by_id_d)):
-        if by_id_t.get(i) != by_id_d.get(i):
-            return f"token id {i} is {by_id_t.get(i)!r} in the target and {by_id_d.get(i)!r} in the draft"
+        t, d = by_id_t.get(i), by_id_d.get(i)
+        if t != d:
+            return f"token id {i} is {t!r} in the target and {d!r} in the draft"
     return "the two vocabularies map the same ids to different tokens"
 
 
@@ -163,7 +167,9 @@ def load_pair(
         from .quantize import requantized_copy
 
         draft_model, _ = load_model(target_path)
-        draft_model = requantized_copy(draft_model, draft_bits, spec.draft_group_size if spec else 32)
+        draft_model = requantized_copy(
+            draft_model, draft_bits, spec.draft_group_size if spec else 32
+        )
     else:
         draft_model = None
     if draft_model is not None:

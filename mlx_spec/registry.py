@@ -36,7 +36,9 @@ def user_file() -> Path:
 
 
 def _line_of(text: str, name: str) -> int:
-    pattern = re.compile(r'^\s*\[\s*pairs\s*\.\s*"?' + re.escape(name) + r'"?\s*\]', re.M)
+    pattern = re.compile(
+        r'^[ \t]*\[[ \t]*pairs[ \t]*\.[ \t]*"?' + re.escape(name) + r'"?[ \t]*\]', re.M
+    )
     m = pattern.search(text)
     return text.count("\n", 0, m.start()) + 1 if m else 1
 
@@ -50,7 +52,7 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairSpec:
         raise SpecError(f"{where}: pair {name!r} has unknown keys {sorted(unknown)}")
     target = entry.get("target")
     if not isinstance(target, str) or not target:
-        raise SpecError(f"{where}: pair {name!r} needs target = \"path or hub id\"")
+        raise SpecError(f'{where}: pair {name!r} needs target = "path or hub id"')
     k = entry.get("num_draft_tokens", 4)
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise SpecError(f"{where}: pair {name!r}: num_draft_tokens must be an integer >= 1")

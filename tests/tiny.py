@@ -105,3 +105,38 @@ def deranged(weights: dict, vocab_size: int) -> dict:
     head = weights["lm_head.weight"]  # (vocab, hidden)
     perm = mx.array(np.roll(np.arange(vocab_size), 1))
     return {**weights, "lm_head.weight": head[perm]}
+
+
+def mamba_config(vocab_size: int) -> dict:
+    """A recurrent model: its cache (ArraysCache) cannot be rolled back."""
+    return {
+        "model_type": "mamba",
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "state_size": 8,
+        "num_hidden_layers": 2,
+        "conv_kernel": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "time_step_rank": 4,
+        "tie_word_embeddings": True,
+    }
+
+
+def write_mamba(path: Path, vocab_size: int, tokenizer_from: Path) -> Path:
+    from mlx_lm.models import mamba
+
+    config = mamba_config(vocab_size)
+    mx.random.seed(0)
+    model = mamba.Model(mamba.ModelArgs.from_dict(config))
+    return write_model(path, config, dict(tree_flatten(model.parameters())), tokenizer_from)
+
+
+def write_swapped_tokenizer(path: Path, tokenizer_from: Path, a: int, b: int) -> None:
+    """The same tokenizer with two token ids exchanged: same size, different map."""
+    data = json.loads((tokenizer_from / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    by_id = {i: t for t, i in vocab.items()}
+    vocab[by_id[a]], vocab[by_id[b]] = b, a
+    (path / "tokenizer.json").write_text(json.dumps(data))

@@ -1,0 +1,106 @@
+"""`mlx-spec` command line: a dispatcher over one module per subcommand.
+
+Each subcommand module has `setup_arg_parser(parser)` and `main(args)`. Bad input raises
+`SpecError`; here it becomes one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import SpecError
+
+COMMANDS = {
+    "generate": "Generate a reply with speculative decoding",
+    "models": "List the curated pairs and which are downloaded",
+}
+DEFAULT_PAIR = "smollm2-demo"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error on one line (exit status 2), not two."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_pair_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model pair")
+    g.add_argument("--pair", help=f"a pair from models.toml (default: {DEFAULT_PAIR})")
+    g.add_argument("--target", help="target model: local path, .gguf file or Hugging Face id")
+    g.add_argument("--draft", help="draft model: local path, .gguf file or Hugging Face id")
+    g.add_argument(
+        "--draft-bits", type=positive_int, help="draft = the target re-quantized to N bits"
+    )
+    g.add_argument("--no-draft", action="store_true", help="plain decoding (the baseline)")
+    g.add_argument(
+        "--num-draft-tokens",
+        type=positive_int,
+        help="draft tokens per round, k (default: the pair's)",
+    )
+
+
+def pair_from_args(args):
+    """Load the pair the flags name (the demo pair when they name none)."""
+    from .loading import load_pair
+
+    if args.pair and args.target:
+        raise SpecError("give --pair or --target, not both")
+    if args.draft and not (args.target or args.pair):
+        raise SpecError("--draft needs --target")
+    if args.no_draft and (args.draft or args.draft_bits):
+        raise SpecError("--no-draft cannot be combined with --draft or --draft-bits")
+    if args.target:
+        return load_pair(
+            target=args.target,
+            draft=None if args.no_draft else args.draft,
+            draft_bits=args.draft_bits,
+            num_draft_tokens=args.num_draft_tokens,
+        )
+    pair = load_pair(
+        args.pair or DEFAULT_PAIR,
+        num_draft_tokens=args.num_draft_tokens,
+        draft_bits=args.draft_bits,
+    )
+    if args.no_draft:
+        pair.draft = None
+    return pair
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="mlx-spec", description="Lossless speculative decoding on MLX")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for name, help_text in COMMANDS.items():
+        module = importlib.import_module(f"mlx_spec.commands.{name}")
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.setup_arg_parser(p)
+        p.set_defaults(run=module.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except SpecError as err:
+        print(f"mlx-spec {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""mlx-spec generate: one reply, streamed, with accepted draft tokens coloured."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from ..cli import add_pair_args, pair_from_args
+from ..errors import SpecError
+
+ACCEPTED = "\x1b[32m"  # green: a draft token the target accepted
+TARGET = "\x1b[36m"  # cyan: a token the target produced itself
+RESET = "\x1b[0m"
+LOW_ACCEPTANCE = 0.5
+
+
+def setup_arg_parser(parser):
+    add_pair_args(parser)
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="min-p filter, in [0, 1]")
+    g.add_argument("--seed", type=int, help="random seed for a reproducible run")
+    g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    parser.add_argument("--system", help="system message for the chat template")
+    parser.add_argument(
+        "--raw", action="store_true", help="use the prompt as raw text, no chat template"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    parser.add_argument("--no-color", action="store_true", help="no colours (also: NO_COLOR)")
+    parser.add_argument("prompt", help="the prompt, or - to read it from stdin")
+
+
+def read_prompt(args) -> str:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise SpecError("the prompt is empty")
+    return prompt
+
+
+def build_prompt(pair, args, text: str):
+    if args.raw or not pair.tokenizer.has_chat_template:
+        if args.system:
+            raise SpecError("--system needs a chat template (drop --raw)")
+        return text
+    return [{"role": "user", "content": text}]
+
+
+def hint(stats) -> str | None:
+    if not stats.num_draft_tokens or stats.acceptance_rate >= LOW_ACCEPTANCE:
+        return None
+    first = stats.acceptance_by_position[0] if stats.acceptance_by_position else 0.0
+    if first >= LOW_ACCEPTANCE:
+        return (
+            f"hint: acceptance {stats.acceptance_rate:.0%} but {first:.0%} at the first draft "
+            f"position: the draft is too long for this text; try --num-draft-tokens "
+            f"{max(1, stats.num_draft_tokens // 2)}"
+        )
+    return (
+        f"hint: acceptance {stats.acceptance_rate:.0%}: the draft is a poor match for this "
+        "target or text; speculation is unlikely to pay here (compare with --no-draft)"
+    )
+
+
+def main(args):
+    from ..engine import generate, stream
+    from ..stats import Stats
+
+    text = read_prompt(args)
+    pair = pair_from_args(args)
+    prompt = build_prompt(pair, args, text)
+    kwargs = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        system=args.system,
+    )
+    if args.json:
+        print(json.dumps(generate(pair, prompt, **kwargs).to_json()))
+        return 0
+
+    color = sys.stdout.isatty() and not args.no_color and "NO_COLOR" not in os.environ
+    stats = Stats()
+    if color and pair.draft is not None:
+        print(f"{ACCEPTED}accepted draft{RESET} · {TARGET}target{RESET}", file=sys.stderr)
+    for ev in stream(pair, prompt, stats=stats, **kwargs):
+        if color:
+            sys.stdout.write(f"{ACCEPTED if ev.accepted else TARGET}{ev.text}{RESET}")
+        else:
+            sys.stdout.write(ev.text)
+        sys.stdout.flush()
+    print()
+    print(stats.summary(), file=sys.stderr)
+    line = hint(stats)
+    if line:
+        print(line, file=sys.stderr)
+    return 0

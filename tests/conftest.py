@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random pairs written to disk once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
+
+import tiny  # noqa: E402
+
+VOCAB = 320
+
+
+class TinyModels:
+    """Paths of tiny models sharing one tokenizer (see tests/tiny.py)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.tokenizer = root / "tokenizer"
+        tiny.write_tokenizer(self.tokenizer, VOCAB)
+        cfg = tiny.llama_config(VOCAB, layers=4)
+        weights = tiny.random_weights(cfg, seed=0)
+        self.target = tiny.write_model(root / "target", cfg, weights, self.tokenizer)
+        dw, dc = tiny.truncated(weights, cfg, layers=2)
+        self.draft = tiny.write_model(root / "draft", dc, dw, self.tokenizer)  # smaller
+        self.copy = tiny.write_model(root / "copy", cfg, weights, self.tokenizer)
+        self.deranged = tiny.write_model(
+            root / "deranged", cfg, tiny.deranged(weights, VOCAB), self.tokenizer
+        )
+        cfg2 = tiny.llama_config(VOCAB, layers=3)
+        w2 = tiny.random_weights(cfg2, seed=1)
+        self.target2 = tiny.write_model(root / "target2", cfg2, w2, self.tokenizer)
+        dw2, dc2 = tiny.truncated(w2, cfg2, layers=1)
+        self.draft2 = tiny.write_model(root / "draft2", dc2, dw2, self.tokenizer)
+        self.mamba = tiny.write_mamba(root / "mamba", VOCAB, self.tokenizer)
+        self.swapped = tiny.write_model(root / "swapped", dc, dw, self.tokenizer)
+        tiny.write_swapped_tokenizer(self.swapped, self.tokenizer, 100, 101)
+        # a 16-token vocabulary: distributions small enough to enumerate exactly
+        small = tiny.llama_config(16, layers=2, hidden=32)
+        sw = tiny.random_weights(small, seed=3, head_scale=3.0)
+        self.small_target = tiny.write_model(root / "small_target", small, sw, self.tokenizer)
+        sdw, sdc = tiny.truncated(sw, small, layers=1)
+        self.small_draft = tiny.write_model(root / "small_draft", sdc, sdw, self.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def pair(tiny_models):
+    from mlx_spec import load_pair
+
+    return load_pair(target=str(tiny_models.target), draft=str(tiny_models.draft))

@@ -1,0 +1,61 @@
+"""KV-cache bookkeeping: after a run the target cache holds every token but the last."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_spec import generate, load_pair, make_decoder
+
+PROMPT = "Once upon a time"
+
+
+def offsets(decoder) -> tuple[int, int]:
+    return decoder.cache[0].offset, decoder.drafter.cache[0].offset
+
+
+@pytest.mark.parametrize(
+    ("draft", "rate"),
+    [("copy", 1.0), ("deranged", 0.0), ("draft", None)],
+    ids=["all-accepted", "all-rejected", "mixed"],
+)
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_cache_offsets_after_a_run(tiny_models, draft, rate, k):
+    pair = load_pair(target=str(tiny_models.target), draft=str(getattr(tiny_models, draft)))
+    decoder = make_decoder(pair)
+    res = generate(pair, PROMPT, max_tokens=25, num_draft_tokens=k, decoder=decoder)
+    assert res.finish_reason == "length"
+    prompt_len = res.stats.prompt_tokens
+    target_offset, draft_offset = offsets(decoder)
+    assert target_offset == prompt_len + len(res.tokens) - 1
+    # the draft holds all but its pending tokens: one, two after a fully accepted round,
+    # one more after the last round (k=0 when a single token was left to produce)
+    assert draft_offset == prompt_len + len(res.tokens) - len(decoder.drafter.pending)
+    assert 1 <= len(decoder.drafter.pending) <= 3
+    if rate is not None:
+        assert res.stats.acceptance_rate == rate
+    else:
+        assert 0 < res.stats.acceptance_rate < 1
+    assert sum(res.accepted) == res.stats.accepted
+    # every round that drafted is in the histogram; only a last single-token round is not
+    assert res.stats.target_passes - sum(res.stats.accepted_lengths) in (0, 1)
+
+
+def test_follow_up_prompt_reuses_the_cache(pair):
+    """A second turn that extends the first only prefills its new tokens."""
+    decoder = make_decoder(pair)
+    tok = pair.tokenizer
+    first = tok.encode(PROMPT, add_special_tokens=False)
+    res = generate(pair, first, max_tokens=10, decoder=decoder)
+    follow_up = first + res.tokens + tok.encode(" and then", add_special_tokens=False)
+    again = generate(pair, follow_up, max_tokens=10, decoder=decoder)
+    assert again.stats.prompt_tokens_reused == len(first) + len(res.tokens) - 1
+    fresh = generate(pair, follow_up, max_tokens=10)
+    assert again.tokens == fresh.tokens
+    assert fresh.stats.prompt_tokens_reused == 0
+
+
+def test_plain_decoding_cache_after_stop_and_length(tiny_models):
+    pair = load_pair(target=str(tiny_models.target))
+    decoder = make_decoder(pair)
+    res = generate(pair, PROMPT, max_tokens=12, decoder=decoder)
+    assert decoder.cache[0].offset == res.stats.prompt_tokens + len(res.tokens) - 1

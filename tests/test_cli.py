@@ -1,0 +1,174 @@
+"""`mlx-spec generate`: JSON through a real subprocess, and every bad-input case."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlx_spec import generate, load_pair
+from mlx_spec.cli import main
+
+STATS_KEYS = {
+    "prompt_tokens",
+    "generated_tokens",
+    "drafted",
+    "accepted",
+    "acceptance_rate",
+    "tokens_per_target_pass",
+    "target_passes",
+    "num_draft_tokens",
+    "tokens_per_second",
+    "peak_memory_gb",
+}
+
+
+def run_cli(*args, stdin: str | None = None, env: dict | None = None):
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_spec.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+        timeout=300,
+    )
+
+
+def test_generate_json_subprocess(tiny_models):
+    proc = run_cli(
+        "generate",
+        "--target",
+        str(tiny_models.target),
+        "--draft",
+        str(tiny_models.draft),
+        "--num-draft-tokens",
+        "3",
+        "--max-tokens",
+        "20",
+        "--json",
+        "Hello there",
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert STATS_KEYS <= set(out["stats"])
+    assert out["stats"]["num_draft_tokens"] == 3
+    assert len(out["tokens"]) == len(out["accepted"]) == out["stats"]["generated_tokens"] == 20
+    assert sum(out["accepted"]) == out["stats"]["accepted"]
+    # the CLI applies the chat template, exactly as the API does with a messages list
+    pair = load_pair(target=str(tiny_models.target), draft=str(tiny_models.draft))
+    api = generate(pair, [{"role": "user", "content": "Hello there"}], max_tokens=20)
+    assert out["tokens"] == api.tokens
+    assert out["text"] == api.text
+
+
+def test_generate_streams_plain_text_from_stdin(tiny_models):
+    proc = run_cli(
+        "generate",
+        "--target",
+        str(tiny_models.target),
+        "--draft",
+        str(tiny_models.draft),
+        "--raw",
+        "--max-tokens",
+        "12",
+        "-",
+        stdin="The quick brown fox",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "\x1b[" not in proc.stdout  # not a terminal: no colour codes
+    pair = load_pair(target=str(tiny_models.target))
+    assert proc.stdout == generate(pair, "The quick brown fox", max_tokens=12).text + "\n"
+    assert "12 tokens" in proc.stderr and "tokens/pass" in proc.stderr
+
+
+def test_subprocess_error_is_one_line(tmp_path):
+    proc = run_cli("generate", "--target", str(tmp_path / "nope"), "hi")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "does not exist" in proc.stderr
+
+
+def error_cases(t):
+    """(argv, words the one-line message must contain)."""
+    target, draft = str(t.target), str(t.draft)
+    pair = ["--target", target, "--draft", draft]
+    return [
+        (["generate", "--pair", "no-such-pair", "hi"], ["unknown pair", "qwen3-8b"]),
+        (["generate", "--target", str(t.root / "missing"), "hi"], ["does not exist"]),
+        (
+            ["generate", "--target", "nobody-here/no-such-model", "hi"],
+            ["nobody-here/no-such-model", "hf download"],
+        ),
+        (
+            ["generate", "--target", target, "--draft", str(t.swapped), "hi"],
+            ["vocabularies differ", "token id 100"],
+        ),
+        (
+            ["generate", "--target", str(t.mamba), "--draft", draft, "hi"],
+            ["cannot be rolled back", "ArraysCache"],
+        ),
+        (["generate", *pair, "--num-draft-tokens", "0", "hi"], ["num-draft-tokens", ">= 1"]),
+        (["generate", *pair, "--temp", "-1", "hi"], ["temperature"]),
+        (["generate", *pair, "--top-p", "0", "hi"], ["top-p"]),
+        (["generate", *pair, "--top-p", "1.5", "hi"], ["top-p"]),
+        (["generate", *pair, "--raw", "word " * 600], ["longer than the model's context of 512"]),
+        (["generate", *pair, "   "], ["prompt is empty"]),
+    ]
+
+
+def exit_code(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exit_info:  # argparse's own checks
+        return exit_info.code
+
+
+def test_every_error_case_is_one_line_and_exit_2(tiny_models, capsys):
+    for argv, words in error_cases(tiny_models):
+        code = exit_code(argv)
+        err = capsys.readouterr().err
+        assert code == 2, (argv, err)
+        assert err.count("\n") == 1, (argv, err)
+        for word in words:
+            assert word in err, (argv, err)
+
+
+def test_argparse_errors_exit_2_on_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--num-draft-tokens", "0", "hi"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_malformed_models_toml_names_file_and_line(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "models.toml"
+    bad.write_text('[pairs.mine]\ntarget = "a"\nnum_draft_tokens = \n')
+    monkeypatch.setenv("MLX_SPEC_MODELS", str(bad))
+    assert main(["generate", "--pair", "mine", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "line 3" in err and err.count("\n") == 1
+    bad.write_text('[pairs.ok]\ntarget = "a"\n\n[pairs.mine]\ndraft = "b"\n')
+    assert main(["models"]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:4" in err and "needs target" in err
+
+
+def test_user_file_adds_and_overrides_pairs(tmp_path, monkeypatch, tiny_models, capsys):
+    user = tmp_path / "models.toml"
+    user.write_text(
+        f'[pairs.tiny]\ntarget = "{tiny_models.target}"\ndraft = "{tiny_models.draft}"\n'
+        'num_draft_tokens = 2\nnote = "a tiny pair"\n\n'
+        '[pairs."qwen3-8b"]\ntarget = "mlx-community/Qwen3-8B-4bit"\nnum_draft_tokens = 7\n'
+    )
+    monkeypatch.setenv("MLX_SPEC_MODELS", str(user))
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    tiny_line = next(line for line in out.splitlines() if line.startswith("tiny "))
+    assert " 2 " in tiny_line and "yes" in tiny_line
+    qwen_line = next(line for line in out.splitlines() if line.startswith("qwen3-8b "))
+    assert " 7 " in qwen_line and "no" in qwen_line
+    pair = load_pair("tiny")
+    assert pair.num_draft_tokens == 2 and pair.draft is not None
