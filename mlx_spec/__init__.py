@@ -1,5 +1,10 @@
 """mlx-spec: lossless speculative decoding for local LLMs on Apple Silicon, built on MLX."""
 
+# ruff: noqa: E402  (OpenBLAS must be loaded before mlx.core is first imported below)
+from .blas import preload_openblas
+
+preload_openblas()
+
 from .engine import Decoder, Event, Result, generate, make_decoder, stream
 from .errors import SpecError
 from .loading import Pair, load_pair

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import SpecError
@@ -15,6 +16,7 @@ from .errors import SpecError
 COMMANDS = {
     "generate": "Generate a reply with speculative decoding",
     "models": "List the curated pairs and which are downloaded",
+    "convert": "Convert a GGUF file into an MLX model directory",
 }
 DEFAULT_PAIR = "smollm2-demo"
 
@@ -100,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `mlx-spec models | head`: the reader left; that is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

