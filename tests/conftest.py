@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 
+import mlx_spec  # noqa: E402, F401  (first: it loads OpenBLAS before mlx.core, where present)
 import tiny  # noqa: E402
 
 VOCAB = 320
