@@ -5,7 +5,7 @@ from .blas import preload_openblas
 
 preload_openblas()
 
-from .engine import Decoder, Event, Result, generate, make_decoder, stream
+from .engine import Decoder, Event, Result, generate, make_decoder, stream, stream_rounds
 from .errors import SpecError
 from .loading import Pair, load_pair
 from .sampling import SamplingParams
@@ -23,4 +23,5 @@ __all__ = [
     "load_pair",
     "make_decoder",
     "stream",
+    "stream_rounds",
 ]

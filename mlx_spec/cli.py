@@ -15,6 +15,7 @@ from .errors import SpecError
 
 COMMANDS = {
     "generate": "Generate a reply with speculative decoding",
+    "chat": "Chat in the terminal app and watch speculation happen",
     "models": "List the curated pairs and which are downloaded",
     "convert": "Convert a GGUF file into an MLX model directory",
 }
@@ -54,7 +55,7 @@ def add_pair_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def pair_from_args(args):
+def pair_from_args(args, progress=None):
     """Load the pair the flags name (the demo pair when they name none)."""
     from .loading import load_pair
 
@@ -70,11 +71,13 @@ def pair_from_args(args):
             draft=None if args.no_draft else args.draft,
             draft_bits=args.draft_bits,
             num_draft_tokens=args.num_draft_tokens,
+            progress=progress,
         )
     pair = load_pair(
         args.pair or DEFAULT_PAIR,
         num_draft_tokens=args.num_draft_tokens,
         draft_bits=args.draft_bits,
+        progress=progress,
     )
     if args.no_draft:
         pair.draft = None
@@ -85,7 +88,10 @@ def build_parser() -> Parser:
     parser = Parser(prog="mlx-spec", description="Lossless speculative decoding on MLX")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name, help_text in COMMANDS.items():
-        module = importlib.import_module(f"mlx_spec.commands.{name}")
+        # the chat app lives in the `tui` package; the library itself never imports it
+        module = importlib.import_module(
+            "tui.command" if name == "chat" else f"mlx_spec.commands.{name}"
+        )
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.setup_arg_parser(p)
         p.set_defaults(run=module.main)

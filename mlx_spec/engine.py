@@ -224,7 +224,7 @@ def make_decoder(pair, seed: int | None = None) -> Decoder:
     return Decoder(pair.target, drafter, pair.tokenizer.eos_token_ids, seed=seed)
 
 
-def stream(
+def stream_rounds(
     pair,
     prompt,
     max_tokens: int = 256,
@@ -239,13 +239,8 @@ def stream(
     use_draft: bool = True,
     decoder: Decoder | None = None,
     stats: Stats | None = None,
-) -> Iterator[Event]:
-    """Generate from `pair`, one `Event` per emitted token.
-
-    Pass a `decoder` (from `make_decoder`) to keep KV caches across calls: a prompt that
-    extends the previous conversation only prefills its new tokens. Pass `stats` to read the
-    totals afterwards (every event also carries them, live).
-    """
+) -> Iterator[list[Event]]:
+    """Generate from `pair`, one list of `Event`s per verify round (see `stream`)."""
     params = SamplingParams(temperature, top_p, top_k, min_p)
     k = pair.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
     if not isinstance(k, int) or k < 1:
@@ -282,7 +277,9 @@ def stream(
     finished = False
     for index, r in enumerate(decoder.rounds(max_tokens, params, k, use_draft=speculative)):
         stats.add_round(r, time.perf_counter() - start)
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         finished = r.finished
+        stats.finish_reason = "stop" if finished else "length"
         events = []
         for i, token in enumerate(r.tokens):
             detokenizer.add_token(token)
@@ -294,16 +291,30 @@ def stream(
                 events[-1].text += tail
             elif held is not None:
                 held.text += tail
+        batch = []
         if events and held is not None:
-            yield held
+            batch.append(held)
             held = None
         if events and not events[-1].text and not finished:
             held = events.pop()
-        yield from events
+        batch += events
+        if batch:
+            yield batch
     if held is not None:
-        yield held
-    stats.finish_reason = "stop" if finished else "length"
-    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        yield [held]
+
+
+def stream(pair, prompt, max_tokens: int = 256, **kwargs) -> Iterator[Event]:
+    """Generate from `pair`, one `Event` per emitted token.
+
+    Keyword arguments: temperature, top_p, top_k, min_p, num_draft_tokens, seed, system,
+    use_draft (False: plain decoding with the same pair), decoder (from `make_decoder`: keeps
+    KV caches across calls, so a prompt that extends the previous conversation only prefills
+    its new tokens) and stats (a `Stats` to read the totals from afterwards; every event also
+    carries them, live).
+    """
+    for batch in stream_rounds(pair, prompt, max_tokens, **kwargs):
+        yield from batch
 
 
 def generate(pair, prompt, **kwargs) -> Result:

@@ -57,7 +57,7 @@ def package_file(name: str) -> Path:
     return path
 
 
-def resolve_model(name: str, dtype: str | None = None) -> Path:
+def resolve_model(name: str, dtype: str | None = None, progress=None) -> Path:
     """A local model directory for a path, a .gguf file or a Hugging Face id (downloaded if
     needed). `dtype` dequantizes a GGUF file ("auto": float16 on Metal, float32 on CPU)."""
     path = package_file(name) if name.startswith("package:") else Path(name).expanduser()
@@ -71,10 +71,10 @@ def resolve_model(name: str, dtype: str | None = None) -> Path:
         return path
     if looks_like_path(name):
         raise SpecError(f"model path does not exist: {name}")
-    return _hub_snapshot(name)
+    return _hub_snapshot(name, progress)
 
 
-def _hub_snapshot(repo_id: str) -> Path:
+def _hub_snapshot(repo_id: str, progress=None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
@@ -91,7 +91,11 @@ def _hub_snapshot(repo_id: str) -> Path:
     hint = f"download it on a connected machine with `{download_command(repo_id)}`"
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         raise SpecError(f"{repo_id} is not downloaded and HF_HUB_OFFLINE is set; {hint}")
-    print(f"Downloading {repo_id} from the Hugging Face hub…", file=sys.stderr, flush=True)
+    message = f"Downloading {repo_id} from the Hugging Face hub…"
+    if progress is not None:
+        progress(message)
+    else:
+        print(message, file=sys.stderr, flush=True)
     try:
         return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except Exception as err:  # network, auth, missing repo: all mean "cannot get it"
@@ -156,13 +160,16 @@ def load_pair(
     num_draft_tokens: int | None = None,
     draft_bits: int | None = None,
     dtype: str | None = None,
+    progress=None,
 ) -> Pair:
     """Load a pair by its name in models.toml, or from explicit target/draft paths or ids.
 
     `draft=None` (with an explicit target) gives plain decoding through the same loop.
     `draft_bits` makes the draft the target's own weights re-quantized to that many bits.
     `dtype` dequantizes a GGUF target (and draft) to float16/bfloat16/float32, or "auto".
+    `progress(message)` is called at each stage (the chat app shows it).
     """
+    report = progress or (lambda _: None)
     from .registry import load_registry
 
     spec = None
@@ -179,8 +186,12 @@ def load_pair(
     if draft is not None and draft_bits is not None:
         raise SpecError("give a draft model or --draft-bits, not both")
 
-    target_path = resolve_model(target, dtype)
-    draft_path = resolve_model(draft, dtype) if draft is not None else None
+    report(f"Finding {target}…")
+    target_path = resolve_model(target, dtype, progress)
+    if draft is not None:
+        report(f"Finding {draft}…")
+    draft_path = resolve_model(draft, dtype, progress) if draft is not None else None
+    report("Checking the vocabularies…")
     target_config = _read_config(target_path)
     tokenizer = _load_tokenizer(target_path, target_config)
     if draft_path is not None:
@@ -189,7 +200,10 @@ def load_pair(
         if diff is not None:
             raise SpecError(f"draft and target vocabularies differ: {diff}")
 
+    report("Loading the target weights…")
     target_model, _ = load_model(target_path)
+    if draft_path is not None or draft_bits is not None:
+        report("Loading the draft weights…")
     if draft_path is not None:
         draft_model, _ = load_model(draft_path)
     elif draft_bits is not None:

@@ -12,6 +12,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 
 import mlx_spec  # noqa: E402, F401  (first: it loads OpenBLAS before mlx.core, where present)
+
+# isort: split
 import tiny  # noqa: E402
 
 VOCAB = 320
@@ -30,6 +32,8 @@ class TinyModels:
         dw, dc = tiny.truncated(weights, cfg, layers=2)
         self.draft = tiny.write_model(root / "draft", dc, dw, self.tokenizer)  # smaller
         self.copy = tiny.write_model(root / "copy", cfg, weights, self.tokenizer)
+        noisy = tiny.noisy(weights, 0.01)  # agrees often in chat contexts: mixed rounds
+        self.noisy = tiny.write_model(root / "noisy", cfg, noisy, self.tokenizer)
         self.deranged = tiny.write_model(
             root / "deranged", cfg, tiny.deranged(weights, VOCAB), self.tokenizer
         )

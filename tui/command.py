@@ -1,0 +1,44 @@
+"""`mlx-spec chat`: opens the Textual app (the CLI dispatches here by name)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def setup_arg_parser(parser):
+    from mlx_spec.cli import add_pair_args
+
+    add_pair_args(parser)
+    parser.add_argument("--temp", type=float, default=0.0, help="temperature (0: greedy)")
+    parser.add_argument("--max-tokens", type=int, default=1024, help="most tokens per reply")
+    parser.add_argument("--seed", type=int, help="random seed")
+
+
+def main(args):
+    from mlx_spec.cli import DEFAULT_PAIR, pair_from_args
+    from mlx_spec.sampling import SamplingParams
+
+    from .app import ChatApp
+
+    SamplingParams(args.temp)  # bad flags fail here, before the screen opens
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # tqdm would tear the screen
+
+    def loader(name, progress):
+        if name is not None and name != (args.pair or DEFAULT_PAIR):
+            args.pair, args.target, args.draft = name, None, None
+        return pair_from_args(args, progress)
+
+    app = ChatApp(
+        loader=loader,
+        pair_name=None if args.target else (args.pair or DEFAULT_PAIR),
+        num_draft_tokens=args.num_draft_tokens,
+        temperature=args.temp,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    app.run()
+    # A worker thread may still be inside MLX; leave without C++ static teardown racing it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(app.return_code or 0)
