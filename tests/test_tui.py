@@ -16,6 +16,15 @@ def chat_pair(tiny_models):
     return load_pair(target=str(tiny_models.target), draft=str(tiny_models.noisy))
 
 
+@pytest.fixture(scope="module")
+def slow_pair(tiny_models):
+    """A draft that is always wrong and drafts 8 tokens: one token per round, slowly, so a
+    reply is still running when the test presses a key."""
+    return load_pair(
+        target=str(tiny_models.target), draft=str(tiny_models.deranged), num_draft_tokens=8
+    )
+
+
 async def send(pilot, text: str) -> None:
     await pilot.pause()
     await pilot.click("#prompt")
@@ -84,15 +93,17 @@ async def test_follow_up_reuses_the_cache(chat_pair):
         assert len(app.history) == 4
 
 
-async def test_escape_stops_a_reply_and_keeps_it(chat_pair):
-    app = ChatApp(chat_pair, pair_name="tiny", max_tokens=480)
+async def test_escape_stops_a_reply_and_keeps_it(slow_pair):
+    # 200 tokens: long enough to stop mid-way, short enough that the follow-up conversation
+    # still fits the tiny model's 512-token context
+    app = ChatApp(slow_pair, pair_name="tiny", max_tokens=200)
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
         await pilot.pause(0.05)
         await pilot.press("escape")
         reply = await finish(app, pilot)
         assert reply.note == "[stopped]"
-        assert 0 < len(reply.pieces) < 480
+        assert 0 < len(reply.pieces) < 200
         assert app.history[-1] == {"role": "assistant", "content": reply.text}
         await send(pilot, "again")  # the app takes a new message after a stop
         second = await finish(app, pilot)
@@ -124,8 +135,8 @@ async def test_speculation_off_means_all_target_tokens(chat_pair):
         assert app.temperature == 0.1
 
 
-async def test_quit_during_generation_exits_zero(chat_pair):
-    app = ChatApp(chat_pair, pair_name="tiny", max_tokens=480)
+async def test_quit_during_generation_exits_zero(slow_pair):
+    app = ChatApp(slow_pair, pair_name="tiny", max_tokens=480)
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
         await pilot.pause(0.05)

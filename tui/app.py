@@ -6,6 +6,7 @@ re-renders only what changed, so the UI never waits on the model and vice versa.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from textual import work
@@ -107,6 +108,10 @@ class ChatApp(App):
         self.history: list[dict] = []
         self.decoder = None
         self.reply: ReplyView | None = None  # the reply being generated
+        # set by escape / quit; the worker checks it between rounds. A flag of our own rather
+        # than Worker.cancel(): a cancelled thread worker may never start (and never report),
+        # or keep running after its task is cancelled; this way every reply ends in ReplyDone.
+        self.stop_requested = threading.Event()
         self.rounds_received = 0  # RoundMessages handled (for measurements)
         self.refreshes = 0  # timer ticks that re-rendered something
         self._initial_pair = pair
@@ -121,6 +126,10 @@ class ChatApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        # references, not queries: a modal screen on top would hide these from query_one
+        self.stats_panel = self.query_one(StatsPanel)
+        self.status_line = self.query_one("#status", Static)
+        self.message_list = self.query_one("#messages", VerticalScroll)
         self.set_interval(1 / REFRESH_HZ, self.refresh_views)
         if self._initial_pair is not None:
             self.use_pair(self._initial_pair, self.pair_name)
@@ -130,19 +139,19 @@ class ChatApp(App):
 
     def refresh_views(self) -> None:
         changed = False
-        for view in (self.reply, self.query_one(StatsPanel)):
+        for view in (self.reply, self.stats_panel):
             if view is not None and view.dirty:
                 view.refresh_if_dirty()
                 changed = True
         if changed:
             self.refreshes += 1
-            self.query_one("#messages").scroll_end(animate=False)
+            self.message_list.scroll_end(animate=False)
 
     def set_status(self, text: str) -> None:
-        self.query_one("#status", Static).update(text)
+        self.status_line.update(text)
 
     def show_settings(self) -> None:
-        self.query_one(StatsPanel).show(
+        self.stats_panel.show(
             pair=self.pair_name or "custom",
             speculation=self.speculation and self.pair is not None and self.pair.draft is not None,
             k=self.k,
@@ -203,12 +212,12 @@ class ChatApp(App):
             self.bell()
             return
         event.input.value = ""
-        messages = self.query_one("#messages")
-        messages.mount(Static(text, classes="user", markup=False))
+        self.message_list.mount(Static(text, classes="user", markup=False))
         self.reply = ReplyView()
-        messages.mount(self.reply)
+        self.message_list.mount(self.reply)
         self.history.append({"role": "user", "content": text})
         self.set_status("generating… (escape stops)")
+        self.stop_requested.clear()
         self.generate_reply(self.reply, list(self.history))
 
     @work(thread=True, exclusive=True, group="generate")
@@ -230,7 +239,8 @@ class ChatApp(App):
                 self.post_message(
                     RoundMessage(reply, [(e.text, e.accepted) for e in batch], stats.to_json())
                 )
-                if worker.is_cancelled:  # thread workers cannot be interrupted: ask per round
+                # a thread cannot be interrupted: ask between rounds
+                if worker.is_cancelled or self.stop_requested.is_set():
                     note = "[stopped]"
                     break
         except SpecError as err:
@@ -240,14 +250,14 @@ class ChatApp(App):
     def on_round_message(self, message: RoundMessage) -> None:
         self.rounds_received += 1
         message.reply.add_pieces(message.pieces)
-        self.query_one(StatsPanel).show(message.stats)
+        self.stats_panel.show(message.stats)
 
     def on_reply_done(self, message: ReplyDone) -> None:
         reply = message.reply
         if message.note:
             reply.mark(message.note)
         if message.stats:
-            self.query_one(StatsPanel).show(message.stats)
+            self.stats_panel.show(message.stats)
         if reply.text:
             self.history.append({"role": "assistant", "content": reply.text})
         else:
@@ -257,13 +267,14 @@ class ChatApp(App):
 
     # ------------------------------------------------------------------ controls
     def action_stop(self) -> None:
-        self.workers.cancel_group(self, "generate")
+        if self.reply is not None:
+            self.stop_requested.set()
 
     def action_new_chat(self) -> None:
         if self.reply is not None:
             return
         self.history.clear()
-        self.query_one("#messages").remove_children()
+        self.message_list.remove_children()
         self.set_status("new chat")
 
     def action_toggle_speculation(self) -> None:
@@ -282,5 +293,5 @@ class ChatApp(App):
             self.show_settings()
 
     async def action_quit(self) -> None:
-        self.workers.cancel_group(self, "generate")
+        self.stop_requested.set()
         self.exit(0)

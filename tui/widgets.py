@@ -6,6 +6,9 @@ from textual.content import Content
 from textual.widgets import Static
 
 BAR_WIDTH = 16
+# C0/C1 control characters (but newline and tab) would be dropped or reach the terminal raw;
+# models do emit them, so show them as replacement characters
+CONTROL_CHARS = {c: "\ufffd" for c in [*range(0x20), *range(0x7F, 0xA0)] if c not in (9, 10)}
 
 
 class ReplyView(Static):
@@ -40,7 +43,9 @@ class ReplyView(Static):
 
     def content(self) -> Content:
         accepted, target = self._style("reply--accepted"), self._style("reply--target")
-        parts = [(text, accepted if ok else target) for text, ok in self.pieces]
+        parts = [
+            (text.translate(CONTROL_CHARS), accepted if ok else target) for text, ok in self.pieces
+        ]
         if self.note:
             parts.append((f" {self.note}", self._style("reply--note")))
         return Content.assemble(*parts)
