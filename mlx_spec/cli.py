@@ -18,6 +18,8 @@ COMMANDS = {
     "chat": "Chat in the terminal app and watch speculation happen",
     "models": "List the curated pairs and which are downloaded",
     "convert": "Convert a GGUF file into an MLX model directory",
+    "probe": "Measure whether decoding is memory-bound here and which k pays",
+    "bench": "Benchmark against mlx-lm, plain and speculative, in one process",
 }
 DEFAULT_PAIR = "smollm2-demo"
 

@@ -1,0 +1,219 @@
+"""Interleaved benchmark: mlx-lm plain, mlx-lm speculative, mlx-spec plain and speculative.
+
+All configurations run in one process over the same prompts, interleaved run by run, so a
+noisy machine slows them alike; compare ratios inside one run, never single timings.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from .engine import encode_prompt, stream
+from .stats import Stats
+
+SUMMARY_SOURCE = (
+    "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 "
+    "individual reefs and 900 islands stretching for over 2,300 kilometres. It is located in the "
+    "Coral Sea, off the coast of Queensland, Australia. The reef can be seen from outer space and "
+    "is the world's biggest single structure made by living organisms. It supports a wide "
+    "diversity of life and was selected as a World Heritage Site in 1981. Climate change, "
+    "pollution and crown-of-thorns starfish outbreaks threaten it, and mass coral bleaching "
+    "events in 2016, 2017 and 2020 damaged large parts of the reef."
+)
+PROMPTS = {
+    "chat": "What are three tips for staying focused while working from home?",
+    "code": "Write a Python function that checks whether a string is a palindrome.",
+    "summarisation": f"Summarise this text in two sentences:\n\n{SUMMARY_SOURCE}",
+    "long answer": "Explain in detail how a refrigerator keeps food cold.",
+}
+MLX_LM, MLX_LM_SPEC, MLX_SPEC = "mlx-lm", "mlx-lm speculative", "mlx-spec"
+
+
+@dataclass
+class Run:
+    config: str
+    k: int  # 0: no draft
+    temperature: float
+    prompt: str
+    tokens: list[int]
+    tokens_per_second: float  # (tokens - 1) / (last token time - first token time)
+    drafted: int
+    accepted: int
+    target_passes: int
+    peak_memory_gb: float
+
+
+def _timed(events):
+    """Consume (token, from_draft) pairs; tokens/s between the first and the last token."""
+    tokens, flags, first, last = [], [], None, None
+    for token, from_draft in events:
+        now = time.perf_counter()
+        first = first or now
+        last = now
+        tokens.append(token)
+        flags.append(from_draft)
+    tps = (len(tokens) - 1) / (last - first) if len(tokens) > 1 and last > first else 0.0
+    return tokens, flags, tps
+
+
+def run_mlx_lm(pair, prompt_ids, max_tokens, temperature, k, seed) -> Run:
+    mx.random.seed(seed)
+    mx.reset_peak_memory()
+    draft = {"draft_model": pair.draft, "num_draft_tokens": k} if k else {}
+    responses = stream_generate(
+        pair.target,
+        pair.tokenizer,
+        prompt_ids,
+        max_tokens=max_tokens,
+        sampler=make_sampler(temperature),
+        **draft,
+    )
+    eos = pair.tokenizer.eos_token_ids
+    tokens, flags, tps = _timed(
+        (r.token, r.from_draft) for r in responses if r.token not in eos or r.finish_reason is None
+    )
+    accepted = sum(flags)
+    passes = len(flags) - accepted  # every mlx-lm round ends in one target token
+    return Run(
+        MLX_LM_SPEC if k else MLX_LM,
+        k,
+        temperature,
+        "",
+        tokens,
+        tps,
+        passes * k,
+        accepted,
+        passes,
+        mx.get_peak_memory() / 1e9,
+    )
+
+
+def run_mlx_spec(pair, prompt_ids, max_tokens, temperature, k, seed) -> Run:
+    stats = Stats()
+    events = stream(
+        pair,
+        prompt_ids,
+        max_tokens,
+        temperature=temperature,
+        num_draft_tokens=k or pair.num_draft_tokens,
+        use_draft=bool(k),
+        seed=seed,
+        stats=stats,
+    )
+    tokens, _, tps = _timed((e.token, e.accepted) for e in events)
+    return Run(
+        MLX_SPEC,
+        k,
+        temperature,
+        "",
+        tokens,
+        tps,
+        stats.drafted,
+        stats.accepted,
+        stats.target_passes,
+        stats.peak_memory_gb,
+    )
+
+
+def run_bench(pair, prompts: dict[str, str], temps, ks, runs: int, max_tokens: int, progress=None):
+    configs = [(run_mlx_lm, 0), (run_mlx_spec, 0)]
+    if pair.draft is not None:
+        for k in ks:
+            configs += [(run_mlx_lm, k), (run_mlx_spec, k)]
+    results: list[Run] = []
+    for run_index in range(runs):
+        for name, text in prompts.items():
+            ids = encode_prompt(pair.tokenizer, [{"role": "user", "content": text}])
+            for temperature in temps:
+                for fn, k in configs:
+                    r = fn(pair, ids, max_tokens, temperature, k, seed=run_index)
+                    r.prompt = name
+                    results.append(r)
+                    if progress:
+                        progress(
+                            f"run {run_index + 1}/{runs} {name} temp={temperature} "
+                            f"{r.config} k={k}: {r.tokens_per_second:.1f} tok/s"
+                        )
+    return results
+
+
+@dataclass
+class Row:
+    config: str
+    k: int
+    temperature: float
+    median_tokens_per_second: float
+    speedup: float  # over mlx-lm plain at the same temperature, ratio of medians
+    acceptance_rate: float | None
+    tokens_per_target_pass: float
+    peak_memory_gb: float
+    same_output: bool | None  # temperature 0: token-identical to mlx-lm plain on every prompt
+
+
+def summarise(results: list[Run]) -> list[Row]:
+    rows = []
+    keys = sorted(
+        {(r.temperature, r.config, r.k) for r in results}, key=lambda x: (x[0], x[2], x[1])
+    )
+    baseline = {}
+    for temperature, config, k in keys:
+        runs = [r for r in results if (r.temperature, r.config, r.k) == (temperature, config, k)]
+        median = statistics.median(r.tokens_per_second for r in runs)
+        if config == MLX_LM:
+            baseline[temperature] = median
+        drafted = sum(r.drafted for r in runs)
+        same = None
+        if temperature == 0 and config != MLX_LM:
+            plain = {
+                (r.prompt, id(r)): r.tokens
+                for r in results
+                if (r.temperature, r.config) == (0, MLX_LM)
+            }
+            reference = {p: t for (p, _), t in plain.items()}
+            same = all(r.tokens == reference.get(r.prompt) for r in runs)
+        rows.append(
+            Row(
+                config,
+                k,
+                temperature,
+                median,
+                0.0,
+                sum(r.accepted for r in runs) / drafted if drafted else None,
+                sum(len(r.tokens) for r in runs) / max(1, sum(r.target_passes for r in runs)),
+                max(r.peak_memory_gb for r in runs),
+                same,
+            )
+        )
+    for row in rows:
+        base = baseline.get(row.temperature)
+        row.speedup = row.median_tokens_per_second / base if base else 0.0
+    return rows
+
+
+def format_rows(rows: list[Row]) -> str:
+    lines = [
+        f"{'temp':>4}  {'configuration':<20} {'k':>2}  {'tok/s':>7}  {'speedup':>7}  "
+        f"{'accept':>6}  {'tok/pass':>8}  {'peak GB':>7}  same output"
+    ]
+    for r in rows:
+        accept = "" if r.acceptance_rate is None else f"{r.acceptance_rate:.0%}"
+        same = "" if r.same_output is None else ("yes" if r.same_output else "NO")
+        lines.append(
+            f"{r.temperature:>4.1f}  {r.config:<20} {r.k or '-':>2}  "
+            f"{r.median_tokens_per_second:>7.1f}  {r.speedup:>6.2f}x  {accept:>6}  "
+            f"{r.tokens_per_target_pass:>8.2f}  {r.peak_memory_gb:>7.2f}  {same}"
+        )
+    return "\n".join(lines)
+
+
+def to_json(rows: list[Row], results: list[Run]) -> dict:
+    return {
+        "rows": [asdict(r) for r in rows],
+        "runs": [{**asdict(r), "tokens": len(r.tokens)} for r in results],
+    }

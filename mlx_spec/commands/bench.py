@@ -1,0 +1,81 @@
+"""mlx-spec bench: mlx-lm plain and speculative against mlx-spec, interleaved in one process."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..cli import add_pair_args, pair_from_args
+from ..errors import SpecError
+
+
+def float_list(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def setup_arg_parser(parser):
+    add_pair_args(parser)
+    parser.add_argument("--prompts", help="a file of prompts, one per line (default: built-in set)")
+    parser.add_argument("--temps", type=float_list, default=[0.0, 0.7], help="e.g. 0,0.7")
+    parser.add_argument("--k", type=int_list, default=[2, 4, 6], help="draft lengths, e.g. 2,4,6")
+    parser.add_argument("--runs", type=int, default=3, help="repetitions of every configuration")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per generation")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", metavar="FILE.png", help="bar chart of the speedups")
+
+
+def read_prompts(path: str | None) -> dict[str, str]:
+    from ..bench import PROMPTS
+
+    if path is None:
+        return PROMPTS
+    try:
+        lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    except OSError as err:
+        raise SpecError(f"cannot read prompts file {path}: {err.strerror}") from err
+    if not lines:
+        raise SpecError(f"prompts file {path} has no prompts")
+    return {f"prompt {i + 1}": line for i, line in enumerate(lines)}
+
+
+def plot(rows, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise SpecError("--plot needs matplotlib: pip install 'mlx-spec[plot]'") from err
+    fig, ax = plt.subplots(figsize=(10, 4))
+    labels = [f"{r.config}\nk={r.k or '-'} t={r.temperature:g}" for r in rows]
+    ax.bar(range(len(rows)), [r.speedup for r in rows])
+    ax.axhline(1, color="red", ls="--")
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("speedup over mlx-lm plain (median tok/s)")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(args):
+    from ..bench import format_rows, run_bench, summarise, to_json
+    from ..blas import describe
+
+    if any(k < 1 for k in args.k) or not args.k:
+        raise SpecError("--k takes draft lengths >= 1, e.g. 2,4,6")
+    if args.runs < 1:
+        raise SpecError("--runs must be >= 1")
+    prompts = read_prompts(args.prompts)
+    pair = pair_from_args(args)
+    say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr))
+    say(f"BLAS: {describe()}")
+    results = run_bench(pair, prompts, args.temps, args.k, args.runs, args.max_tokens, progress=say)
+    rows = summarise(results)
+    if args.plot:
+        plot(rows, args.plot)
+    print(json.dumps(to_json(rows, results)) if args.json else format_rows(rows))
+    return 0
