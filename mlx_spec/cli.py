@@ -51,6 +51,11 @@ def add_pair_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-draft", action="store_true", help="plain decoding (the baseline)")
     g.add_argument(
+        "--dtype",
+        choices=["auto", "float16", "bfloat16", "float32"],
+        help="dequantize .gguf models to this type (auto: float16 on Metal, float32 on CPU)",
+    )
+    g.add_argument(
         "--num-draft-tokens",
         type=positive_int,
         help="draft tokens per round, k (default: the pair's)",
@@ -73,12 +78,14 @@ def pair_from_args(args, progress=None):
             draft=None if args.no_draft else args.draft,
             draft_bits=args.draft_bits,
             num_draft_tokens=args.num_draft_tokens,
+            dtype=args.dtype,
             progress=progress,
         )
     pair = load_pair(
         args.pair or DEFAULT_PAIR,
         num_draft_tokens=args.num_draft_tokens,
         draft_bits=args.draft_bits,
+        dtype=args.dtype,
         progress=progress,
     )
     if args.no_draft:
