@@ -123,9 +123,11 @@ def run_mlx_spec(pair, prompt_ids, max_tokens, temperature, k, seed) -> Run:
 
 def run_bench(pair, prompts: dict[str, str], temps, ks, runs: int, max_tokens: int, progress=None):
     configs = [(run_mlx_lm, 0), (run_mlx_spec, 0)]
-    if pair.draft is not None:
+    if pair.speculative:
         for k in ks:
-            configs += [(run_mlx_lm, k), (run_mlx_spec, k)]
+            if pair.draft is not None:  # mlx-lm drafts only with a model
+                configs.append((run_mlx_lm, k))
+            configs.append((run_mlx_spec, k))
     results: list[Run] = []
     for run_index in range(runs):
         for name, text in prompts.items():

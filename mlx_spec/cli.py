@@ -51,6 +51,13 @@ def add_pair_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-draft", action="store_true", help="plain decoding (the baseline)")
     g.add_argument(
+        "--drafter",
+        choices=["model", "ngram"],
+        help="model: the draft model; ngram: prompt lookup in the context, no second model",
+    )
+    g.add_argument("--ngram-max", type=positive_int, default=3, help="longest n-gram to look up")
+    g.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram to look up")
+    g.add_argument(
         "--dtype",
         choices=["auto", "float16", "bfloat16", "float32"],
         help="dequantize .gguf models to this type (auto: float16 on Metal, float32 on CPU)",
@@ -64,33 +71,48 @@ def add_pair_args(parser: argparse.ArgumentParser) -> None:
 
 def pair_from_args(args, progress=None):
     """Load the pair the flags name (the demo pair when they name none)."""
-    from .loading import load_pair
-
     if args.pair and args.target:
         raise SpecError("give --pair or --target, not both")
     if args.draft and not (args.target or args.pair):
         raise SpecError("--draft needs --target")
-    if args.no_draft and (args.draft or args.draft_bits):
-        raise SpecError("--no-draft cannot be combined with --draft or --draft-bits")
+    if args.no_draft and (args.draft or args.draft_bits or args.drafter):
+        raise SpecError("--no-draft cannot be combined with --draft, --draft-bits or --drafter")
+    ngram = args.drafter == "ngram"
+    if ngram and (args.draft or args.draft_bits):
+        raise SpecError("--drafter ngram needs no draft model; drop --draft / --draft-bits")
+    if ngram and args.ngram_min > args.ngram_max:
+        raise SpecError("--ngram-min must not exceed --ngram-max")
+    pair = _load(args, progress)
+    if args.no_draft:
+        pair.draft, pair.drafter = None, "model"
+    elif ngram:
+        pair.draft, pair.drafter = None, "ngram"
+    if pair.drafter == "ngram":
+        pair.ngram_max, pair.ngram_min = args.ngram_max, args.ngram_min
+    return pair
+
+
+def _load(args, progress):
+    from .loading import load_pair
+
+    skip_draft = args.no_draft or args.drafter == "ngram"
     if args.target:
         return load_pair(
             target=args.target,
-            draft=None if args.no_draft else args.draft,
+            draft=None if skip_draft else args.draft,
             draft_bits=args.draft_bits,
             num_draft_tokens=args.num_draft_tokens,
             dtype=args.dtype,
             progress=progress,
         )
-    pair = load_pair(
+    return load_pair(
         args.pair or DEFAULT_PAIR,
         num_draft_tokens=args.num_draft_tokens,
         draft_bits=args.draft_bits,
         dtype=args.dtype,
         progress=progress,
+        skip_draft=skip_draft,
     )
-    if args.no_draft:
-        pair.draft = None
-    return pair
 
 
 def build_parser() -> Parser:

@@ -104,3 +104,49 @@ class ModelDrafter:
         trim_prompt_cache(self.cache, fed_drafts - valid)
         self.cached += self.pending + kept[:valid]
         self.pending = kept[valid:]
+
+
+class NGramDrafter:
+    """Prompt lookup: find the last few tokens earlier in the context (prompt or output) and
+    propose the tokens that followed them. No model, almost no cost.
+
+    The index maps every n-gram (ngram_min <= n <= ngram_max) to the position right after its
+    latest occurrence; it is updated with each emitted token, so a round costs a handful of
+    dictionary operations whatever the context length. Its q is a point mass on the guess.
+    """
+
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
+        if not 1 <= ngram_min <= ngram_max:
+            raise SpecError(f"need 1 <= ngram-min <= ngram-max, got {ngram_min} and {ngram_max}")
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.tokens: list[int] = []
+        self.index: dict[tuple[int, ...], int] = {}
+
+    def _index_from(self, start: int) -> None:
+        """Index the n-grams that end just before each position >= start."""
+        for i in range(max(start, 1), len(self.tokens)):
+            for n in range(self.ngram_min, min(self.ngram_max, i) + 1):
+                self.index[tuple(self.tokens[i - n : i])] = i
+
+    def prefill(self, tokens: list[int]) -> None:
+        reuse = common_prefix_len(self.tokens, tokens)
+        if reuse < len(self.tokens):  # a different history: entries may point past its end
+            self.tokens, self.index = [], {}
+            reuse = 0
+        self.tokens = list(tokens)
+        self._index_from(reuse)
+
+    def lookup(self, k: int) -> list[int]:
+        for n in range(min(self.ngram_max, len(self.tokens)), self.ngram_min - 1, -1):
+            start = self.index.get(tuple(self.tokens[-n:]))
+            if start is not None:
+                return self.tokens[start : start + k]
+        return []
+
+    def propose(self, k, params, key):
+        return mx.array(self.lookup(k), mx.uint32), None  # None: a point mass on the guess
+
+    def commit(self, kept, k):
+        start = len(self.tokens)
+        self.tokens += kept
+        self._index_from(start)

@@ -17,7 +17,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .acceptance import verify_greedy, verify_stochastic
-from .drafters import Drafter, ModelDrafter, check_trimmable, common_prefix_len, prefill_cache
+from .drafters import (
+    Drafter,
+    ModelDrafter,
+    NGramDrafter,
+    check_trimmable,
+    common_prefix_len,
+    prefill_cache,
+)
 from .errors import SpecError
 from .sampling import SamplingParams, probabilities, sample
 from .stats import Stats
@@ -30,6 +37,11 @@ class Round:
     drafted: int  # k used this round
     verified: int  # draft tokens the target agreed with, before EOS truncation
     finished: bool = False  # an end-of-sequence token ended the round
+
+
+def point_mass(tokens: mx.array, vocab: int) -> mx.array:
+    """(k,) ids -> (k, vocab) one-hot distributions."""
+    return (mx.arange(vocab)[None, :] == tokens[:, None]).astype(mx.float32)
 
 
 def pad_vocab(a: mx.array, size: int) -> mx.array:
@@ -95,14 +107,15 @@ class Decoder:
 
     def _speculative_round(self, k: int, params: SamplingParams) -> Round:
         draft_tokens, q = self.drafter.propose(k, params, self._next_key())  # (k,), (k, V)|None
+        k = draft_tokens.shape[0]  # a drafter may propose fewer (prompt lookup: 0 on no match)
         inputs = mx.concatenate([mx.array(self.sequence[-1:], mx.uint32), draft_tokens])
         logits = self.target(inputs[None], cache=self.cache)[0]  # (k+1, vocab)
         if params.greedy:
             n, next_token = verify_greedy(draft_tokens, logits)
         else:
             p = probabilities(logits, params)  # (k+1, vocab)
-            if q is None:
-                q = mx.zeros((0, p.shape[-1]))
+            if q is None:  # a deterministic drafter: q is a point mass on each guess
+                q = point_mass(draft_tokens, p.shape[-1])
             vocab = max(p.shape[-1], q.shape[-1])
             n, next_token = verify_stochastic(
                 draft_tokens, pad_vocab(p, vocab), pad_vocab(q, vocab), self._next_key()
@@ -219,9 +232,14 @@ def encode_prompt(tokenizer, prompt, system: str | None = None) -> list[int]:
     raise SpecError(f"unsupported prompt type {type(prompt).__name__}")
 
 
+def make_drafter(pair) -> Drafter | None:
+    if pair.drafter == "ngram":
+        return NGramDrafter(pair.ngram_max, pair.ngram_min)
+    return ModelDrafter(pair.draft) if pair.draft is not None else None
+
+
 def make_decoder(pair, seed: int | None = None) -> Decoder:
-    drafter = ModelDrafter(pair.draft) if pair.draft is not None else None
-    return Decoder(pair.target, drafter, pair.tokenizer.eos_token_ids, seed=seed)
+    return Decoder(pair.target, make_drafter(pair), pair.tokenizer.eos_token_ids, seed=seed)
 
 
 def stream_rounds(
@@ -255,7 +273,7 @@ def stream_rounds(
         )
     if context is not None:
         max_tokens = min(max_tokens, context - len(tokens))
-    speculative = use_draft and pair.draft is not None
+    speculative = use_draft and pair.speculative
     if decoder is None:
         decoder = make_decoder(pair, seed)
     elif seed is not None:

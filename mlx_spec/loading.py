@@ -31,6 +31,13 @@ class Pair:
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     context_length: int | None = None
     target_config: dict | None = None
+    drafter: str = "model"  # "model": the draft model; "ngram": prompt lookup, no model
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter == "ngram" or self.draft is not None
 
 
 def looks_like_path(name: str) -> bool:
@@ -161,6 +168,7 @@ def load_pair(
     draft_bits: int | None = None,
     dtype: str | None = None,
     progress=None,
+    skip_draft: bool = False,
 ) -> Pair:
     """Load a pair by its name in models.toml, or from explicit target/draft paths or ids.
 
@@ -168,6 +176,7 @@ def load_pair(
     `draft_bits` makes the draft the target's own weights re-quantized to that many bits.
     `dtype` dequantizes a GGUF target (and draft) to float16/bfloat16/float32, or "auto".
     `progress(message)` is called at each stage (the chat app shows it).
+    `skip_draft` loads a named pair's target only (for --no-draft or prompt lookup).
     """
     report = progress or (lambda _: None)
     from .registry import load_registry
@@ -181,6 +190,8 @@ def load_pair(
         if draft_bits is None and spec.draft_bits is not None:
             draft_bits = spec.draft_bits
         dtype = dtype or spec.dtype
+        if skip_draft or spec.drafter == "ngram":
+            draft, draft_bits = None, None
     if target is None:
         raise SpecError("no target model given")
     if draft is not None and draft_bits is not None:
@@ -220,7 +231,9 @@ def load_pair(
 
     if num_draft_tokens is None:
         num_draft_tokens = spec.num_draft_tokens if spec else DEFAULT_NUM_DRAFT_TOKENS
+    drafter = spec.drafter if spec else "model"
     return Pair(
+        drafter=drafter,
         target=target_model,
         draft=draft_model,
         tokenizer=tokenizer,

@@ -12,7 +12,7 @@ from pathlib import Path
 from .errors import SpecError
 
 BUILTIN = Path(__file__).with_name("models.toml")
-PAIR_KEYS = {"target", "draft", "num_draft_tokens", "note", "dtype"}
+PAIR_KEYS = {"target", "draft", "num_draft_tokens", "note", "dtype", "drafter"}
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class PairSpec:
     draft_group_size: int = 32
     dtype: str | None = None  # GGUF targets: dequantize to this ("auto": the backend's best)
     source: Path | None = None
+    drafter: str = "model"  # "ngram": prompt lookup, no draft model
 
 
 def user_file() -> Path:
@@ -73,7 +74,10 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairSpec:
     dtype = entry.get("dtype")
     if dtype is not None and dtype not in ("auto", "float16", "bfloat16", "float32"):
         raise SpecError(f"{where}: pair {name!r}: dtype must be auto, float16, bfloat16 or float32")
-    return PairSpec(name, target, draft, k, str(note), draft_bits, group_size, dtype, path)
+    drafter = entry.get("drafter", "model")
+    if drafter not in ("model", "ngram"):
+        raise SpecError(f'{where}: pair {name!r}: drafter must be "model" or "ngram"')
+    return PairSpec(name, target, draft, k, str(note), draft_bits, group_size, dtype, path, drafter)
 
 
 def parse_file(path: Path) -> dict[str, PairSpec]:

@@ -27,10 +27,10 @@ def small_pair(tiny_models):
     return load_pair(target=str(tiny_models.small_target), draft=str(tiny_models.small_draft))
 
 
-def exact_joint(pair, params: SamplingParams) -> np.ndarray:
+def exact_joint(pair, params: SamplingParams, prompt=PROMPT) -> np.ndarray:
     """P(t1, t2) under the target alone, by enumeration: (vocab, vocab)."""
-    p1 = probabilities(pair.target(mx.array([PROMPT]))[0, -1], params)  # (vocab,)
-    seqs = mx.array([PROMPT + [t] for t in range(VOCAB)])  # (vocab, len+1)
+    p1 = probabilities(pair.target(mx.array([prompt]))[0, -1], params)  # (vocab,)
+    seqs = mx.array([prompt + [t] for t in range(VOCAB)])  # (vocab, len+1)
     p2 = probabilities(pair.target(seqs)[:, -1], params)  # (vocab, vocab)
     return np.array(p1)[:, None] * np.array(p2)
 

@@ -153,7 +153,7 @@ class ChatApp(App):
     def show_settings(self) -> None:
         self.stats_panel.show(
             pair=self.pair_name or "custom",
-            speculation=self.speculation and self.pair is not None and self.pair.draft is not None,
+            speculation=self.speculation and self.pair is not None and self.pair.speculative,
             k=self.k,
             temperature=self.temperature,
         )
@@ -165,7 +165,7 @@ class ChatApp(App):
         if self.k is None:
             self.k = pair.num_draft_tokens
         self.show_settings()
-        draft = "no draft" if pair.draft is None else f"k={self.k}"
+        draft = f"{pair.drafter} drafter, k={self.k}" if pair.speculative else "no draft"
         self.set_status(f"ready: {name or 'custom pair'} ({draft})")
 
     @work(thread=True, exclusive=True, group="load")

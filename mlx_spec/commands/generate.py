@@ -86,7 +86,7 @@ def main(args):
 
     color = sys.stdout.isatty() and not args.no_color and "NO_COLOR" not in os.environ
     stats = Stats()
-    if color and pair.draft is not None:
+    if color and pair.speculative:
         print(f"{ACCEPTED}accepted draft{RESET} · {TARGET}target{RESET}", file=sys.stderr)
     for ev in stream(pair, prompt, stats=stats, **kwargs):
         if color:

@@ -41,9 +41,11 @@ def run_probe(pair, context: int, temperature: float, sample_tokens: int, progre
     curve = [1.0] + [step_seconds(pair.target, n, context) / t1 for n in sizes[1:]]
     regime = classify_regime(sizes, curve)
     result = ProbeResult(blas.describe(), context, sizes, curve, regime, t1, None, None)
-    if pair.draft is not None:
+    if pair.speculative:
         progress("timing the draft…")
-        result.draft_cost = step_seconds(pair.draft, 1, context) / t1
+        # prompt lookup costs a few dictionary operations: nothing next to a model step
+        draft_seconds = step_seconds(pair.draft, 1, context) if pair.draft is not None else 0.0
+        result.draft_cost = draft_seconds / t1
         progress(f"sampling {sample_tokens} tokens at k={SAMPLE_K} to estimate acceptance…")
         res = generate(
             pair,
