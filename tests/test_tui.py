@@ -63,7 +63,8 @@ async def test_reply_colours_follow_the_engine(chat_pair):
         assert flags == expected.accepted
         accepted_hex, target_hex = colours(reply)
         assert accepted_hex != target_hex
-        content = reply.content()
+        content = reply.assemble()
+        assert reply.content == content  # what is on screen is the whole reply
         offset = 0
         for text, ok in reply.pieces:
             if text:

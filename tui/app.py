@@ -256,6 +256,7 @@ class ChatApp(App):
         reply = message.reply
         if message.note:
             reply.mark(message.note)
+        reply.refresh_if_dirty()  # the timer only renders the active reply: finish this one
         if message.stats:
             self.stats_panel.show(message.stats)
         if reply.text:

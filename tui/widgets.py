@@ -41,7 +41,7 @@ class ReplyView(Static):
         color = self.get_component_styles(name).color
         return color.hex
 
-    def content(self) -> Content:
+    def assemble(self) -> Content:
         accepted, target = self._style("reply--accepted"), self._style("reply--target")
         parts = [
             (text.translate(CONTROL_CHARS), accepted if ok else target) for text, ok in self.pieces
@@ -53,7 +53,7 @@ class ReplyView(Static):
     def refresh_if_dirty(self) -> None:
         if self.dirty:
             self.dirty = False
-            self.update(self.content())
+            self.update(self.assemble())
 
 
 def bar(fraction: float, width: int = BAR_WIDTH) -> str:
@@ -106,7 +106,7 @@ class StatsPanel(Static):
             lines.append(f"{i + 1:>2} {bar(rate)} {rate:>4.0%}")
         return "\n".join(lines)
 
-    def content(self) -> Content:
+    def assemble(self) -> Content:
         accepted = self.get_component_styles("reply--accepted").color.hex
         target = self.get_component_styles("reply--target").color.hex
         return Content.assemble(
@@ -120,4 +120,4 @@ class StatsPanel(Static):
     def refresh_if_dirty(self) -> None:
         if self.dirty:
             self.dirty = False
-            self.update(self.content())
+            self.update(self.assemble())
