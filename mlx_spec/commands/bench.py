@@ -44,13 +44,9 @@ def read_prompts(path: str | None) -> dict[str, str]:
 
 
 def plot(rows, path: str) -> None:
-    try:
-        import matplotlib
+    from ..plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise SpecError("--plot needs matplotlib: pip install 'mlx-spec[plot]'") from err
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 4))
     labels = [f"{r.config}\nk={r.k or '-'} t={r.temperature:g}" for r in rows]
     ax.bar(range(len(rows)), [r.speedup for r in rows])

@@ -97,15 +97,9 @@ def format_table(r) -> str:
 
 
 def plot(r, path: str) -> None:
-    from ..errors import SpecError
+    from ..plotting import pyplot
 
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise SpecError("--plot needs matplotlib: pip install 'mlx-spec[plot]'") from err
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(r.sizes, r.curve, "o-", label="measured")
     left.plot(r.sizes, r.sizes, "--", color="grey", label="compute-bound (linear)")
