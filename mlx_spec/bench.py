@@ -38,7 +38,7 @@ MLX_LM, MLX_LM_SPEC, MLX_SPEC = "mlx-lm", "mlx-lm speculative", "mlx-spec"
 @dataclass
 class Run:
     config: str
-    k: int  # 0: no draft
+    k: int | str  # 0: no draft; "auto": adaptive
     temperature: float
     prompt: str
     tokens: list[int]
@@ -125,7 +125,7 @@ def run_bench(pair, prompts: dict[str, str], temps, ks, runs: int, max_tokens: i
     configs = [(run_mlx_lm, 0), (run_mlx_spec, 0)]
     if pair.speculative:
         for k in ks:
-            if pair.draft is not None:  # mlx-lm drafts only with a model
+            if pair.draft is not None and k != "auto":  # mlx-lm: a model and a fixed k only
                 configs.append((run_mlx_lm, k))
             configs.append((run_mlx_spec, k))
     results: list[Run] = []
@@ -148,7 +148,7 @@ def run_bench(pair, prompts: dict[str, str], temps, ks, runs: int, max_tokens: i
 @dataclass
 class Row:
     config: str
-    k: int
+    k: int | str
     temperature: float
     median_tokens_per_second: float
     speedup: float  # over mlx-lm plain at the same temperature, ratio of medians
@@ -161,7 +161,8 @@ class Row:
 def summarise(results: list[Run]) -> list[Row]:
     rows = []
     keys = sorted(
-        {(r.temperature, r.config, r.k) for r in results}, key=lambda x: (x[0], x[2], x[1])
+        {(r.temperature, r.config, r.k) for r in results},
+        key=lambda x: (x[0], 99 if x[2] == "auto" else x[2], x[1]),
     )
     baseline = {}
     for temperature, config, k in keys:

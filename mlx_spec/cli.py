@@ -41,6 +41,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def draft_length(text: str):
+    """--num-draft-tokens: an integer >= 1, or "auto" (adapted per round)."""
+    return "auto" if text == "auto" else positive_int(text)
+
+
 def add_pair_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model pair")
     g.add_argument("--pair", help=f"a pair from models.toml (default: {DEFAULT_PAIR})")
@@ -64,8 +69,8 @@ def add_pair_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--num-draft-tokens",
-        type=positive_int,
-        help="draft tokens per round, k (default: the pair's)",
+        type=draft_length,
+        help="draft tokens per round, k, or 'auto' to adapt it per round (default: the pair's)",
     )
 
 

@@ -150,3 +150,37 @@ class NGramDrafter:
         start = len(self.tokens)
         self.tokens += kept
         self._index_from(start)
+
+
+class FixedK:
+    """The same draft length every round."""
+
+    def __init__(self, k: int):
+        self.k = self.k_max = k
+
+    def next(self) -> int:
+        return self.k
+
+    def update(self, verified: int, drafted: int) -> None:
+        pass
+
+
+class AdaptiveK:
+    """Draft length from what the last rounds showed, within [1, k_max].
+
+    All k accepted: the draft is on a predictable stretch, draft 2 more next time. A
+    rejection: one fewer, so a poor stretch stops paying for long drafts quickly. (The schedule
+    of Hugging Face's assisted generation; it uses only the past, so it cannot bias the output.)
+    """
+
+    def __init__(self, k_max: int = 8, start: int = 4):
+        self.k_max = k_max
+        self.k = min(start, k_max)
+
+    def next(self) -> int:
+        return self.k
+
+    def update(self, verified: int, drafted: int) -> None:
+        if drafted == 0:  # prompt lookup found nothing: no evidence either way
+            return
+        self.k = min(self.k_max, self.k + 2) if verified == drafted else max(1, self.k - 1)

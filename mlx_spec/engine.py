@@ -18,7 +18,9 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .acceptance import verify_greedy, verify_stochastic
 from .drafters import (
+    AdaptiveK,
     Drafter,
+    FixedK,
     ModelDrafter,
     NGramDrafter,
     check_trimmable,
@@ -37,6 +39,9 @@ class Round:
     drafted: int  # k used this round
     verified: int  # draft tokens the target agreed with, before EOS truncation
     finished: bool = False  # an end-of-sequence token ended the round
+
+
+AUTO_K_MAX = 8  # `num_draft_tokens="auto"` adapts k within [1, AUTO_K_MAX]
 
 
 def point_mass(tokens: mx.array, vocab: int) -> mx.array:
@@ -91,15 +96,18 @@ class Decoder:
         return sample(probabilities(logits, params), self._next_key())
 
     def rounds(
-        self, max_tokens: int, params: SamplingParams, k: int, use_draft: bool = True
+        self, max_tokens: int, params: SamplingParams, k, use_draft: bool = True
     ) -> Iterator[Round]:
+        """`k`: a draft length, or a policy with next() and update(verified, drafted)."""
         if self.drafter is None or not use_draft:
             yield from self._plain_rounds(max_tokens, params)
             return
+        policy = FixedK(k) if isinstance(k, int) else k
         emitted = 0
         while emitted < max_tokens:
             # the round adds at most k+1 tokens; never draft past max_tokens
-            r = self._speculative_round(min(k, max_tokens - emitted - 1), params)
+            r = self._speculative_round(min(policy.next(), max_tokens - emitted - 1), params)
+            policy.update(r.verified, r.drafted)
             emitted += len(r.tokens)
             yield r
             if r.finished:
@@ -261,8 +269,10 @@ def stream_rounds(
     """Generate from `pair`, one list of `Event`s per verify round (see `stream`)."""
     params = SamplingParams(temperature, top_p, top_k, min_p)
     k = pair.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
-    if not isinstance(k, int) or k < 1:
-        raise SpecError(f"num-draft-tokens must be an integer >= 1, got {k}")
+    if k == "auto":
+        k = AdaptiveK(AUTO_K_MAX)
+    elif not isinstance(k, int) or k < 1:
+        raise SpecError(f"num-draft-tokens must be an integer >= 1 or 'auto', got {k}")
     if max_tokens < 1:
         raise SpecError(f"max-tokens must be >= 1, got {max_tokens}")
     tokens = encode_prompt(pair.tokenizer, prompt, system)
@@ -281,7 +291,8 @@ def stream_rounds(
 
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(tokens)
-    stats.num_draft_tokens = k if speculative else 0
+    stats.num_draft_tokens = (k if isinstance(k, int) else k.k_max) if speculative else 0
+    stats.adaptive = speculative and not isinstance(k, int)
     detokenizer = pair.tokenizer.detokenizer
     detokenizer.reset()
     mx.reset_peak_memory()

@@ -56,8 +56,10 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairSpec:
     if not isinstance(target, str) or not target:
         raise SpecError(f'{where}: pair {name!r} needs target = "path or hub id"')
     k = entry.get("num_draft_tokens", 4)
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise SpecError(f"{where}: pair {name!r}: num_draft_tokens must be an integer >= 1")
+    if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        raise SpecError(
+            f'{where}: pair {name!r}: num_draft_tokens must be an integer >= 1 or "auto"'
+        )
     draft = entry.get("draft")
     draft_bits, group_size = None, 32
     if isinstance(draft, dict):

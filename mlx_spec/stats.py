@@ -14,7 +14,10 @@ class Stats:
     drafted: int = 0
     accepted: int = 0  # accepted draft tokens among the emitted ones
     target_passes: int = 0  # verify rounds (prefill not counted)
-    num_draft_tokens: int = 0  # k; 0 for plain decoding
+    num_draft_tokens: int = 0  # k (the largest k when adaptive); 0 for plain decoding
+    adaptive: bool = False  # k chosen per round
+    # draft-length histogram: rounds that drafted exactly k tokens
+    draft_lengths: list[int] = field(default_factory=list)
     # position i: how often the i-th draft token was proposed / accepted
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
@@ -31,6 +34,9 @@ class Stats:
         self.drafted += r.drafted
         self.accepted += r.accepted
         self.generation_seconds = elapsed
+        if r.drafted >= len(self.draft_lengths):
+            self.draft_lengths += [0] * (r.drafted + 1 - len(self.draft_lengths))
+        self.draft_lengths[r.drafted] += 1
         if r.drafted:
             grow = r.drafted - len(self.drafted_at)
             if grow > 0:
@@ -63,6 +69,10 @@ class Stats:
         return computed / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
+    def mean_draft_length(self) -> float:
+        return self.drafted / self.target_passes if self.target_passes else 0.0
+
+    @property
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
 
@@ -77,6 +87,9 @@ class Stats:
             "tokens_per_target_pass": round(self.tokens_per_target_pass, 4),
             "target_passes": self.target_passes,
             "num_draft_tokens": self.num_draft_tokens,
+            "adaptive": self.adaptive,
+            "mean_draft_length": round(self.mean_draft_length, 3),
+            "draft_length_histogram": self.draft_lengths,
             "acceptance_by_position": [round(a, 4) for a in self.acceptance_by_position],
             "accepted_length_histogram": self.accepted_lengths,
             "tokens_per_second": round(self.tokens_per_second, 2),
@@ -92,7 +105,12 @@ class Stats:
         if self.num_draft_tokens:
             line += (
                 f" · acceptance {self.acceptance_rate:.0%}"
-                f" · {self.tokens_per_target_pass:.2f} tokens/pass (k={self.num_draft_tokens})"
+                f" · {self.tokens_per_target_pass:.2f} tokens/pass"
+                + (
+                    f" (k auto ≤{self.num_draft_tokens}, mean {self.mean_draft_length:.1f})"
+                    if self.adaptive
+                    else f" (k={self.num_draft_tokens})"
+                )
             )
         else:
             line += " · no draft"

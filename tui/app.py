@@ -285,7 +285,8 @@ class ChatApp(App):
 
     def action_change_k(self, delta: int) -> None:
         if self.reply is None and self.k is not None:
-            self.k = max(1, min(K_MAX, self.k + delta))
+            k = self.k if isinstance(self.k, int) else 4  # leaving "auto"
+            self.k = max(1, min(K_MAX, k + delta))
             self.show_settings()
 
     def action_change_temperature(self, delta: float) -> None:

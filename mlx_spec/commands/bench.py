@@ -14,15 +14,16 @@ def float_list(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-def int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+def k_list(text: str) -> list:
+    """e.g. "2,4,auto": draft lengths, "auto" for the adaptive policy."""
+    return [x.strip() if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip()]
 
 
 def setup_arg_parser(parser):
     add_pair_args(parser)
     parser.add_argument("--prompts", help="a file of prompts, one per line (default: built-in set)")
     parser.add_argument("--temps", type=float_list, default=[0.0, 0.7], help="e.g. 0,0.7")
-    parser.add_argument("--k", type=int_list, default=[2, 4, 6], help="draft lengths, e.g. 2,4,6")
+    parser.add_argument("--k", type=k_list, default=[2, 4, 6], help="draft lengths, e.g. 2,4,auto")
     parser.add_argument("--runs", type=int, default=3, help="repetitions of every configuration")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per generation")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -61,8 +62,8 @@ def main(args):
     from ..bench import format_rows, run_bench, summarise, to_json
     from ..blas import describe
 
-    if any(k < 1 for k in args.k) or not args.k:
-        raise SpecError("--k takes draft lengths >= 1, e.g. 2,4,6")
+    if not args.k or any(k != "auto" and k < 1 for k in args.k):
+        raise SpecError("--k takes draft lengths >= 1 or auto, e.g. 2,4,auto")
     if args.runs < 1:
         raise SpecError("--runs must be >= 1")
     prompts = read_prompts(args.prompts)
