@@ -17,19 +17,26 @@ MEMORY_BOUND_SLOPE = 0.1  # each extra verified token costs < 10% of a decode st
 COMPUTE_BOUND_SLOPE = 0.5  # ... > 50%: the curve is close to linear
 
 
-def step_seconds(model, n: int, context: int, reps: int = 7, vocab: int = 1000) -> float:
-    """Median seconds of one forward pass over `n` new tokens after `context` cached ones."""
+def step_seconds(model, n: int, context: int, max_reps: int = 7, vocab: int = 1000) -> float:
+    """Median seconds of one forward pass over `n` new tokens after `context` cached ones.
+
+    Repeats up to `max_reps` times, fewer (at least 3) when one pass takes long."""
     cache = make_prompt_cache(model)
     tokens = mx.arange(context + n) % vocab
     for start in range(0, context, 512):  # prefill in chunks, like the engine
         model(tokens[None, start : min(start + 512, context)], cache=cache)
         mx.eval([c.state for c in cache])
     times = []
-    for _ in range(reps + 1):  # the first pass warms up
+    reps = max_reps
+    for i in range(reps + 1):  # the first pass warms up
         begin = time.perf_counter()
         mx.eval(model(tokens[None, context:], cache=cache))
         times.append(time.perf_counter() - begin)
         trim_prompt_cache(cache, n)
+        if i == 1:
+            reps = max(3, min(max_reps, int(2.0 / times[1])))  # ~2 s per point
+        if i >= reps:
+            break
     times = sorted(times[1:])
     return times[len(times) // 2]
 
