@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -154,8 +155,6 @@ def _load_tokenizer(path: Path, config: dict):
 
 
 def _read_config(path: Path) -> dict:
-    import json
-
     return json.loads((path / "config.json").read_text())
 
 
@@ -178,9 +177,9 @@ def load_pair(
     `progress(message)` is called at each stage (the chat app shows it).
     `skip_draft` loads a named pair's target only (for --no-draft or prompt lookup).
     """
-    report = progress or (lambda _: None)
     from .registry import load_registry
 
+    report = progress or (lambda _: None)
     spec = None
     if name is not None:
         if target is not None:
