@@ -26,11 +26,20 @@ SUMMARY_SOURCE = (
     "pollution and crown-of-thorns starfish outbreaks threaten it, and mass coral bleaching "
     "events in 2016, 2017 and 2020 damaged large parts of the reef."
 )
+CODE_TO_EDIT = """def total(items):
+    result = 0
+    for item in items:
+        if item.price > 0:
+            result = result + item.price * item.quantity
+    return result
+"""
 PROMPTS = {
     "chat": "What are three tips for staying focused while working from home?",
     "code": "Write a Python function that checks whether a string is a palindrome.",
     "summarisation": f"Summarise this text in two sentences:\n\n{SUMMARY_SOURCE}",
     "long answer": "Explain in detail how a refrigerator keeps food cold.",
+    "code edit": f"Rename `result` to `amount` in this function and show the whole function:\n\n"
+    f"{CODE_TO_EDIT}",
 }
 MLX_LM, MLX_LM_SPEC, MLX_SPEC = "mlx-lm", "mlx-lm speculative", "mlx-spec"
 
