@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-MEMORY_BOUND_SLOPE = 0.1  # each extra verified token costs < 10% of a decode step
-COMPUTE_BOUND_SLOPE = 0.5  # ... > 50%: the curve is close to linear
+# Regimes by the extra cost of each verified token, as a fraction of a decode step (the slope
+# of T(n)/T(1)): flat is purely memory-bound, 1 is purely compute-bound.
+MEMORY_BOUND_SLOPE = 0.25  # verifying 5 tokens costs at most 2 steps: speculation can pay
+COMPUTE_BOUND_SLOPE = 0.6  # close to linear: every drafted token costs most of a step
 
 
 def step_seconds(model, n: int, context: int, max_reps: int = 7, vocab: int = 1000) -> float:
