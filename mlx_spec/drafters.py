@@ -11,6 +11,7 @@ from typing import Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.utils import common_prefix_len
 
 from .errors import SpecError
 from .sampling import SamplingParams, probabilities, sample
@@ -27,15 +28,6 @@ class Drafter(Protocol):
 
     def commit(self, kept: list[int], k: int) -> None:
         """The round emitted `kept`: the first len(kept)-1 drafted tokens, then one more."""
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def prefill_cache(model, cache: list, tokens: list[int], step: int = 2048) -> None:

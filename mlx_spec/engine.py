@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.utils import common_prefix_len
 
 from .acceptance import verify_greedy, verify_stochastic
 from .drafters import (
@@ -24,7 +25,6 @@ from .drafters import (
     ModelDrafter,
     NGramDrafter,
     check_trimmable,
-    common_prefix_len,
     prefill_cache,
 )
 from .errors import SpecError
