@@ -6,6 +6,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def count(histogram: list[int], index: int, amount: int = 1) -> None:
+    """histogram[index] += amount, growing the list as needed."""
+    if index >= len(histogram):
+        histogram += [0] * (index + 1 - len(histogram))
+    histogram[index] += amount
+
+
 @dataclass
 class Stats:
     prompt_tokens: int = 0
@@ -34,20 +41,12 @@ class Stats:
         self.drafted += r.drafted
         self.accepted += r.accepted
         self.generation_seconds = elapsed
-        if r.drafted >= len(self.draft_lengths):
-            self.draft_lengths += [0] * (r.drafted + 1 - len(self.draft_lengths))
-        self.draft_lengths[r.drafted] += 1
+        count(self.draft_lengths, r.drafted)
         if r.drafted:
-            grow = r.drafted - len(self.drafted_at)
-            if grow > 0:
-                self.drafted_at += [0] * grow
-                self.accepted_at += [0] * grow
             for i in range(r.drafted):
-                self.drafted_at[i] += 1
-                self.accepted_at[i] += i < r.verified
-            if r.verified >= len(self.accepted_lengths):
-                self.accepted_lengths += [0] * (r.verified + 1 - len(self.accepted_lengths))
-            self.accepted_lengths[r.verified] += 1
+                count(self.drafted_at, i)
+                count(self.accepted_at, i, i < r.verified)
+            count(self.accepted_lengths, r.verified)
 
     @property
     def acceptance_rate(self) -> float:
