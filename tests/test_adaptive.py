@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
-import numpy as np
 import pytest
-from test_distribution import PROMPT, VOCAB, chi_square, exact_joint
+from test_distribution import chi_square, exact_joint, first_two
 from test_greedy_equality import PROMPTS, reference
 
-from mlx_spec import Decoder, SamplingParams, generate, load_pair
-from mlx_spec.drafters import AdaptiveK, ModelDrafter
+from mlx_spec import SamplingParams, generate, load_pair
+from mlx_spec.drafters import AdaptiveK
 
 
 def test_policy_grows_on_full_acceptance_and_shrinks_on_rejection():
@@ -46,20 +44,10 @@ def test_auto_distribution_is_the_target(tiny_models):
     pair = load_pair(target=str(tiny_models.small_target), draft=str(tiny_models.small_draft))
     params = SamplingParams(temperature=1.0)
     probs = exact_joint(pair, params)
-    decoder = Decoder(pair.target, ModelDrafter(pair.draft), eos_token_ids=())
     policy = AdaptiveK(k_max=4, start=2)  # shared across runs: k varies with history
-    counts = np.zeros((VOCAB, VOCAB))
-    lengths = set()
-    for seed in range(2500):
-        decoder.key = mx.random.key(seed)
-        decoder.prefill(PROMPT)
-        tokens = []
-        for r in decoder.rounds(6, params, policy):
-            lengths.add(r.drafted)
-            tokens += r.tokens
-            if len(tokens) >= 2:
-                break
-        counts[tokens[0], tokens[1]] += 1
+    drafted = []
+    counts = first_two(pair, params, 2500, policy, drafted=drafted, max_tokens=6)
+    lengths = set(drafted)
     stat, threshold = chi_square(counts, probs)
     print(
         f"adaptive k: chi-square {stat:.1f} (threshold {threshold:.1f}), k used {sorted(lengths)}"

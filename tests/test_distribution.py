@@ -35,15 +35,29 @@ def exact_joint(pair, params: SamplingParams, prompt=PROMPT) -> np.ndarray:
     return np.array(p1)[:, None] * np.array(p2)
 
 
-def first_two(pair, params: SamplingParams, runs: int, k: int = 2) -> np.ndarray:
-    """Counts of (t1, t2) over seeded runs of the engine; one decoder, caches rolled back."""
-    decoder = Decoder(pair.target, ModelDrafter(pair.draft), eos_token_ids=())
+def first_two(
+    pair,
+    params: SamplingParams,
+    runs: int,
+    k=2,
+    drafter=None,
+    prompt=PROMPT,
+    drafted=None,
+    max_tokens=3,
+) -> np.ndarray:
+    """Counts of (t1, t2) over seeded runs of the engine; one decoder, caches rolled back.
+
+    `k` may be a draft-length policy; `drafted`, a list, collects each round's draft length."""
+    drafter = drafter or ModelDrafter(pair.draft)
+    decoder = Decoder(pair.target, drafter, eos_token_ids=())
     counts = np.zeros((VOCAB, VOCAB))
     for seed in range(runs):
         decoder.key = mx.random.key(seed)
-        decoder.prefill(PROMPT)
+        decoder.prefill(prompt)
         tokens = []
-        for r in decoder.rounds(3, params, k):
+        for r in decoder.rounds(max_tokens, params, k):
+            if drafted is not None:
+                drafted.append(r.drafted)
             tokens += r.tokens
             if len(tokens) >= 2:
                 break
