@@ -200,6 +200,7 @@ class ChatApp(App):
 
         def chosen(name: str | None) -> None:
             if name:
+                self.k = None  # take the new pair's own default
                 self.set_status(f"loading {name}…")
                 self.load_pair(name)
 
