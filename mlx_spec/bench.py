@@ -173,38 +173,33 @@ def summarise(results: list[Run]) -> list[Row]:
         {(r.temperature, r.config, r.k) for r in results},
         key=lambda x: (x[0], 99 if x[2] == "auto" else x[2], x[1]),
     )
-    baseline = {}
+    plain = [r for r in results if r.config == MLX_LM]
+    baseline = {
+        t: statistics.median(r.tokens_per_second for r in plain if r.temperature == t)
+        for t in {r.temperature for r in plain}
+    }
+    reference = {r.prompt: r.tokens for r in plain if r.temperature == 0}  # greedy output
     for temperature, config, k in keys:
         runs = [r for r in results if (r.temperature, r.config, r.k) == (temperature, config, k)]
         median = statistics.median(r.tokens_per_second for r in runs)
-        if config == MLX_LM:
-            baseline[temperature] = median
         drafted = sum(r.drafted for r in runs)
         same = None
         if temperature == 0 and config != MLX_LM:
-            plain = {
-                (r.prompt, id(r)): r.tokens
-                for r in results
-                if (r.temperature, r.config) == (0, MLX_LM)
-            }
-            reference = {p: t for (p, _), t in plain.items()}
             same = all(r.tokens == reference.get(r.prompt) for r in runs)
+        base = baseline.get(temperature)
         rows.append(
             Row(
                 config,
                 k,
                 temperature,
                 median,
-                0.0,
+                median / base if base else 0.0,
                 sum(r.accepted for r in runs) / drafted if drafted else None,
                 sum(len(r.tokens) for r in runs) / max(1, sum(r.target_passes for r in runs)),
                 max(r.peak_memory_gb for r in runs),
                 same,
             )
         )
-    for row in rows:
-        base = baseline.get(row.temperature)
-        row.speedup = row.median_tokens_per_second / base if base else 0.0
     return rows
 
 
