@@ -123,8 +123,7 @@ class NGramDrafter:
     def prefill(self, tokens: list[int]) -> None:
         reuse = common_prefix_len(self.tokens, tokens)
         if reuse < len(self.tokens):  # a different history: entries may point past its end
-            self.tokens, self.index = [], {}
-            reuse = 0
+            self.index, reuse = {}, 0
         self.tokens = list(tokens)
         self._index_from(reuse)
 
