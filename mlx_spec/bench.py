@@ -26,20 +26,24 @@ SUMMARY_SOURCE = (
     "pollution and crown-of-thorns starfish outbreaks threaten it, and mass coral bleaching "
     "events in 2016, 2017 and 2020 damaged large parts of the reef."
 )
-CODE_TO_EDIT = """def total(items):
-    result = 0
-    for item in items:
-        if item.price > 0:
-            result = result + item.price * item.quantity
-    return result
+# An edit the 135M demo model really performs (it rewrote a shorter function from scratch
+# instead of renaming a variable in it, so that prompt measured paraphrase, not editing).
+CODE_TO_EDIT = """def load_config(path):
+    with open(path) as f:
+        data = json.load(f)
+    if "name" not in data:
+        raise ValueError("config has no name")
+    data.setdefault("port", 8080)
+    data.setdefault("debug", False)
+    return data
 """
 PROMPTS = {
     "chat": "What are three tips for staying focused while working from home?",
     "code": "Write a Python function that checks whether a string is a palindrome.",
     "summarisation": f"Summarise this text in two sentences:\n\n{SUMMARY_SOURCE}",
     "long answer": "Explain in detail how a refrigerator keeps food cold.",
-    "code edit": f"Rename `result` to `amount` in this function and show the whole function:\n\n"
-    f"{CODE_TO_EDIT}",
+    "code edit": "Change the default port from 8080 to 9000 in this function and show the whole "
+    f"function:\n\n```python\n{CODE_TO_EDIT}```",
 }
 MLX_LM, MLX_LM_SPEC, MLX_SPEC = "mlx-lm", "mlx-lm speculative", "mlx-spec"
 
@@ -160,33 +164,40 @@ class Row:
     k: int | str
     temperature: float
     median_tokens_per_second: float
-    speedup: float  # over mlx-lm plain at the same temperature, ratio of medians
+    speedup: float  # over mlx-lm plain at the same temperature (and prompt), ratio of medians
     acceptance_rate: float | None
     tokens_per_target_pass: float
     peak_memory_gb: float
     same_output: bool | None  # temperature 0: token-identical to mlx-lm plain on every prompt
+    prompt: str | None = None  # None: every prompt together
 
 
-def summarise(results: list[Run]) -> list[Row]:
+def _k_order(k) -> int:
+    return 99 if k == "auto" else k
+
+
+def summarise(results: list[Run], by_prompt: bool = False) -> list[Row]:
+    """One row per configuration (per prompt too with `by_prompt`); speedups are ratios of
+    medians to mlx-lm plain over the same runs."""
+
+    def group(r: Run):
+        return (r.prompt if by_prompt else None, r.temperature, r.config, r.k)
+
+    groups: dict[tuple, list[Run]] = {}
+    for r in results:
+        groups.setdefault(group(r), []).append(r)
+    reference = {r.prompt: r.tokens for r in results if r.config == MLX_LM and r.temperature == 0}
     rows = []
-    keys = sorted(
-        {(r.temperature, r.config, r.k) for r in results},
-        key=lambda x: (x[0], 99 if x[2] == "auto" else x[2], x[1]),
-    )
-    plain = [r for r in results if r.config == MLX_LM]
-    baseline = {
-        t: statistics.median(r.tokens_per_second for r in plain if r.temperature == t)
-        for t in {r.temperature for r in plain}
-    }
-    reference = {r.prompt: r.tokens for r in plain if r.temperature == 0}  # greedy output
-    for temperature, config, k in keys:
-        runs = [r for r in results if (r.temperature, r.config, r.k) == (temperature, config, k)]
+    for key in sorted(groups, key=lambda g: (g[1], _k_order(g[3]), g[2])):
+        prompt, temperature, config, k = key
+        runs = groups[key]
+        base_runs = groups.get((prompt, temperature, MLX_LM, 0))
+        base = statistics.median(r.tokens_per_second for r in base_runs) if base_runs else 0.0
         median = statistics.median(r.tokens_per_second for r in runs)
         drafted = sum(r.drafted for r in runs)
         same = None
         if temperature == 0 and config != MLX_LM:
             same = all(r.tokens == reference.get(r.prompt) for r in runs)
-        base = baseline.get(temperature)
         rows.append(
             Row(
                 config,
@@ -198,29 +209,38 @@ def summarise(results: list[Run]) -> list[Row]:
                 sum(len(r.tokens) for r in runs) / max(1, sum(r.target_passes for r in runs)),
                 max(r.peak_memory_gb for r in runs),
                 same,
+                prompt,
             )
         )
+    if by_prompt:  # prompt by prompt, in the order they ran
+        order = {r.prompt: i for i, r in reversed(list(enumerate(results)))}
+        rows.sort(key=lambda r: order[r.prompt])  # stable: keeps the order within a prompt
     return rows
 
 
 def format_rows(rows: list[Row]) -> str:
+    by_prompt = any(r.prompt is not None for r in rows)
+    width = max((len(r.prompt) for r in rows if r.prompt), default=0)
+    head = f"{'prompt':<{width}}  " if by_prompt else ""
     lines = [
-        f"{'temp':>4}  {'configuration':<20} {'k':>2}  {'tok/s':>7}  {'speedup':>7}  "
+        f"{head}{'temp':>4}  {'configuration':<20} {'k':>4}  {'tok/s':>7}  {'speedup':>7}  "
         f"{'accept':>6}  {'tok/pass':>8}  {'peak GB':>7}  same output"
     ]
     for r in rows:
         accept = "" if r.acceptance_rate is None else f"{r.acceptance_rate:.0%}"
         same = "" if r.same_output is None else ("yes" if r.same_output else "NO")
+        prompt = f"{r.prompt:<{width}}  " if by_prompt else ""
         lines.append(
-            f"{r.temperature:>4.1f}  {r.config:<20} {r.k or '-':>2}  "
+            f"{prompt}{r.temperature:>4.1f}  {r.config:<20} {r.k or '-':>4}  "
             f"{r.median_tokens_per_second:>7.1f}  {r.speedup:>6.2f}x  {accept:>6}  "
             f"{r.tokens_per_target_pass:>8.2f}  {r.peak_memory_gb:>7.2f}  {same}"
         )
     return "\n".join(lines)
 
 
-def to_json(rows: list[Row], results: list[Run]) -> dict:
+def to_json(results: list[Run]) -> dict:
     return {
-        "rows": [asdict(r) for r in rows],
+        "rows": [asdict(r) for r in summarise(results)],
+        "rows_by_prompt": [asdict(r) for r in summarise(results, by_prompt=True)],
         "runs": [{**asdict(r), "tokens": len(r.tokens)} for r in results],
     }

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mlx_spec.bench import run_bench, summarise
+from mlx_spec.bench import format_rows, run_bench, summarise
 from mlx_spec.cli import main
 from mlx_spec.probe import (
     classify_regime,
@@ -77,6 +77,24 @@ def test_bench_rows_and_same_output(pair):
     assert all(r.same_output for (t, c, _), r in rows.items() if t == 0 and c != "mlx-lm")
     assert rows[(0.0, "mlx-spec", 2)].acceptance_rate is not None
     assert rows[(1.0, "mlx-spec", 0)].tokens_per_target_pass == 1.0
+    # per prompt: each prompt's speedups are over its own mlx-lm plain runs
+    per_prompt = summarise(results, by_prompt=True)
+    assert [r.prompt for r in per_prompt][:: len(per_prompt) // 2] == ["chat", "code"]
+    for r in per_prompt:
+        run = next(
+            x
+            for x in results
+            if (x.prompt, x.temperature, x.config, x.k) == (r.prompt, r.temperature, r.config, r.k)
+        )
+        base = next(
+            x
+            for x in results
+            if (x.prompt, x.temperature, x.config) == (r.prompt, r.temperature, "mlx-lm")
+        )
+        assert r.median_tokens_per_second == run.tokens_per_second  # one run: its own value
+        assert r.speedup == pytest.approx(run.tokens_per_second / base.tokens_per_second)
+    table = format_rows(per_prompt)
+    assert table.count("\ncode ") == 8 and table.count("\nchat ") == 8
 
 
 def test_probe_and_bench_commands_json_and_plot(tiny_models, tmp_path, capsys):
@@ -110,7 +128,7 @@ def test_probe_and_bench_commands_json_and_plot(tiny_models, tmp_path, capsys):
     assert main([*args, "--max-tokens", "8", "--json", "--plot", str(plot)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {r["config"] for r in out["rows"]} == {"mlx-lm", "mlx-spec", "mlx-lm speculative"}
-    assert len(out["runs"]) == 2 * 4  # two prompts, four configurations
+    assert len(out["runs"]) == len(out["rows_by_prompt"]) == 2 * 4  # two prompts, 4 configs
     assert plot.stat().st_size > 1000
 
 

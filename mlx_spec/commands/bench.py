@@ -26,6 +26,7 @@ def setup_arg_parser(parser):
     parser.add_argument("--k", type=k_list, default=[2, 4, 6], help="draft lengths, e.g. 2,4,auto")
     parser.add_argument("--runs", type=int, default=3, help="repetitions of every configuration")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per generation")
+    parser.add_argument("--by-prompt", action="store_true", help="a row per prompt as well")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="bar chart of the speedups")
 
@@ -74,5 +75,11 @@ def main(args):
     rows = summarise(results)
     if args.plot:
         plot(rows, args.plot)
-    print(json.dumps(to_json(rows, results)) if args.json else format_rows(rows))
+    if args.json:
+        print(json.dumps(to_json(results)))
+    else:
+        print(format_rows(rows))
+        if args.by_prompt:
+            print()
+            print(format_rows(summarise(results, by_prompt=True)))
     return 0
