@@ -60,6 +60,7 @@ class Run:
     accepted: int
     target_passes: int
     peak_memory_gb: float
+    draft_steps: int = 0  # draft-model forward passes
 
 
 def _timed(events):
@@ -104,6 +105,7 @@ def run_mlx_lm(pair, prompt_ids, max_tokens, temperature, k, seed) -> Run:
         accepted,
         passes,
         mx.get_peak_memory() / 1e9,
+        passes * k,  # mlx-lm drafts k tokens a round, one pass each
     )
 
 
@@ -131,6 +133,7 @@ def run_mlx_spec(pair, prompt_ids, max_tokens, temperature, k, seed) -> Run:
         stats.accepted,
         stats.target_passes,
         stats.peak_memory_gb,
+        stats.draft_steps,
     )
 
 
@@ -169,6 +172,7 @@ class Row:
     tokens_per_target_pass: float
     peak_memory_gb: float
     same_output: bool | None  # temperature 0: token-identical to mlx-lm plain on every prompt
+    draft_steps_per_token: float = 0.0  # draft-model passes per emitted token
     prompt: str | None = None  # None: every prompt together
 
 
@@ -209,6 +213,7 @@ def summarise(results: list[Run], by_prompt: bool = False) -> list[Row]:
                 sum(len(r.tokens) for r in runs) / max(1, sum(r.target_passes for r in runs)),
                 max(r.peak_memory_gb for r in runs),
                 same,
+                sum(r.draft_steps for r in runs) / max(1, sum(len(r.tokens) for r in runs)),
                 prompt,
             )
         )
@@ -224,7 +229,7 @@ def format_rows(rows: list[Row]) -> str:
     head = f"{'prompt':<{width}}  " if by_prompt else ""
     lines = [
         f"{head}{'temp':>4}  {'configuration':<20} {'k':>4}  {'tok/s':>7}  {'speedup':>7}  "
-        f"{'accept':>6}  {'tok/pass':>8}  {'peak GB':>7}  same output"
+        f"{'accept':>6}  {'tok/pass':>8}  {'drafts/tok':>10}  {'peak GB':>7}  same output"
     ]
     for r in rows:
         accept = "" if r.acceptance_rate is None else f"{r.acceptance_rate:.0%}"
@@ -233,7 +238,8 @@ def format_rows(rows: list[Row]) -> str:
         lines.append(
             f"{prompt}{r.temperature:>4.1f}  {r.config:<20} {r.k or '-':>4}  "
             f"{r.median_tokens_per_second:>7.1f}  {r.speedup:>6.2f}x  {accept:>6}  "
-            f"{r.tokens_per_target_pass:>8.2f}  {r.peak_memory_gb:>7.2f}  {same}"
+            f"{r.tokens_per_target_pass:>8.2f}  {r.draft_steps_per_token:>10.2f}  "
+            f"{r.peak_memory_gb:>7.2f}  {same}"
         )
     return "\n".join(lines)
 

@@ -11,6 +11,7 @@ import importlib
 import os
 import sys
 
+from .drafters import DRAFT_CONFIDENCE
 from .errors import SpecError
 
 COMMANDS = {
@@ -46,6 +47,16 @@ def draft_length(text: str):
     return "auto" if text == "auto" else positive_int(text)
 
 
+def probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
 def add_pair_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model pair")
     g.add_argument("--pair", help=f"a pair from models.toml (default: {DEFAULT_PAIR})")
@@ -57,8 +68,9 @@ def add_pair_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-draft", action="store_true", help="plain decoding (the baseline)")
     g.add_argument(
         "--drafter",
-        choices=["model", "ngram"],
-        help="model: the draft model; ngram: prompt lookup in the context, no second model",
+        choices=["model", "ngram", "ngram+model"],
+        help="model: the draft model; ngram: prompt lookup in the context, no second model; "
+        "ngram+model: lookup first, the draft model when lookup finds nothing",
     )
     g.add_argument("--ngram-max", type=positive_int, default=3, help="longest n-gram to look up")
     g.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram to look up")
@@ -72,6 +84,13 @@ def add_pair_args(parser: argparse.ArgumentParser) -> None:
         type=draft_length,
         help="draft tokens per round, k, or 'auto' to adapt it per round (default: the pair's)",
     )
+    g.add_argument(
+        "--draft-confidence",
+        type=probability,
+        metavar="P",
+        help="a draft model stops drafting after a token whose top probability is below P "
+        f"(default: {DRAFT_CONFIDENCE} with auto k, 0 = off with a fixed k)",
+    )
 
 
 def pair_from_args(args, progress=None):
@@ -82,42 +101,30 @@ def pair_from_args(args, progress=None):
         raise SpecError("--draft needs --target")
     if args.no_draft and (args.draft or args.draft_bits or args.drafter):
         raise SpecError("--no-draft cannot be combined with --draft, --draft-bits or --drafter")
-    ngram = args.drafter == "ngram"
-    if ngram and (args.draft or args.draft_bits):
+    if args.drafter == "ngram" and (args.draft or args.draft_bits):
         raise SpecError("--drafter ngram needs no draft model; drop --draft / --draft-bits")
-    if ngram and args.ngram_min > args.ngram_max:
+    if args.ngram_min > args.ngram_max:
         raise SpecError("--ngram-min must not exceed --ngram-max")
     pair = _load(args, progress)
-    if args.no_draft:
-        pair.draft, pair.drafter = None, "model"
-    elif ngram:
-        pair.draft, pair.drafter = None, "ngram"
-    if pair.drafter == "ngram":
-        pair.ngram_max, pair.ngram_min = args.ngram_max, args.ngram_min
+    pair.ngram_max, pair.ngram_min = args.ngram_max, args.ngram_min
+    pair.draft_confidence = args.draft_confidence
     return pair
 
 
 def _load(args, progress):
     from .loading import load_pair
 
-    skip_draft = args.no_draft or args.drafter == "ngram"
+    common = {
+        "num_draft_tokens": args.num_draft_tokens,
+        "draft_bits": args.draft_bits,
+        "dtype": args.dtype,
+        "progress": progress,
+        "skip_draft": args.no_draft,
+        "drafter": args.drafter,
+    }
     if args.target:
-        return load_pair(
-            target=args.target,
-            draft=None if skip_draft else args.draft,
-            draft_bits=args.draft_bits,
-            num_draft_tokens=args.num_draft_tokens,
-            dtype=args.dtype,
-            progress=progress,
-        )
-    return load_pair(
-        args.pair or DEFAULT_PAIR,
-        num_draft_tokens=args.num_draft_tokens,
-        draft_bits=args.draft_bits,
-        dtype=args.dtype,
-        progress=progress,
-        skip_draft=skip_draft,
-    )
+        return load_pair(target=args.target, draft=args.draft, **common)
+    return load_pair(args.pair or DEFAULT_PAIR, **common)
 
 
 def build_parser() -> Parser:

@@ -1,8 +1,8 @@
 """Drafters propose tokens for the target to verify.
 
 A drafter keeps its own view of the sequence. The engine calls `prefill` with the prompt,
-then each round `propose(k)` and, after verification, `commit(kept, k)` with the tokens the
-round emitted (the accepted draft tokens followed by the target's own token).
+then each round `propose(k, ...)` and, after verification, `commit(kept)` with the tokens
+the round emitted (the accepted draft tokens followed by the target's own token).
 """
 
 from __future__ import annotations
@@ -22,12 +22,16 @@ class Drafter(Protocol):
         """Start a new sequence (or continue a cached one) from these tokens."""
 
     def propose(
-        self, k: int, params: SamplingParams, key: mx.array
+        self, k: int, params: SamplingParams, key: mx.array, stop_below: float = 0.0
     ) -> tuple[mx.array, mx.array | None]:
-        """k draft tokens (k,) and, unless greedy, their distributions q (k, vocab). Lazy."""
+        """Up to k draft tokens (k,) and, unless greedy or deterministic, their distributions
+        q (k, vocab). Lazy. A drafter with its own distribution may stop early after a token
+        whose top probability is below `stop_below`."""
 
-    def commit(self, kept: list[int], k: int) -> None:
-        """The round emitted `kept`: the first len(kept)-1 drafted tokens, then one more."""
+    def commit(self, kept: list[int]) -> None:
+        """The round emitted `kept`: the accepted draft tokens, then the target's one."""
+
+    steps: int  # draft-model forward passes the last `propose` queued (0 without a model)
 
 
 def prefill_cache(model, cache: list, tokens: list[int], step: int = 2048) -> None:
@@ -50,8 +54,8 @@ class ModelDrafter:
     """A small language model from the target's family, with its own KV cache.
 
     Invariant between rounds: the cache holds every token of the sequence except `pending`
-    (one token; two after a round where every draft token was accepted, since the draft never
-    ran on its own last proposal; one more for each round that drafted nothing).
+    (one token; two after a round where every draft token was accepted and the draft never
+    ran on its own last proposal; more after rounds another drafter proposed for).
     """
 
     def __init__(self, model):
@@ -60,6 +64,9 @@ class ModelDrafter:
         check_trimmable(self.cache, "draft")
         self.cached: list[int] = []  # tokens in the cache
         self.pending: list[int] = []
+        self.ran = False  # whether the model ran this round
+        self.fed = 0  # draft tokens of this round's proposal the cache has seen
+        self.steps = 0  # forward passes this round, one of them wasted after an early stop
 
     def prefill(self, tokens: list[int]) -> None:
         reuse = min(common_prefix_len(self.cached, tokens), len(tokens) - 1)
@@ -67,35 +74,48 @@ class ModelDrafter:
         prefill_cache(self.model, self.cache, tokens[reuse:-1])
         self.cached = list(tokens[:-1])
         self.pending = [tokens[-1]]
+        self.ran, self.fed = False, 0
 
-    def propose(self, k, params, key):
+    def propose(self, k, params, key, stop_below=0.0):
+        self.ran, self.fed, self.steps = k > 0, 0, 0
         if k == 0:
             return mx.zeros((0,), mx.uint32), None
         keys = mx.random.split(key, k)
         y = mx.array(self.pending)
-        tokens, qs = [], []
+        tokens, qs, top = [], [], []
         for i in range(k):
             logits = self.model(y[None], cache=self.cache)[0, -1]  # (vocab,)
+            self.steps += 1
+            self.fed += i > 0  # y is x_i, a draft token (before that: the pending tokens)
             if params.greedy:
                 y = mx.argmax(logits, axis=-1, keepdims=True)
+                confidence = mx.softmax(logits.astype(mx.float32)).max() if stop_below else y
             else:
                 q = probabilities(logits, params)
                 y = sample(q, keys[i])[None]
-                qs.append(q)
-            mx.async_eval(y)  # let the device start while Python builds the next step
+                confidence = q.max()
+            mx.async_eval(y, confidence)  # the device starts while Python builds the next step
+            # Confidence stop: read the previous token's top probability only now, with this
+            # step already queued, so the device never waits on the host. Stopping wastes
+            # this one step (x_i is in the cache either way: commit keeps it if accepted).
+            if stop_below > 0 and i > 0 and top[-1].item() < stop_below:
+                break
             tokens.append(y)
+            top.append(confidence)
+            if not params.greedy:
+                qs.append(q)
         return mx.concatenate(tokens), (mx.stack(qs) if qs else None)
 
-    def commit(self, kept, k):
-        if k == 0:
+    def commit(self, kept):
+        if not self.ran:  # nothing drafted (k = 0, or another drafter proposed)
             self.pending = self.pending + kept
             return
-        # the draft ran on pending + x1..x(k-1); the accepted draft tokens are kept[:-1]
-        fed_drafts = k - 1
-        valid = min(len(kept) - 1, fed_drafts)
-        trim_prompt_cache(self.cache, fed_drafts - valid)
+        # the cache saw pending + the first `fed` draft tokens; the accepted ones are kept[:-1]
+        valid = min(len(kept) - 1, self.fed)
+        trim_prompt_cache(self.cache, self.fed - valid)
         self.cached += self.pending + kept[:valid]
         self.pending = kept[valid:]
+        self.ran, self.fed = False, 0
 
 
 class NGramDrafter:
@@ -111,6 +131,7 @@ class NGramDrafter:
         if not 1 <= ngram_min <= ngram_max:
             raise SpecError(f"need 1 <= ngram-min <= ngram-max, got {ngram_min} and {ngram_max}")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.steps = 0  # no model
         self.tokens: list[int] = []
         self.index: dict[tuple[int, ...], int] = {}
 
@@ -134,20 +155,54 @@ class NGramDrafter:
                 return self.tokens[start : start + k]
         return []
 
-    def propose(self, k, params, key):
+    def propose(self, k, params, key, stop_below=0.0):
         return mx.array(self.lookup(k), mx.uint32), None  # None: a point mass on the guess
 
-    def commit(self, kept, k):
+    def commit(self, kept):
         start = len(self.tokens)
         self.tokens += kept
         self._index_from(start)
 
 
-class FixedK:
-    """The same draft length every round."""
+class LookupThenModel:
+    """Prompt lookup first; the draft model only in rounds where lookup finds nothing.
 
-    def __init__(self, k: int):
+    Rounds drafted by lookup skip the draft model; it catches up on their tokens (one batched
+    forward pass) the next time it drafts.
+    """
+
+    def __init__(self, lookup: NGramDrafter, model: ModelDrafter):
+        self.lookup, self.model = lookup, model
+        self.steps = 0
+
+    def prefill(self, tokens):
+        self.lookup.prefill(tokens)
+        self.model.prefill(tokens)
+
+    def propose(self, k, params, key, stop_below=0.0):
+        guess = self.lookup.lookup(k)
+        if guess:
+            self.steps = 0
+            return mx.array(guess, mx.uint32), None  # a point mass on each guess
+        proposal = self.model.propose(k, params, key, stop_below)
+        self.steps = self.model.steps
+        return proposal
+
+    def commit(self, kept):
+        self.lookup.commit(kept)
+        self.model.commit(kept)
+
+
+AUTO_K_MAX = 8  # `num_draft_tokens="auto"` adapts k within [1, AUTO_K_MAX]
+DRAFT_CONFIDENCE = 0.4  # auto k: a model draft stops after a token it gives less than this
+
+
+class FixedK:
+    """The same draft length every round (a model draft may stop early below `stop_below`)."""
+
+    def __init__(self, k: int, stop_below: float = 0.0):
         self.k = self.k_max = k
+        self.stop_below = stop_below
 
     def next(self) -> int:
         return self.k
@@ -162,11 +217,14 @@ class AdaptiveK:
     All k accepted: the draft is on a predictable stretch, draft 2 more next time. A
     rejection: one fewer, so a poor stretch stops paying for long drafts quickly. (The schedule
     of Hugging Face's assisted generation; it uses only the past, so it cannot bias the output.)
+    Within a round a model draft also stops after a token whose top probability is below
+    `stop_below`: the draft's own signal that the target will likely reject what follows.
     """
 
-    def __init__(self, k_max: int = 8, start: int = 4):
+    def __init__(self, k_max: int = 8, start: int = 4, stop_below: float = 0.0):
         self.k_max = k_max
         self.k = min(start, k_max)
+        self.stop_below = stop_below
 
     def next(self) -> int:
         return self.k

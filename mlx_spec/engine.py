@@ -19,9 +19,12 @@ from mlx_lm.utils import common_prefix_len
 
 from .acceptance import verify_greedy, verify_stochastic
 from .drafters import (
+    AUTO_K_MAX,
+    DRAFT_CONFIDENCE,
     AdaptiveK,
     Drafter,
     FixedK,
+    LookupThenModel,
     ModelDrafter,
     NGramDrafter,
     check_trimmable,
@@ -39,9 +42,7 @@ class Round:
     drafted: int  # k used this round
     verified: int  # draft tokens the target agreed with, before EOS truncation
     finished: bool = False  # an end-of-sequence token ended the round
-
-
-AUTO_K_MAX = 8  # `num_draft_tokens="auto"` adapts k within [1, AUTO_K_MAX]
+    draft_steps: int = 0  # draft-model forward passes (0 for prompt lookup)
 
 
 def point_mass(tokens: mx.array, vocab: int) -> mx.array:
@@ -106,16 +107,18 @@ class Decoder:
         emitted = 0
         while emitted < max_tokens:
             # the round adds at most k+1 tokens; never draft past max_tokens
-            r = self._speculative_round(min(policy.next(), max_tokens - emitted - 1), params)
+            k_round = min(policy.next(), max_tokens - emitted - 1)
+            r = self._speculative_round(k_round, params, getattr(policy, "stop_below", 0.0))
             policy.update(r.verified, r.drafted)
             emitted += len(r.tokens)
             yield r
             if r.finished:
                 return
 
-    def _speculative_round(self, k: int, params: SamplingParams) -> Round:
-        draft_tokens, q = self.drafter.propose(k, params, self._next_key())  # (k,), (k, V)|None
-        k = draft_tokens.shape[0]  # a drafter may propose fewer (prompt lookup: 0 on no match)
+    def _speculative_round(self, k: int, params: SamplingParams, stop_below: float) -> Round:
+        key = self._next_key()
+        draft_tokens, q = self.drafter.propose(k, params, key, stop_below)  # (k,), (k, V)|None
+        k = draft_tokens.shape[0]  # a drafter may propose fewer (lookup: 0 on no match)
         inputs = mx.concatenate([mx.array(self.sequence[-1:], mx.uint32), draft_tokens])
         logits = self.target(inputs[None], cache=self.cache)[0]  # (k+1, vocab)
         if params.greedy:
@@ -137,7 +140,7 @@ class Decoder:
             kept = kept[: stop + 1]
         # the target ran on last + x1..xk; keep last + every kept token but the new last
         trim_prompt_cache(self.cache, k + 1 - len(kept))
-        self.drafter.commit(kept, k)
+        self.drafter.commit(kept)
         self.sequence += kept
         out_tokens = kept if stop is None else kept[:-1]
         return Round(
@@ -146,6 +149,7 @@ class Decoder:
             drafted=k,
             verified=n,
             finished=stop is not None,
+            draft_steps=self.drafter.steps,
         )
 
     def _plain_rounds(self, max_tokens: int, params: SamplingParams) -> Iterator[Round]:
@@ -243,7 +247,26 @@ def encode_prompt(tokenizer, prompt, system: str | None = None) -> list[int]:
 def make_drafter(pair) -> Drafter | None:
     if pair.drafter == "ngram":
         return NGramDrafter(pair.ngram_max, pair.ngram_min)
-    return ModelDrafter(pair.draft) if pair.draft is not None else None
+    if pair.draft is None:
+        return None
+    if pair.drafter == "ngram+model":
+        return LookupThenModel(
+            NGramDrafter(pair.ngram_max, pair.ngram_min), ModelDrafter(pair.draft)
+        )
+    return ModelDrafter(pair.draft)
+
+
+def draft_policy(num_draft_tokens, draft_confidence: float | None):
+    """A draft length (int) or "auto" -> the policy that picks k each round."""
+    if draft_confidence is not None and not 0 <= draft_confidence < 1:
+        raise SpecError(f"draft-confidence must be in [0, 1), got {draft_confidence}")
+    if num_draft_tokens == "auto":
+        stop = DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence
+        return AdaptiveK(AUTO_K_MAX, stop_below=stop)
+    k = num_draft_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise SpecError(f"num-draft-tokens must be an integer >= 1 or 'auto', got {k!r}")
+    return FixedK(k, stop_below=draft_confidence or 0.0)
 
 
 def make_decoder(pair, seed: int | None = None) -> Decoder:
@@ -258,9 +281,10 @@ def stream_rounds(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
-    num_draft_tokens: int | None = None,
+    num_draft_tokens: int | str | None = None,
     seed: int | None = None,
     *,
+    draft_confidence: float | None = None,
     system: str | None = None,
     use_draft: bool = True,
     decoder: Decoder | None = None,
@@ -268,11 +292,10 @@ def stream_rounds(
 ) -> Iterator[list[Event]]:
     """Generate from `pair`, one list of `Event`s per verify round (see `stream`)."""
     params = SamplingParams(temperature, top_p, top_k, min_p)
-    k = pair.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
-    if k == "auto":
-        k = AdaptiveK(AUTO_K_MAX)
-    elif not isinstance(k, int) or k < 1:
-        raise SpecError(f"num-draft-tokens must be an integer >= 1 or 'auto', got {k}")
+    policy = draft_policy(
+        pair.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
+        pair.draft_confidence if draft_confidence is None else draft_confidence,
+    )
     if max_tokens < 1:
         raise SpecError(f"max-tokens must be >= 1, got {max_tokens}")
     tokens = encode_prompt(pair.tokenizer, prompt, system)
@@ -291,8 +314,8 @@ def stream_rounds(
 
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(tokens)
-    stats.num_draft_tokens = (k if isinstance(k, int) else k.k_max) if speculative else 0
-    stats.adaptive = speculative and not isinstance(k, int)
+    stats.num_draft_tokens = policy.k_max if speculative else 0
+    stats.adaptive = speculative and isinstance(policy, AdaptiveK)
     detokenizer = pair.tokenizer.detokenizer
     detokenizer.reset()
     mx.reset_peak_memory()
@@ -304,7 +327,7 @@ def stream_rounds(
 
     held: Event | None = None  # an event whose token's text the detokenizer still holds
     finished = False
-    for index, r in enumerate(decoder.rounds(max_tokens, params, k, use_draft=speculative)):
+    for index, r in enumerate(decoder.rounds(max_tokens, params, policy, use_draft=speculative)):
         stats.add_round(r, time.perf_counter() - start)
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         finished = r.finished
@@ -336,7 +359,9 @@ def stream_rounds(
 def stream(pair, prompt, max_tokens: int = 256, **kwargs) -> Iterator[Event]:
     """Generate from `pair`, one `Event` per emitted token.
 
-    Keyword arguments: temperature, top_p, top_k, min_p, num_draft_tokens, seed, system,
+    Keyword arguments: temperature, top_p, top_k, min_p, num_draft_tokens (an int or "auto"),
+    draft_confidence (a model draft stops after a token whose top probability is below it;
+    default DRAFT_CONFIDENCE with "auto", off with a fixed k), seed, system,
     use_draft (False: plain decoding with the same pair), decoder (from `make_decoder`: keeps
     KV caches across calls, so a prompt that extends the previous conversation only prefills
     its new tokens) and stats (a `Stats` to read the totals from afterwards; every event also

@@ -21,6 +21,9 @@ DEMO_INSTALL_HINT = (
 )
 
 
+DRAFTERS = ("model", "ngram", "ngram+model")
+
+
 @dataclass
 class Pair:
     target: object  # mlx_lm model
@@ -32,9 +35,10 @@ class Pair:
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     context_length: int | None = None
     target_config: dict | None = None
-    drafter: str = "model"  # "model": the draft model; "ngram": prompt lookup, no model
+    drafter: str = "model"  # "model", "ngram" (prompt lookup, no model) or "ngram+model"
     ngram_max: int = 3
     ngram_min: int = 1
+    draft_confidence: float | None = None  # a model draft stops below it (None: the default)
 
     @property
     def speculative(self) -> bool:
@@ -168,6 +172,7 @@ def load_pair(
     dtype: str | None = None,
     progress=None,
     skip_draft: bool = False,
+    drafter: str | None = None,
 ) -> Pair:
     """Load a pair by its name in models.toml, or from explicit target/draft paths or ids.
 
@@ -175,7 +180,9 @@ def load_pair(
     `draft_bits` makes the draft the target's own weights re-quantized to that many bits.
     `dtype` dequantizes a GGUF target (and draft) to float16/bfloat16/float32, or "auto".
     `progress(message)` is called at each stage (the chat app shows it).
-    `skip_draft` loads a named pair's target only (for --no-draft or prompt lookup).
+    `skip_draft` loads a named pair's target only, for plain decoding (--no-draft).
+    `drafter`: "model", "ngram" (prompt lookup, no draft model loaded) or "ngram+model"
+    (lookup first, the draft model when it finds nothing); default: the pair's, else "model".
     """
     from .registry import load_registry
 
@@ -189,8 +196,17 @@ def load_pair(
         if draft_bits is None and spec.draft_bits is not None:
             draft_bits = spec.draft_bits
         dtype = dtype or spec.dtype
-        if skip_draft or spec.drafter == "ngram":
-            draft, draft_bits = None, None
+    asked_for_model = drafter == "model"  # explicitly: plain decoding would be a surprise
+    drafter = drafter or (spec.drafter if spec else "model")
+    asked_for_model = asked_for_model or drafter == "ngram+model"
+    if drafter not in DRAFTERS:
+        raise SpecError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+    if skip_draft:  # the target alone: plain decoding
+        draft, draft_bits, drafter = None, None, "model"
+    elif drafter == "ngram":
+        draft, draft_bits = None, None
+    elif asked_for_model and draft is None and draft_bits is None:
+        raise SpecError(f"the {drafter} drafter needs a draft model (--draft or --draft-bits)")
     if target is None:
         raise SpecError("no target model given")
     if draft is not None and draft_bits is not None:
@@ -230,7 +246,6 @@ def load_pair(
 
     if num_draft_tokens is None:
         num_draft_tokens = spec.num_draft_tokens if spec else DEFAULT_NUM_DRAFT_TOKENS
-    drafter = spec.drafter if spec else "model"
     return Pair(
         drafter=drafter,
         target=target_model,

@@ -26,7 +26,7 @@ class PairSpec:
     draft_group_size: int = 32
     dtype: str | None = None  # GGUF targets: dequantize to this ("auto": the backend's best)
     source: Path | None = None
-    drafter: str = "model"  # "ngram": prompt lookup, no draft model
+    drafter: str = "model"  # "ngram": prompt lookup, no draft model; "ngram+model": both
 
 
 def user_file() -> Path:
@@ -77,8 +77,10 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairSpec:
     if dtype is not None and dtype not in ("auto", "float16", "bfloat16", "float32"):
         raise SpecError(f"{where}: pair {name!r}: dtype must be auto, float16, bfloat16 or float32")
     drafter = entry.get("drafter", "model")
-    if drafter not in ("model", "ngram"):
-        raise SpecError(f'{where}: pair {name!r}: drafter must be "model" or "ngram"')
+    if drafter not in ("model", "ngram", "ngram+model"):
+        raise SpecError(
+            f'{where}: pair {name!r}: drafter must be "model", "ngram" or "ngram+model"'
+        )
     return PairSpec(name, target, draft, k, str(note), draft_bits, group_size, dtype, path, drafter)
 
 

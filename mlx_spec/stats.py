@@ -21,6 +21,7 @@ class Stats:
     drafted: int = 0
     accepted: int = 0  # accepted draft tokens among the emitted ones
     target_passes: int = 0  # verify rounds (prefill not counted)
+    draft_steps: int = 0  # draft-model forward passes (prompt lookup: none)
     num_draft_tokens: int = 0  # k (the largest k when adaptive); 0 for plain decoding
     adaptive: bool = False  # k chosen per round
     # draft-length histogram: rounds that drafted exactly k tokens
@@ -39,6 +40,7 @@ class Stats:
         self.target_passes += 1
         self.generated_tokens += len(r.tokens)
         self.drafted += r.drafted
+        self.draft_steps += r.draft_steps
         self.accepted += r.accepted
         self.generation_seconds = elapsed
         count(self.draft_lengths, r.drafted)
@@ -85,6 +87,7 @@ class Stats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_target_pass": round(self.tokens_per_target_pass, 4),
             "target_passes": self.target_passes,
+            "draft_steps": self.draft_steps,
             "num_draft_tokens": self.num_draft_tokens,
             "adaptive": self.adaptive,
             "mean_draft_length": round(self.mean_draft_length, 3),

@@ -26,17 +26,21 @@ def test_policy_grows_on_full_acceptance_and_shrinks_on_rejection():
     assert policy.next() == 1
 
 
+@pytest.mark.parametrize("confidence", [None, 0.0], ids=["default-stop", "no-stop"])
 @pytest.mark.parametrize("draft", ["draft", "noisy", "copy"])
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_auto_equals_target_alone(tiny_models, draft, prompt):
+def test_greedy_auto_equals_target_alone(tiny_models, draft, prompt, confidence):
     pair = load_pair(target=str(tiny_models.target), draft=str(getattr(tiny_models, draft)))
-    res = generate(pair, prompt, max_tokens=40, num_draft_tokens="auto")
+    res = generate(
+        pair, prompt, max_tokens=40, num_draft_tokens="auto", draft_confidence=confidence
+    )
     assert res.tokens == reference(pair, prompt, 40)
     stats = res.stats
     assert stats.adaptive and stats.num_draft_tokens == 8
     assert sum(stats.draft_lengths) == stats.target_passes
-    assert 1 <= stats.mean_draft_length <= 8
-    if draft == "copy":  # always accepted: k climbs to the cap
+    assert stats.draft_lengths[0] <= 1  # every round drafts, but a last one with 1 token left
+    assert 0 < stats.mean_draft_length <= 8
+    if draft == "copy" and confidence == 0:  # always accepted, never stopped: k climbs to 8
         assert stats.draft_lengths[8] > 0
 
 

@@ -26,9 +26,9 @@ def test_lookup_proposes_what_followed_the_latest_occurrence():
     d = NGramDrafter(ngram_max=2, ngram_min=1)
     d.prefill([1, 2, 3, 4, 1, 2, 5, 6, 1, 2])
     assert d.lookup(3) == [5, 6, 1]  # "1 2" last continued with 5 6 1
-    d.commit([7], 1)
+    d.commit([7])
     assert d.lookup(2) == []  # "2 7" and "7" never seen before
-    d.commit([1, 2], 2)
+    d.commit([1, 2])
     assert d.lookup(4) == [7, 1, 2]  # now "1 2" most recently continued with 7
 
 
@@ -75,7 +75,7 @@ def test_index_cost_per_round_does_not_grow_with_context(context):
     CountingDict.lookups = 0
     for token in rng.integers(0, 50, 20).tolist():
         d.propose(4, None, None)
-        d.commit([token, token], 1)
+        d.commit([token, token])
     # per round: at most 3 lookups (n = 3, 2, 1) and 3 inserts per emitted token
     assert CountingDict.lookups <= 20 * (3 + 2 * 3)
 

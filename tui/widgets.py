@@ -97,6 +97,8 @@ class StatsPanel(Static):
             f"tokens/pass  {s['tokens_per_target_pass']:.2f}",
             f"tokens       {s['generated_tokens']} in {s['target_passes']} passes",
             f"k per round  {s['mean_draft_length']:.1f} on average",
+            f"draft passes {s.get('draft_steps', 0)} "
+            f"({s.get('draft_steps', 0) / max(1, s['generated_tokens']):.2f} per token)",
             f"prompt       {s['prompt_tokens']} ({s['prompt_tokens_reused']} reused, "
             f"{s['prompt_tokens'] - s['prompt_tokens_reused']} computed)",
             f"memory       {s['peak_memory_gb']:.2f} GB",
