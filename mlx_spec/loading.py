@@ -32,7 +32,7 @@ class Pair:
     name: str | None = None
     target_path: Path | None = None
     draft_path: Path | None = None
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS  # or "auto"
     context_length: int | None = None
     target_config: dict | None = None
     drafter: str = "model"  # "model", "ngram" (prompt lookup, no model) or "ngram+model"
@@ -245,7 +245,12 @@ def load_pair(
         check_trimmable(make_prompt_cache(target_model), "target")
 
     if num_draft_tokens is None:
-        num_draft_tokens = spec.num_draft_tokens if spec else DEFAULT_NUM_DRAFT_TOKENS
+        if spec is not None and drafter == spec.drafter:
+            num_draft_tokens = spec.num_draft_tokens
+        elif drafter == "ngram":  # measured: adaptive k matched the best fixed k for lookup
+            num_draft_tokens = "auto"
+        else:
+            num_draft_tokens = spec.num_draft_tokens if spec else DEFAULT_NUM_DRAFT_TOKENS
     return Pair(
         drafter=drafter,
         target=target_model,

@@ -141,8 +141,10 @@ def test_cli_ngram_model_and_confidence(tiny_models, capsys):
     assert main([*base, "--draft", draft, "--draft-confidence", "0.3", REPEATING]) == 0
     capsys.readouterr()
     assert main([*base, "--drafter", "ngram+model", "hello"]) == 2
+    # a pair without a draft model cannot silently fall back to plain decoding
+    assert main(["generate", "--pair", "smollm2-lookup", "--drafter", "model", "hello"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "needs a draft model" in err
+    assert err.count("\n") == 2 and err.count("needs a draft model") == 2
     with pytest.raises(SystemExit) as exit_info:
         main([*base, "--draft", draft, "--draft-confidence", "1", "hello"])
     assert exit_info.value.code == 2

@@ -26,7 +26,9 @@ def main(args):
 
     def loader(name, progress):
         if name is not None and name != (args.pair or DEFAULT_PAIR):
+            # a picked pair comes with its own draft and drafter
             args.pair, args.target, args.draft = name, None, None
+            args.draft_bits, args.drafter, args.no_draft = None, None, False
         return pair_from_args(args, progress)
 
     app = ChatApp(

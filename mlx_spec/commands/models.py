@@ -11,22 +11,26 @@ def setup_arg_parser(parser):
 
 
 def describe_draft(spec) -> str:
+    if spec.drafter == "ngram":
+        return "(prompt lookup)"
     if spec.draft_bits is not None:
-        return f"(target at {spec.draft_bits} bits)"
-    return spec.draft or "(none)"
+        draft = f"(target at {spec.draft_bits} bits)"
+    else:
+        draft = spec.draft or "(none)"
+    return f"prompt lookup, then {draft}" if spec.drafter == "ngram+model" else draft
 
 
 def main(args):
     registry = load_registry()
-    print(f"{'pair':<20} {'k':>2}  {'downloaded':<10}  target / draft")
+    print(f"{'pair':<20} {'k':>4}  {'downloaded':<10}  target / draft")
     for name, spec in registry.pairs.items():
         models = [spec.target] + ([spec.draft] if spec.draft else [])
         have = all(is_downloaded(m) for m in models)
         print(
-            f"{name:<20} {spec.num_draft_tokens:>2}  {'yes' if have else 'no':<10}  {spec.target}"
+            f"{name:<20} {spec.num_draft_tokens:>4}  {'yes' if have else 'no':<10}  {spec.target}"
         )
-        print(f"{'':<36}{describe_draft(spec)}")
+        print(f"{'':<38}{describe_draft(spec)}")
         if spec.note:
-            print(f"{'':<36}{spec.note}")
+            print(f"{'':<38}{spec.note}")
     print(f"\nAdd or override pairs in {user_file()}")
     return 0
