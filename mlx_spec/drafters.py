@@ -194,7 +194,7 @@ class LookupThenModel:
 
 
 AUTO_K_MAX = 8  # `num_draft_tokens="auto"` adapts k within [1, AUTO_K_MAX]
-DRAFT_CONFIDENCE = 0.4  # auto k: a model draft stops after a token it gives less than this
+DRAFT_CONFIDENCE = 0.4  # auto k: stop below this top probability (HF assisted generation's default)
 
 
 class FixedK:
