@@ -13,6 +13,7 @@ import sys
 
 from .drafters import DRAFT_CONFIDENCE
 from .errors import SpecError
+from .registry import DRAFTERS
 
 COMMANDS = {
     "generate": "Generate a reply with speculative decoding",
@@ -68,7 +69,7 @@ def add_pair_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-draft", action="store_true", help="plain decoding (the baseline)")
     g.add_argument(
         "--drafter",
-        choices=["model", "ngram", "ngram+model"],
+        choices=DRAFTERS,
         help="model: the draft model; ngram: prompt lookup in the context, no second model; "
         "ngram+model: lookup first, the draft model when lookup finds nothing",
     )

