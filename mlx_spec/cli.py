@@ -128,8 +128,20 @@ def _load(args, progress):
     return load_pair(args.pair or DEFAULT_PAIR, **common)
 
 
+def version() -> str:
+    """The installed distribution's version (package metadata, one source of truth)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("mlx-spec")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="mlx-spec", description="Lossless speculative decoding on MLX")
+    parser.add_argument("--version", action="version", version=f"mlx-spec {version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name, help_text in COMMANDS.items():
         # the chat app lives in the `tui` package; the library itself never imports it

