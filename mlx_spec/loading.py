@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, load_model, load_tokenizer
+from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, load_config, load_model, load_tokenizer
 
 from .drafters import check_trimmable
 from .errors import SpecError
@@ -157,7 +156,9 @@ def _load_tokenizer(path: Path, config: dict):
 
 
 def _read_config(path: Path) -> dict:
-    return json.loads((path / "config.json").read_text())
+    """config.json with generation_config.json's stop ids merged in, as mlx-lm reads it
+    (Qwen3 declares <|endoftext|> there only)."""
+    return load_config(path)
 
 
 def load_pair(
