@@ -1,15 +1,18 @@
 """`mlx-spec` command line: a dispatcher over one module per subcommand.
 
 Each subcommand module has `setup_arg_parser(parser)` and `main(args)`. Bad input raises
-`SpecError`; here it becomes one line on stderr and exit status 2.
+`SpecError`; here it becomes one line on stderr and exit status 2. Anything else that escapes
+is a bug: one line asking for a report, exit status 1 (`--debug` shows the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
+import traceback
 
 from .drafters import DRAFT_CONFIDENCE
 from .errors import SpecError
@@ -40,6 +43,27 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+SEED_LIMIT = 2**64  # MLX's random keys take an unsigned 64-bit seed
+
+
+def seed(text: str) -> int:
+    """--seed: an integer in [0, 2**64), the range MLX's random keys accept."""
+    value = nonnegative_int(text)
+    if value >= SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be below 2**64, got {value}")
     return value
 
 
@@ -92,6 +116,11 @@ def add_pair_args(parser: argparse.ArgumentParser) -> None:
         help="a draft model stops drafting after a token whose top probability is below P "
         f"(default: {DRAFT_CONFIDENCE} with auto k, 0 = off with a fixed k)",
     )
+    g.add_argument(
+        "--force",
+        action="store_true",
+        help="load even when the models and KV cache look too big for this machine's memory",
+    )
 
 
 def pair_from_args(args, progress=None):
@@ -122,6 +151,9 @@ def _load(args, progress):
         "progress": progress,
         "skip_draft": args.no_draft,
         "drafter": args.drafter,
+        "force": getattr(args, "force", False),
+        # probe fills a KV cache of --context tokens: the memory check must count it
+        "context": getattr(args, "context", None),
     }
     if args.target:
         return load_pair(target=args.target, draft=args.draft, **common)
@@ -142,6 +174,9 @@ def version() -> str:
 def build_parser() -> Parser:
     parser = Parser(prog="mlx-spec", description="Lossless speculative decoding on MLX")
     parser.add_argument("--version", action="version", version=f"mlx-spec {version()}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an unexpected error"
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name, help_text in COMMANDS.items():
         # the chat app lives in the `tui` package; the library itself never imports it
@@ -150,23 +185,89 @@ def build_parser() -> Parser:
         )
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.setup_arg_parser(p)
+        # also after the subcommand; SUPPRESS keeps a global --debug from being overwritten
+        p.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
         p.set_defaults(run=module.main)
     return parser
 
 
+def _not_utf8(args) -> str | None:
+    """The first argument that was not valid UTF-8 (Python keeps such bytes as lone
+    surrogates, which no tokenizer or file system call can take)."""
+    for key, value in vars(args).items():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return key
+    return None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, AttributeError, ValueError):  # stdout closed or replaced: nothing to do
+        pass
+
+
+def _flush_stdout() -> None:
+    if sys.stdout is not None:
+        sys.stdout.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    prog = f"mlx-spec {args.command}"
     try:
-        return args.run(args) or 0
+        bad = _not_utf8(args)
+        if bad is not None:
+            raise SpecError(f"the {bad.replace('_', '-')} argument is not valid UTF-8")
+        status = args.run(args) or 0
+        _flush_stdout()  # a full disk or a closed pipe shows here, inside the handlers
+        return status
     except SpecError as err:
-        print(f"mlx-spec {args.command}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
     except BrokenPipeError:  # `mlx-spec models | head`: the reader left; that is fine
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _silence_stdout()
         return 0
+    except UnicodeDecodeError as err:  # stdin or a file the user named held other bytes
+        print(f"{prog}: error: the input is not valid UTF-8 ({_one_line(err)})", file=sys.stderr)
+        return 2
+    except OSError as err:
+        # `> /dev/full`, a full disk, a closed stdout: the machine's state, not a bug
+        if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EBADF, errno.EIO):
+            _silence_stdout()
+            where = f": {err.filename}" if err.filename else " (the output)"
+            print(f"{prog}: error: cannot write{where}: {err.strerror}", file=sys.stderr)
+            return 1
+        return _internal_error(prog, err, args)
+    except Exception as err:
+        return _internal_error(prog, err, args)
+
+
+def _internal_error(prog: str, err: BaseException, args) -> int:
+    debug = getattr(args, "debug", False)
+    if debug:
+        traceback.print_exception(err)
+    hint = "please report it" if debug else "run with --debug for the traceback; please report it"
+    print(
+        f"{prog}: internal error: {type(err).__name__}: {_one_line(err)} ({hint})",
+        file=sys.stderr,
+    )
+    return 1
 
 
 if __name__ == "__main__":

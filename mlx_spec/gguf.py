@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -40,6 +42,215 @@ BLOCK_NAMES = {
 }
 SUPPORTED_ARCHITECTURES = ("llama",)
 
+# GGUF metadata value types: struct format of the scalars; 8 = string, 9 = array
+GGUF_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+GGUF_STRING, GGUF_ARRAY = 8, 9
+# ggml tensor types MLX's reader takes: (weights per block, bytes per block)
+GGML_TYPES = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34),
+    10: ("Q2_K", 256, 84),
+    12: ("Q4_K", 256, 144),
+    14: ("Q6_K", 256, 210),
+    30: ("BF16", 1, 2),
+}
+GGML_MAX_DIMS = 4
+MAX_NAME = 1 << 16  # bytes in a key or tensor name; real ones are < 100
+
+
+class GGUFInfo:
+    """What the header says, read and bounds-checked in Python: metadata (Python values)
+    and the tensor table (name -> (shape, type name))."""
+
+    def __init__(self, meta: dict, tensors: dict[str, tuple[tuple[int, ...], str]]):
+        self.meta, self.tensors = meta, tensors
+
+
+class _Reader:
+    def __init__(self, f, size: int, where: str):
+        self.f, self.size, self.where = f, size, where
+
+    def fail(self, what: str):
+        raise SpecError(f"{self.where} is not a valid GGUF file: {what}")
+
+    def remaining(self) -> int:
+        return self.size - self.f.tell()
+
+    def read(self, n: int) -> bytes:
+        if n > self.remaining():
+            self.fail("it is truncated")
+        return self.f.read(n)
+
+    def unpack(self, fmt: str):
+        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
+
+    def string(self, what: str) -> str:
+        n = self.unpack("<Q")
+        if n > self.remaining() or (what != "value" and n > MAX_NAME):
+            self.fail(f"a {what} string of {n} bytes does not fit in the file")
+        try:
+            return self.read(n).decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"a {what} string is not UTF-8")
+
+    def value(self, kind: int, key: str, depth: int = 0):
+        if kind in GGUF_SCALARS:
+            return self.unpack(GGUF_SCALARS[kind])
+        if kind == GGUF_STRING:
+            return self.string("value")
+        if kind == GGUF_ARRAY and depth == 0:
+            inner, n = self.unpack("<I"), self.unpack("<Q")
+            least = struct.calcsize(GGUF_SCALARS[inner]) if inner in GGUF_SCALARS else 8
+            if inner == GGUF_ARRAY:
+                self.fail(f"{key} is an array of arrays")
+            if n * least > self.remaining():
+                self.fail(f"{key} claims {n} items, more than the file holds")
+            if inner in GGUF_SCALARS:  # one read and one unpack: fast for big tables
+                fmt = GGUF_SCALARS[inner]
+                return list(struct.unpack(f"<{n}{fmt[1]}", self.read(n * least)))
+            return [self.value(inner, key, depth + 1) for _ in range(n)]
+        self.fail(f"{key} has an unknown value type {kind}")
+
+
+def read_gguf_info(path: Path) -> GGUFInfo:
+    """Parse and check a GGUF header, metadata and tensor table without any native code:
+    every count and offset is compared with the file size, so a hostile or damaged file gives
+    one SpecError here instead of a crash in MLX's reader."""
+    where = str(path)
+    try:
+        f = open(path, "rb")
+    except OSError as err:
+        raise SpecError(f"cannot read GGUF file {path}: {err.strerror}") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        r = _Reader(f, size, where)
+        if size < 24 or f.read(4) != b"GGUF":
+            r.fail("no GGUF header")
+        version = r.unpack("<I")
+        if version not in (2, 3):
+            r.fail(f"unsupported version {version} (supported: 2, 3)")
+        n_tensors, n_kv = r.unpack("<Q"), r.unpack("<Q")
+        # a key/value takes at least 8+4+1 bytes, a tensor entry at least 8+4+8+4+8
+        if n_kv * 13 > r.remaining() or n_tensors * 32 > r.remaining():
+            r.fail(f"it claims {n_tensors} tensors and {n_kv} metadata entries")
+        meta = {}
+        for _ in range(n_kv):
+            key = r.string("key")
+            if key in meta:
+                r.fail(f"the key {key!r} appears twice")
+            meta[key] = r.value(r.unpack("<I"), key)
+        alignment = meta.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+            r.fail(f"general.alignment {alignment!r} is not a power of two")
+        table = []
+        for _ in range(n_tensors):
+            name = r.string("tensor name")
+            n_dims = r.unpack("<I")
+            if not 1 <= n_dims <= GGML_MAX_DIMS:
+                r.fail(f"tensor {name!r} has {n_dims} dimensions")
+            dims = [r.unpack("<Q") for _ in range(n_dims)]
+            kind, offset = r.unpack("<I"), r.unpack("<Q")
+            table.append((name, dims, kind, offset))
+        data_start = -(-f.tell() // alignment) * alignment
+    data = size - data_start
+    tensors = {}
+    for name, dims, kind, offset in table:
+        if name in tensors:
+            r.fail(f"the tensor {name!r} appears twice")
+        if kind not in GGML_TYPES:
+            r.fail(f"tensor {name!r} has a tensor type ({kind}) MLX cannot read")
+        type_name, block, block_bytes = GGML_TYPES[kind]
+        count = math.prod(dims)
+        if min(dims) < 1 or dims[0] % block or count > data:
+            r.fail(f"tensor {name!r} has an impossible shape {dims} for {type_name}")
+        nbytes = count // block * block_bytes
+        if offset % alignment or offset + nbytes > data:
+            r.fail(f"tensor {name!r} lies outside the file's data")
+        tensors[name] = (tuple(reversed(dims)), type_name)  # GGUF lists the fastest dim first
+    return GGUFInfo(meta, tensors)
+
+
+def _require_int(meta: dict, key: str, where: str, minimum: int = 1) -> int:
+    value = meta.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        shown = "missing" if value is None else repr(value)
+        raise SpecError(f"{where}: {key} is {shown}; need an integer >= {minimum}")
+    return value
+
+
+def check_model_metadata(info: GGUFInfo, where: str) -> None:
+    """The hyper-parameters, tokenizer and tensors a llama conversion needs, checked before any
+    conversion starts (so nothing half-usable is ever cached)."""
+    meta = info.meta
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise SpecError(f"{where}: unsupported GGUF architecture {arch!r} (supported: {supported})")
+    hidden = _require_int(meta, f"{arch}.embedding_length", where)
+    layers = _require_int(meta, f"{arch}.block_count", where)
+    _require_int(meta, f"{arch}.feed_forward_length", where)
+    heads = _require_int(meta, f"{arch}.attention.head_count", where)
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+        raise SpecError(
+            f"{where}: {arch}.attention.head_count_kv {kv_heads!r} does not divide "
+            f"the {heads} attention heads"
+        )
+    head_dim = meta.get(f"{arch}.rope.dimension_count", hidden // heads)
+    if not isinstance(head_dim, int) or head_dim < 1:
+        raise SpecError(f"{where}: {arch}.rope.dimension_count {head_dim!r} is not usable")
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise SpecError(
+            f"{where}: unsupported GGUF tokenizer {kind!r} (supported: byte-level BPE 'gpt2')"
+        )
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise SpecError(f"{where}: tokenizer.ggml.tokens is missing or not a list of strings")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not isinstance(merges, list) or not all(
+        isinstance(m, str) and " " in m.strip(" ") for m in merges
+    ):
+        raise SpecError(f"{where}: tokenizer.ggml.merges is missing or malformed")
+    types = meta.get("tokenizer.ggml.token_type")
+    if not isinstance(types, list) or len(types) != len(tokens):
+        raise SpecError(
+            f"{where}: tokenizer.ggml.token_type is missing or does not match the tokens"
+        )
+    names = set(info.tensors)
+    needed = {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{i}.{part}.weight" for i in range(layers) for part in BLOCK_NAMES
+    }
+    missing = sorted(needed - names, key=lambda n: (len(n), n))
+    if missing:
+        raise SpecError(f"{where}: tensor {missing[0]} is missing ({len(missing)} missing)")
+    for name in names:
+        stem = name.rpartition(".")[0]
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+        if (m and (int(m.group(1)) >= layers or m.group(2) not in BLOCK_NAMES)) or (
+            not m and stem not in TENSOR_NAMES
+        ):
+            raise SpecError(f"{where}: unsupported GGUF tensor {name!r}")
+    embd = info.tensors["token_embd.weight"][0]
+    if embd != (len(tokens), hidden):
+        expected = (len(tokens), hidden)
+        raise SpecError(f"{where}: token_embd has shape {embd}, expected {expected}")
+
 
 def cache_root() -> Path:
     env = os.environ.get("MLX_SPEC_CACHE")
@@ -53,6 +264,19 @@ def default_dtype() -> str:
     return "float16" if mx.metal.is_available() else "float32"
 
 
+def _cache_dir() -> Path:
+    """The conversion cache, created if needed; one line when it cannot be used."""
+    root = cache_root()
+    name = "MLX_SPEC_CACHE" if os.environ.get("MLX_SPEC_CACHE") else "the cache directory"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SpecError(f"cannot use {name} {root}: {err.strerror}") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise SpecError(f"cannot use {name} {root}: it is not writable")
+    return root
+
+
 def file_digest(path: Path) -> str:
     """sha256 of the file, remembered per (path, size, mtime) so big files hash once."""
     stat = path.stat()
@@ -62,25 +286,80 @@ def file_digest(path: Path) -> str:
         index = json.loads(index_path.read_text())
     except (OSError, ValueError):
         index = {}
+    if not isinstance(index, dict):  # a damaged index is only a cache: start again
+        index = {}
     if key not in index:
         h = hashlib.sha256()
         with open(path, "rb") as f:
             while chunk := f.read(1 << 22):
                 h.update(chunk)
         index[key] = h.hexdigest()
-        index_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = index_path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(index))
-        tmp.replace(index_path)
+        try:
+            tmp.write_text(json.dumps(index))
+            tmp.replace(index_path)
+        except OSError:  # remembering is an optimisation; hashing again next time is fine
+            tmp.unlink(missing_ok=True)
     return index[key]
+
+
+def _usable(out: Path) -> bool:
+    """Whether a cached conversion is complete and readable (a damaged one is redone)."""
+    from .loading import check_model_dir
+
+    if not out.is_dir() or not (out / "tokenizer.json").is_file():
+        return False
+    try:
+        check_model_dir(out)
+    except (SpecError, OSError):
+        return False
+    return True
+
+
+def _lock(path: Path, timeout: float = -1):
+    from filelock import FileLock
+
+    return FileLock(f"{path}.lock", timeout=timeout)
+
+
+def remove_stale(root: Path, held: str | None = None) -> None:
+    """Delete hidden partial conversions (`.<name>.<random>`) left by killed runs: a partial
+    directory is stale when nobody holds its conversion's lock (`held`: the name whose lock
+    this process holds, so its partial directories are stale too)."""
+    from filelock import Timeout
+
+    for tmp in root.glob(".*.*"):
+        m = re.fullmatch(r"\.(.+)\.[^.]+", tmp.name)
+        if not m or not tmp.is_dir():
+            continue
+        if m.group(1) == held:
+            shutil.rmtree(tmp, ignore_errors=True)
+            continue
+        try:
+            with _lock(root / m.group(1), timeout=0):
+                shutil.rmtree(tmp, ignore_errors=True)
+        except Timeout:  # a live conversion owns it
+            continue
 
 
 def converted_path(gguf: Path, dtype: str | None = None) -> Path:
     """The mlx-lm directory for `gguf` (quantized as in the file, or dequantized to `dtype`),
-    converting on first use."""
-    out = cache_root() / f"{file_digest(gguf)[:16]}-{dtype or 'q'}"
-    if not (out / "config.json").is_file():
-        convert(gguf, out, dtype)
+    converting on first use.
+
+    The file is checked before anything touches the cache. Conversion runs under a file lock:
+    a second process converting the same file waits, then reuses the result."""
+    gguf = Path(gguf)
+    check_model_metadata(read_gguf_info(gguf), str(gguf))
+    root = _cache_dir()
+    out = root / f"{file_digest(gguf)[:16]}-{dtype or 'q'}"
+    if _usable(out):
+        return out
+    with _lock(out):
+        remove_stale(root, held=out.name)
+        if not _usable(out):  # missing, or damaged: (re)convert
+            if out.exists():
+                shutil.rmtree(out)
+            convert(gguf, out, dtype)
     return out
 
 
@@ -175,12 +454,23 @@ def _weights(tensors: dict, dtype: str | None) -> tuple[dict, dict | None]:
 
 def write_tokenizer(meta: dict, out: Path) -> None:
     """A Hugging Face fast tokenizer from `tokenizer.ggml.*` (byte-level BPE with merges)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise SpecError(f"unsupported GGUF tokenizer {kind!r} (supported: byte-level BPE 'gpt2')")
+    try:
+        _build_tokenizer(meta, out)
+    except SpecError:
+        raise
+    except Exception as err:  # the tokenizers library raises bare Exceptions on bad vocabularies
+        raise SpecError(
+            f"cannot build the tokenizer from the GGUF metadata: {_first_line(err)}"
+        ) from None
+
+
+def _build_tokenizer(meta: dict, out: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     tokens = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     types = meta["tokenizer.ggml.token_type"].tolist()
@@ -212,12 +502,16 @@ def write_tokenizer(meta: dict, out: Path) -> None:
 
 
 def convert(gguf: Path, out: Path, dtype: str | None = None) -> Path:
-    """Write the mlx-lm layout of `gguf` to `out`, atomically: all of it or nothing."""
+    """Write the mlx-lm layout of `gguf` to `out`, atomically: all of it or nothing.
+
+    The header, metadata and tensor table are checked in Python first (MLX's native reader
+    trusts them), and the result is loaded once before it takes its final name."""
     gguf = Path(gguf)
     if not gguf.is_file():
         raise SpecError(f"GGUF file does not exist: {gguf}")
     if dtype is not None and dtype not in DTYPES:
         raise SpecError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    check_model_metadata(read_gguf_info(gguf), str(gguf))
     try:
         tensors, meta = mx.load(str(gguf), return_metadata=True)
     except (RuntimeError, ValueError) as err:
@@ -225,16 +519,41 @@ def convert(gguf: Path, out: Path, dtype: str | None = None) -> Path:
     weights, quantization = _weights(tensors, dtype)
     config = _config(meta, weights, quantization)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as err:
+        raise SpecError(f"cannot write {out}: {err.strerror}") from None
+    try:
+        try:
+            mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        except (OSError, RuntimeError) as err:
+            raise SpecError(
+                f"cannot write {out}: {getattr(err, 'strerror', None) or err}"
+            ) from None
         write_tokenizer(meta, tmp)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        _check_loads(tmp, gguf)
+        try:
+            tmp.rename(out)
+        except OSError as err:
+            raise SpecError(f"cannot write {out}: {err.strerror}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _check_loads(path: Path, gguf: Path) -> None:
+    """Build the model from the converted files (lazily: no weights read) so a file whose
+    tensors do not fit its own hyper-parameters fails here, before anything is cached."""
+    from mlx_lm.utils import load_model
+
+    try:
+        load_model(path, lazy=True)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as err:
+        raise SpecError(f"{gguf}: the converted model does not load: {_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    return " ".join(str(err).split())

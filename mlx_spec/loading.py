@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,10 +69,19 @@ def package_file(name: str) -> Path:
     return path
 
 
+def _expand(name: str) -> Path:
+    try:
+        return Path(name).expanduser()
+    except RuntimeError:  # "~nosuchuser/x", or no home directory at all
+        raise SpecError(f"model path does not exist: {name} (no such home directory)") from None
+
+
 def resolve_model(name: str, dtype: str | None = None, progress=None) -> Path:
     """A local model directory for a path, a .gguf file or a Hugging Face id (downloaded if
     needed). `dtype` dequantizes a GGUF file ("auto": float16 on Metal, float32 on CPU)."""
-    path = package_file(name) if name.startswith("package:") else Path(name).expanduser()
+    if not name:
+        raise SpecError("the model path or id is empty")
+    path = package_file(name) if name.startswith("package:") else _expand(name)
     if path.exists():
         if path.is_file() and path.suffix == ".gguf":
             from .gguf import converted_path, default_dtype
@@ -122,8 +134,12 @@ def is_downloaded(name: str) -> bool:
             return package_file(name).is_file()
         except SpecError:
             return False
-    if looks_like_path(name) or Path(name).expanduser().exists():
-        return Path(name).expanduser().exists()
+    try:
+        path = Path(name).expanduser()
+    except RuntimeError:  # an unknown ~user
+        return False
+    if looks_like_path(name) or path.exists():
+        return path.exists()
     from huggingface_hub import try_to_load_from_cache
 
     config = try_to_load_from_cache(name, "config.json")
@@ -152,13 +168,199 @@ def _context_length(config: dict) -> int | None:
 
 
 def _load_tokenizer(path: Path, config: dict):
-    return load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    try:
+        return load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    # transformers also reads config.json here and divides by its head count
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as err:
+        raise SpecError(f"cannot load the tokenizer in {path}: {_first_line(err)}") from None
 
 
 def _read_config(path: Path) -> dict:
     """config.json with generation_config.json's stop ids merged in, as mlx-lm reads it
     (Qwen3 declares <|endoftext|> there only)."""
+    check_model_dir(path)
     return load_config(path)
+
+
+# safetensors dtypes and their sizes in bytes (the format's own names)
+SAFETENSORS_DTYPES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+    "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+}  # fmt: skip
+SAFETENSORS_HEADER_LIMIT = 100 << 20  # the format's own limit on the JSON header
+
+
+def _json_object(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise SpecError(f"{path} is not a readable {what}: {_first_line(err)}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _first_line(err: BaseException) -> str:
+    text = getattr(err, "strerror", None) or str(err)
+    return " ".join(text.split())
+
+
+def check_safetensors(path: Path) -> int:
+    """Check a .safetensors file's header and tensor table against its size, in Python, before
+    MLX's native reader sees it; return the file size."""
+    size = path.stat().st_size
+    where = f"broken weights file {path}"
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise SpecError(f"{where}: shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(SAFETENSORS_HEADER_LIMIT, size - 8):
+            raise SpecError(f"{where}: header length {n} exceeds the file")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise SpecError(f"{where}: the header is not JSON") from None
+    if not isinstance(header, dict):
+        raise SpecError(f"{where}: the header is not a JSON object")
+    data = size - 8 - n
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            ok = (
+                dtype in SAFETENSORS_DTYPES
+                and isinstance(shape, list)
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+                and all(isinstance(o, int) and not isinstance(o, bool) for o in (start, end))
+                and 0 <= start <= end <= data
+                and end - start == math.prod(shape) * SAFETENSORS_DTYPES[dtype]
+            )
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise SpecError(f"{where}: tensor {name!r} has a bad entry or lies outside the file")
+    return size
+
+
+def weight_files(path: Path) -> list[Path]:
+    return sorted(path.glob("model*.safetensors"))  # what mlx_lm.load_model reads
+
+
+def check_model_dir(path: Path) -> dict:
+    """Everything mlx-lm will read from a model directory, checked first so bad files give
+    one line, not a traceback or a crash inside MLX: config.json, the model type, weights."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise SpecError(f"{path} is not a model directory (it has no config.json)")
+    config = _json_object(config_file, "config.json")
+    generation = path / "generation_config.json"
+    if generation.exists():
+        try:
+            data = json.loads(generation.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            data = {}  # mlx-lm skips an unreadable one too
+        if not isinstance(data, dict):
+            raise SpecError(f"{generation} must hold a JSON object, not {type(data).__name__}")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise SpecError(f"{config_file} has no model_type")
+    from mlx_lm.utils import _get_classes
+
+    try:
+        _get_classes(config)
+    except (ValueError, ImportError, KeyError, TypeError, AttributeError):
+        raise SpecError(
+            f"{config_file}: model_type {model_type!r} is not supported by mlx-lm"
+        ) from None
+    files = weight_files(path)
+    if not files:
+        raise SpecError(f"{path} has no weights (no model*.safetensors file)")
+    for file in files:
+        check_safetensors(file)
+    return config
+
+
+def weights_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in weight_files(path))
+
+
+def kv_cache_bytes(config: dict, context: int, bytes_per_value: int = 2) -> int:
+    """Keys and values for `context` tokens in every layer (a plain KV cache)."""
+    cfg = config.get("text_config") or config
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 0  # an architecture this estimate does not know: count the weights only
+    return 2 * layers * kv_heads * head_dim * context * bytes_per_value
+
+
+def machine_memory() -> tuple[int | None, str]:
+    """The memory models may use: Metal's recommended working set on a Mac with Metal, the
+    physical memory elsewhere; None when it cannot be told."""
+    import mlx.core as mx
+
+    try:
+        if mx.metal.is_available():
+            info = mx.device_info()
+            size = info.get("max_recommended_working_set_size")
+            if size:
+                return int(size), "Metal's recommended working set"
+    except (AttributeError, RuntimeError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "system memory"
+    except (ValueError, OSError, AttributeError):
+        return None, "unknown"
+
+
+DEFAULT_MEMORY_CONTEXT = 4096  # tokens of KV cache assumed when the caller does not say
+
+
+def check_memory(
+    target_path: Path,
+    target_config: dict,
+    draft_path: Path | None,
+    draft_bits: int | None,
+    context: int | None,
+) -> None:
+    """Refuse, with the figures, a pair whose weights plus KV cache exceed the machine."""
+    available, source = machine_memory()
+    if available is None:
+        return
+    model_context = _context_length(target_config)
+    tokens = context or min(model_context or DEFAULT_MEMORY_CONTEXT, DEFAULT_MEMORY_CONTEXT)
+    target = weights_bytes(target_path)
+    kv = kv_cache_bytes(target_config, tokens)
+    draft = 0
+    if draft_path is not None:
+        draft = weights_bytes(draft_path)
+        kv += kv_cache_bytes(_read_config(draft_path), tokens)
+    elif draft_bits is not None:
+        draft = target  # a full copy of the target is loaded, then re-quantized
+        kv *= 2
+    need = target + draft + kv
+    if need > available:
+        gb = 1e9
+        raise SpecError(
+            f"the models need about {need / gb:.1f} GB (target {target / gb:.1f} GB, "
+            f"draft {draft / gb:.1f} GB, KV cache for {tokens} tokens {kv / gb:.1f} GB) but "
+            f"{source} is {available / gb:.1f} GB; use a smaller pair or --force to try anyway"
+        )
+
+
+def _load_model(path: Path):
+    """mlx-lm's loader, with what a checked directory can still get wrong (weights that do not
+    fit the architecture, bad config values) as one line."""
+    try:
+        model, _ = load_model(path)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, ArithmeticError) as err:
+        raise SpecError(f"cannot load the model in {path}: {_first_line(err)}") from None
+    return model
 
 
 def load_pair(
@@ -172,6 +374,8 @@ def load_pair(
     progress=None,
     skip_draft: bool = False,
     drafter: str | None = None,
+    force: bool = False,
+    context: int | None = None,
 ) -> Pair:
     """Load a pair by its name in models.toml, or from explicit target/draft paths or ids.
 
@@ -182,6 +386,8 @@ def load_pair(
     `skip_draft` loads a named pair's target only, for plain decoding (--no-draft).
     `drafter`: "model", "ngram" (prompt lookup, no draft model loaded) or "ngram+model"
     (lookup first, the draft model when it finds nothing); default: the pair's, else "model".
+    Before loading, the weights plus the KV cache for `context` tokens (default: up to 4096) are
+    compared with the machine's memory; `force=True` loads anyway.
     """
     from .registry import load_registry
 
@@ -225,16 +431,19 @@ def load_pair(
         if diff is not None:
             raise SpecError(f"draft and target vocabularies differ: {diff}")
 
+    if not force:
+        check_memory(target_path, target_config, draft_path, draft_bits, context)
+
     report("Loading the target weights…")
-    target_model, _ = load_model(target_path)
+    target_model = _load_model(target_path)
     if draft_path is not None or draft_bits is not None:
         report("Loading the draft weights…")
     if draft_path is not None:
-        draft_model, _ = load_model(draft_path)
+        draft_model = _load_model(draft_path)
     elif draft_bits is not None:
         from .quantize import requantized_copy
 
-        draft_model, _ = load_model(target_path)
+        draft_model = _load_model(target_path)
         draft_model = requantized_copy(
             draft_model, draft_bits, spec.draft_group_size if spec else 32
         )

@@ -12,8 +12,9 @@ import mlx.nn as nn
 from mlx_lm.utils import dequantize_model
 
 from .errors import SpecError
+from .registry import QUANT_BITS, QUANT_GROUP_SIZES
 
-SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+SUPPORTED_BITS = QUANT_BITS
 
 
 def requantized_copy(model: nn.Module, bits: int, group_size: int = 32) -> nn.Module:
@@ -23,7 +24,19 @@ def requantized_copy(model: nn.Module, bits: int, group_size: int = 32) -> nn.Mo
     """
     if bits not in SUPPORTED_BITS:
         raise SpecError(f"draft bits must be one of {SUPPORTED_BITS}, got {bits}")
+    if group_size not in QUANT_GROUP_SIZES:
+        raise SpecError(f"draft group size must be one of {QUANT_GROUP_SIZES}, got {group_size}")
     model = dequantize_model(model)
+    # layers whose width is not a multiple of the group stay as they are (MLX cannot group
+    # them); if that leaves nothing quantized, the "draft" would be the target itself
+    if not any(
+        hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
+        for _, m in model.named_modules()
+    ):
+        raise SpecError(
+            f"no layer of this model can be quantized with group size {group_size} "
+            "(every input width must be a multiple of it)"
+        )
     nn.quantize(
         model,
         group_size=group_size,

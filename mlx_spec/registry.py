@@ -13,6 +13,9 @@ from .errors import SpecError
 
 # "model": the draft model; "ngram": prompt lookup, no model; "ngram+model": lookup, then the model
 DRAFTERS = ("model", "ngram", "ngram+model")
+# what MLX's affine quantization accepts (mx.quantize); anything else is refused, not skipped
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+QUANT_GROUP_SIZES = (32, 64, 128)
 PAIR_KEYS = {"target", "draft", "num_draft_tokens", "note", "dtype", "drafter"}
 
 
@@ -76,7 +79,21 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairSpec:
                 f"{where}: pair {name!r}: a draft table must be "
                 "{ from_target = true, bits = N, group_size = G }"
             )
+        unknown = set(draft) - {"from_target", "bits", "group_size"}
+        if unknown:
+            raise SpecError(f"{where}: pair {name!r}: the draft table has unknown keys "
+                            f"{sorted(unknown)}")  # fmt: skip
         draft_bits, group_size = draft["bits"], draft.get("group_size", 32)
+        if isinstance(draft_bits, bool) or draft_bits not in QUANT_BITS:
+            raise SpecError(
+                f"{where}: pair {name!r}: draft bits must be one of "
+                f"{', '.join(map(str, QUANT_BITS))}, got {draft_bits!r}"
+            )
+        if isinstance(group_size, bool) or group_size not in QUANT_GROUP_SIZES:
+            raise SpecError(
+                f"{where}: pair {name!r}: draft group_size must be one of "
+                f"{', '.join(map(str, QUANT_GROUP_SIZES))}, got {group_size!r}"
+            )
         draft = None
     elif draft is not None and not isinstance(draft, str):
         raise SpecError(f"{where}: pair {name!r}: draft must be a path or hub id")
@@ -91,13 +108,21 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairSpec:
 
 
 def parse_file(path: Path) -> dict[str, PairSpec]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise SpecError(f"cannot read {path}: {err.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise SpecError(f"{path}:{line}: not UTF-8 (TOML files must be UTF-8)") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise SpecError(f"{path}: malformed TOML: {err}") from err
     pairs = data.get("pairs", {})
-    if not isinstance(pairs, dict):
+    if not isinstance(pairs, dict) or not all(isinstance(e, dict) for e in pairs.values()):
         raise SpecError(f"{path}:{_line_of(text, '')}: [pairs] must be a table of pairs")
     return {name: _parse_pair(name, entry, path, text) for name, entry in pairs.items()}
 

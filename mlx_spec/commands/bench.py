@@ -2,21 +2,35 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
-from ..cli import add_pair_args, pair_from_args
+from ..cli import add_pair_args, pair_from_args, positive_int
 from ..errors import SpecError
 
 
 def float_list(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+    """e.g. "0,0.7": temperatures, each finite and >= 0."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 0,0.7, got {text!r}") from None
+    if not values or any(not math.isfinite(v) or v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"temperatures must be finite and >= 0, got {text!r}")
+    return values
 
 
 def k_list(text: str) -> list:
     """e.g. "2,4,auto": draft lengths, "auto" for the adaptive policy."""
-    return [x.strip() if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip()]
+    try:
+        return [x.strip() if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected draft lengths like 2,4,auto, got {text!r}"
+        ) from None
 
 
 def setup_arg_parser(parser):
@@ -24,8 +38,12 @@ def setup_arg_parser(parser):
     parser.add_argument("--prompts", help="a file of prompts, one per line (default: built-in set)")
     parser.add_argument("--temps", type=float_list, default=[0.0, 0.7], help="e.g. 0,0.7")
     parser.add_argument("--k", type=k_list, default=[2, 4, 6], help="draft lengths, e.g. 2,4,auto")
-    parser.add_argument("--runs", type=int, default=3, help="repetitions of every configuration")
-    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per generation")
+    parser.add_argument(
+        "--runs", type=positive_int, default=3, help="repetitions of every configuration"
+    )
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=128, help="tokens per generation"
+    )
     parser.add_argument("--by-prompt", action="store_true", help="a row per prompt as well")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="bar chart of the speedups")
@@ -37,9 +55,12 @@ def read_prompts(path: str | None) -> dict[str, str]:
     if path is None:
         return PROMPTS
     try:
-        lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise SpecError(f"cannot read prompts file {path}: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise SpecError(f"prompts file {path} is not UTF-8 (byte {err.start})") from None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         raise SpecError(f"prompts file {path} has no prompts")
     return {f"prompt {i + 1}": line for i, line in enumerate(lines)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -24,6 +25,15 @@ def main(args):
     out = Path(args.out)
     if out.exists():
         raise SpecError(f"{out} already exists; choose a new directory")
+    parent = out.absolute().parent
+    # a missing parent is created (like the cache); one that is a file, or read-only, is not usable
+    for folder in (parent, *parent.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise SpecError(f"cannot write {out}: {folder} is not a directory")
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise SpecError(f"cannot write {out}: {folder} is not writable")
+            break
     start = time.perf_counter()
     convert(Path(args.gguf), out, args.dtype)
     size = sum(f.stat().st_size for f in out.iterdir()) / 1e6

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from ..cli import add_pair_args, pair_from_args
+from ..cli import add_pair_args, pair_from_args, seed
 from ..errors import SpecError
 
 ACCEPTED = "\x1b[32m"  # green: a draft token the target accepted
@@ -22,7 +22,7 @@ def setup_arg_parser(parser):
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     g.add_argument("--min-p", type=float, default=0.0, help="min-p filter, in [0, 1]")
-    g.add_argument("--seed", type=int, help="random seed for a reproducible run")
+    g.add_argument("--seed", type=seed, help="random seed for a reproducible run, in [0, 2**64)")
     g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
     parser.add_argument("--system", help="system message for the chat template")
     parser.add_argument(
@@ -35,6 +35,10 @@ def setup_arg_parser(parser):
 
 def read_prompt(args) -> str:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    try:  # undecodable stdin bytes arrive as lone surrogates (surrogateescape), or raise
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SpecError("the prompt is not valid UTF-8") from None
     if not prompt.strip():
         raise SpecError("the prompt is empty")
     return prompt

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from ..cli import add_pair_args, pair_from_args
+from ..cli import add_pair_args, nonnegative_int, pair_from_args, positive_int
+from ..errors import SpecError
 
 SAMPLE_PROMPT = "Explain in a few sentences how a bicycle's gears make pedalling easier."
 SAMPLE_K = 4
@@ -13,9 +14,13 @@ PREDICT_KS = range(1, 11)
 
 def setup_arg_parser(parser):
     add_pair_args(parser)
-    parser.add_argument("--context", type=int, default=512, help="cached tokens while timing")
+    parser.add_argument(
+        "--context", type=nonnegative_int, default=512, help="cached tokens while timing"
+    )
     parser.add_argument("--temp", type=float, default=0.0, help="temperature of the sample run")
-    parser.add_argument("--sample-tokens", type=int, default=48, help="tokens to sample for α")
+    parser.add_argument(
+        "--sample-tokens", type=positive_int, default=48, help="tokens to sample for α"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the curve and the predictions")
 
@@ -127,7 +132,15 @@ def plot(r, path: str) -> None:
 def main(args):
     import sys
 
-    pair = pair_from_args(args)
+    if args.temp < 0 or args.temp != args.temp:
+        raise SpecError(f"--temp must be >= 0, got {args.temp}")
+    pair = pair_from_args(args)  # the memory check counts a KV cache of --context tokens
+    longest = args.context + max(PREDICT_KS) + 6  # the verify curve's largest pass is 16
+    if pair.context_length and longest > pair.context_length:
+        raise SpecError(
+            f"--context {args.context} plus the timed passes exceeds the target's context of "
+            f"{pair.context_length} tokens"
+        )
     quiet = lambda *_: None  # noqa: E731
     result = run_probe(
         pair,
