@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Protocol
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import common_prefix_len
 
+from . import caches
 from .errors import SpecError
 from .sampling import SamplingParams, probabilities, sample
 
@@ -20,6 +20,9 @@ from .sampling import SamplingParams, probabilities, sample
 class Drafter(Protocol):
     def prefill(self, tokens: list[int]) -> None:
         """Start a new sequence (or continue a cached one) from these tokens."""
+
+    def reset(self) -> None:
+        """Forget everything (the next prefill starts from nothing)."""
 
     def propose(
         self, k: int, params: SamplingParams, key: mx.array, stop_below: float = 0.0
@@ -38,16 +41,7 @@ def prefill_cache(model, cache: list, tokens: list[int], step: int = 2048) -> No
     """Run `tokens` through `model`, filling `cache`, in chunks that bound peak memory."""
     for start in range(0, len(tokens), step):
         model(mx.array(tokens[start : start + step])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-
-
-def check_trimmable(cache: list, role: str) -> None:
-    if not can_trim_prompt_cache(cache):
-        kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
-        raise SpecError(
-            f"the {role} model's KV cache ({', '.join(kinds)}) cannot be rolled back, "
-            "so it cannot be used for speculative decoding"
-        )
+        caches.eval_state(cache)
 
 
 class ModelDrafter:
@@ -58,26 +52,36 @@ class ModelDrafter:
     ran on its own last proposal; more after rounds another drafter proposed for).
     """
 
-    def __init__(self, model):
+    def __init__(self, model, vocab: int | None = None):
         self.model = model
-        self.cache = make_prompt_cache(model)
-        check_trimmable(self.cache, "draft")
+        self.vocab = vocab  # the target's: a draft head with extra rows must not propose them
+        self.cache = caches.make_cache(model, "draft")
+        self.recurrent = caches.is_recurrent(self.cache)
+        self.snapshots: list = []  # recurrent state after each step of this round's proposal
         self.cached: list[int] = []  # tokens in the cache
         self.pending: list[int] = []
         self.ran = False  # whether the model ran this round
         self.fed = 0  # draft tokens of this round's proposal the cache has seen
         self.steps = 0  # forward passes this round, one of them wasted after an early stop
 
+    def reset(self) -> None:
+        self.cache = caches.make_cache(self.model, "draft")
+        self.cached, self.pending, self.snapshots = [], [], []
+        self.ran, self.fed = False, 0
+
     def prefill(self, tokens: list[int]) -> None:
         reuse = min(common_prefix_len(self.cached, tokens), len(tokens) - 1)
-        trim_prompt_cache(self.cache, len(self.cached) - reuse)
+        if caches.can_rollback(self.cache, len(self.cached) - reuse):
+            caches.rollback(self.cache, len(self.cached) - reuse)
+        else:  # e.g. a recurrent state cannot forget: start over
+            self.cache, reuse = caches.make_cache(self.model, "draft"), 0
         prefill_cache(self.model, self.cache, tokens[reuse:-1])
         self.cached = list(tokens[:-1])
         self.pending = [tokens[-1]]
         self.ran, self.fed = False, 0
 
     def propose(self, k, params, key, stop_below=0.0):
-        self.ran, self.fed, self.steps = k > 0, 0, 0
+        self.ran, self.fed, self.steps, self.snapshots = k > 0, 0, 0, []
         if k == 0:
             return mx.zeros((0,), mx.uint32), None
         keys = mx.random.split(key, k)
@@ -85,6 +89,10 @@ class ModelDrafter:
         tokens, qs, top = [], [], []
         for i in range(k):
             logits = self.model(y[None], cache=self.cache)[0, -1]  # (vocab,)
+            if self.vocab is not None and logits.shape[-1] > self.vocab:
+                logits = logits[: self.vocab]  # padding rows the target cannot embed
+            if self.recurrent:  # the state after pending + x1..xi: commit may return to it
+                self.snapshots.append(caches.snapshot(self.cache))
             self.steps += 1
             self.fed += i > 0  # y is x_i, a draft token (before that: the pending tokens)
             if params.greedy:
@@ -112,7 +120,10 @@ class ModelDrafter:
             return
         # the cache saw pending + the first `fed` draft tokens; the accepted ones are kept[:-1]
         valid = min(len(kept) - 1, self.fed)
-        trim_prompt_cache(self.cache, self.fed - valid)
+        if self.recurrent:  # step `valid` fed x_valid (step 0: the pending tokens)
+            caches.restore(self.cache, self.snapshots[valid])
+        caches.rollback(self.cache, self.fed - valid, skip_recurrent=True)
+        self.snapshots = []
         self.cached += self.pending + kept[:valid]
         self.pending = kept[valid:]
         self.ran, self.fed = False, 0
@@ -140,6 +151,9 @@ class NGramDrafter:
         for i in range(max(start, 1), len(self.tokens)):
             for n in range(self.ngram_min, min(self.ngram_max, i) + 1):
                 self.index[tuple(self.tokens[i - n : i])] = i
+
+    def reset(self) -> None:
+        self.tokens, self.index = [], {}
 
     def prefill(self, tokens: list[int]) -> None:
         reuse = common_prefix_len(self.tokens, tokens)
@@ -174,6 +188,10 @@ class LookupThenModel:
     def __init__(self, lookup: NGramDrafter, model: ModelDrafter):
         self.lookup, self.model = lookup, model
         self.steps = 0
+
+    def reset(self) -> None:
+        self.lookup.reset()
+        self.model.reset()
 
     def prefill(self, tokens):
         self.lookup.prefill(tokens)

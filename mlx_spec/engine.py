@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import common_prefix_len
 
+from . import caches
 from .acceptance import verify_greedy, verify_stochastic
 from .drafters import (
     AUTO_K_MAX,
@@ -27,7 +27,6 @@ from .drafters import (
     LookupThenModel,
     ModelDrafter,
     NGramDrafter,
-    check_trimmable,
     prefill_cache,
 )
 from .errors import SpecError
@@ -43,6 +42,7 @@ class Round:
     verified: int  # draft tokens the target agreed with, before EOS truncation
     finished: bool = False  # an end-of-sequence token ended the round
     draft_steps: int = 0  # draft-model forward passes (0 for prompt lookup)
+    replayed: int = 0  # tokens re-fed to a recurrent target whose state was restored
 
 
 def point_mass(tokens: mx.array, vocab: int) -> mx.array:
@@ -58,37 +58,57 @@ def pad_vocab(a: mx.array, size: int) -> mx.array:
     return mx.concatenate([a, mx.zeros((*a.shape[:-1], extra), a.dtype)], axis=-1)
 
 
+# A recurrent target re-feeds the tokens of rejected rounds (see Decoder); past this many, the
+# next round drafts nothing, so its pass cannot be rejected and the replay ends.
+REPLAY_LIMIT = 16
+
+
 class Decoder:
     """Speculative decoding over one target and an optional drafter.
 
-    Between rounds the target cache holds every token of `sequence` except the last, which is
-    fed at the start of the next round. `sequence` keeps an end-of-sequence token when one
+    Between rounds the target cache holds every token of `sequence` except the last `unfed`
+    ones, which are fed at the start of the next round. `unfed` is 1, except after a rejected
+    round on a recurrent target (Qwen3.5, Mamba): its state cannot forget the rejected draft
+    tokens, so it is restored to a snapshot from before the round and the kept tokens are
+    replayed as a prefix of the next verify pass — extra rows in a pass that is memory-bound
+    anyway, instead of a pass of their own. `sequence` keeps an end-of-sequence token when one
     ended generation, so a follow-up prompt that continues the conversation reuses the caches.
     """
 
     def __init__(self, target, drafter: Drafter | None, eos_token_ids=(), seed: int | None = None):
         self.target = target
         self.drafter = drafter
-        self.cache = make_prompt_cache(target)
-        if drafter is not None:
-            check_trimmable(self.cache, "target")
+        self.cache = self._new_cache()
+        self.recurrent = caches.is_recurrent(self.cache)
         self.eos = set(eos_token_ids)
         self.sequence: list[int] = []
+        self.unfed = 1
+        self.stale = False  # the caches may not match `sequence`: the next prefill starts over
         self.key = mx.random.key(seed if seed is not None else time.time_ns() % 2**63)
 
     def _next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
         return sub
 
+    def _new_cache(self) -> list:
+        return caches.make_cache(self.target, strict=self.drafter is not None)
+
     def prefill(self, prompt: list[int], use_draft: bool = True) -> int:
         """Fill the caches for `prompt`; returns how many prompt tokens were reused."""
-        cached = self.sequence[:-1]
+        cached = self.sequence[: len(self.sequence) - self.unfed]
         reuse = min(common_prefix_len(cached, prompt), len(prompt) - 1)
-        trim_prompt_cache(self.cache, len(cached) - reuse)
+        if self.stale or not caches.can_rollback(self.cache, len(cached) - reuse):
+            # a recurrent state (or a window) cannot forget that much: start over
+            self.cache, reuse = self._new_cache(), 0
+            if self.drafter is not None:
+                self.drafter.reset()
+        else:
+            caches.rollback(self.cache, len(cached) - reuse)
+        self.stale = False
         prefill_cache(self.target, self.cache, prompt[reuse:-1])
         if self.drafter is not None and use_draft:
             self.drafter.prefill(prompt)
-        self.sequence = list(prompt)
+        self.sequence, self.unfed = list(prompt), 1
         return reuse
 
     def _target_token(self, logits: mx.array, params: SamplingParams) -> mx.array:
@@ -108,6 +128,8 @@ class Decoder:
         while emitted < max_tokens:
             # the round adds at most k+1 tokens; never draft past max_tokens
             k_round = min(policy.next(), max_tokens - emitted - 1)
+            if self.unfed > REPLAY_LIMIT:
+                k_round = 0
             r = self._speculative_round(k_round, params, policy.stop_below)
             policy.update(r.verified, r.drafted)
             emitted += len(r.tokens)
@@ -119,8 +141,10 @@ class Decoder:
         key = self._next_key()
         draft_tokens, q = self.drafter.propose(k, params, key, stop_below)  # (k,), (k, V)|None
         k = draft_tokens.shape[0]  # a drafter may propose fewer (lookup: 0 on no match)
-        inputs = mx.concatenate([mx.array(self.sequence[-1:], mx.uint32), draft_tokens])
-        logits = self.target(inputs[None], cache=self.cache)[0]  # (k+1, vocab)
+        saved = caches.snapshot(self.cache) if self.recurrent else None
+        unfed = self.sequence[-self.unfed :]  # replayed tokens, then the last one
+        inputs = mx.concatenate([mx.array(unfed, mx.uint32), draft_tokens])
+        logits = self.target(inputs[None], cache=self.cache)[0, -(k + 1) :]  # (k+1, vocab)
         if params.greedy:
             n, next_token = verify_greedy(draft_tokens, logits)
         else:
@@ -138,8 +162,17 @@ class Decoder:
         stop = next((i for i, t in enumerate(kept) if t in self.eos), None)
         if stop is not None:
             kept = kept[: stop + 1]
-        # the target ran on last + x1..xk; keep last + every kept token but the new last
-        trim_prompt_cache(self.cache, k + 1 - len(kept))
+        # the target ran on the unfed tokens + x1..xk; it must hold them + every kept token
+        # but the new last one
+        rejected = k + 1 - len(kept)
+        replayed = self.unfed - 1
+        if rejected and self.recurrent:
+            caches.restore(self.cache, saved)
+            caches.rollback(self.cache, self.unfed + k, skip_recurrent=True)
+            self.unfed += len(kept)
+        else:
+            caches.rollback(self.cache, rejected)
+            self.unfed = 1
         self.drafter.commit(kept)
         self.sequence += kept
         out_tokens = kept if stop is None else kept[:-1]
@@ -150,25 +183,31 @@ class Decoder:
             verified=n,
             finished=stop is not None,
             draft_steps=self.drafter.steps,
+            replayed=replayed,
         )
 
     def _plain_rounds(self, max_tokens: int, params: SamplingParams) -> Iterator[Round]:
         """Plain decoding, one token per round, pipelined as mlx_lm.generate_step is: the
         next step is queued before the current token is read back."""
+        before = None  # a recurrent state from before the queued step
 
-        def step(token: mx.array) -> mx.array:
-            logits = self.target(token.reshape(1, 1), cache=self.cache)[0, -1]
+        def step(tokens: mx.array) -> mx.array:
+            nonlocal before
+            if self.recurrent:
+                before = caches.snapshot(self.cache)
+            logits = self.target(tokens[None], cache=self.cache)[0, -1]
             return self._target_token(logits, params)
 
-        queued = step(mx.array(self.sequence[-1:], mx.uint32))
+        queued = step(mx.array(self.sequence[-self.unfed :], mx.uint32))
         mx.async_eval(queued)
+        self.unfed = 1
         lookahead = False  # whether the cache already holds the last token of `sequence`
         try:
             for emitted in range(1, max_tokens + 1):
                 current = queued
                 lookahead = emitted < max_tokens
                 if lookahead:
-                    queued = step(current)
+                    queued = step(current.reshape(1))
                     mx.async_eval(queued)
                 token = current.item()
                 self.sequence.append(token)
@@ -177,8 +216,13 @@ class Decoder:
                     return
                 yield Round(tokens=[token], accepted=0, drafted=0, verified=0)
         finally:
-            if lookahead:
-                trim_prompt_cache(self.cache, 1)
+            if lookahead:  # undo the step queued for a token that will not be emitted
+                if self.recurrent:
+                    caches.restore(self.cache, before)
+                try:
+                    caches.rollback(self.cache, 1, skip_recurrent=True)
+                except caches.CacheRollbackError:  # e.g. chunked attention at a chunk edge
+                    self.stale = True
 
 
 # ----------------------------------------------------------------------------- stream layer
@@ -249,11 +293,10 @@ def make_drafter(pair) -> Drafter | None:
         return NGramDrafter(pair.ngram_max, pair.ngram_min)
     if pair.draft is None:
         return None
+    model = ModelDrafter(pair.draft, vocab=pair.vocab_size)
     if pair.drafter == "ngram+model":
-        return LookupThenModel(
-            NGramDrafter(pair.ngram_max, pair.ngram_min), ModelDrafter(pair.draft)
-        )
-    return ModelDrafter(pair.draft)
+        return LookupThenModel(NGramDrafter(pair.ngram_max, pair.ngram_min), model)
+    return model
 
 
 def draft_policy(num_draft_tokens, draft_confidence: float | None):

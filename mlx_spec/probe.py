@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from . import caches
 
 # Regimes by the extra cost of each verified token, as a fraction of a decode step (the slope
 # of T(n)/T(1)): flat is purely memory-bound, 1 is purely compute-bound.
@@ -23,18 +24,20 @@ def step_seconds(model, n: int, context: int, max_reps: int = 7, vocab: int = 10
     """Median seconds of one forward pass over `n` new tokens after `context` cached ones.
 
     Repeats up to `max_reps` times, fewer (at least 3) when one pass takes long."""
-    cache = make_prompt_cache(model)
+    cache = caches.make_cache(model)
     tokens = mx.arange(context + n) % vocab
     for start in range(0, context, 512):  # prefill in chunks, like the engine
         model(tokens[None, start : min(start + 512, context)], cache=cache)
-        mx.eval([c.state for c in cache])
+        caches.eval_state(cache)
+    saved = caches.snapshot(cache)
     times = []
     reps = max_reps
     for i in range(reps + 1):  # the first pass warms up
         begin = time.perf_counter()
         mx.eval(model(tokens[None, context:], cache=cache))
         times.append(time.perf_counter() - begin)
-        trim_prompt_cache(cache, n)
+        caches.restore(cache, saved)  # every pass starts from the same state
+        caches.rollback(cache, n, skip_recurrent=True)
         if i == 1:
             reps = max(3, min(max_reps, int(2.0 / times[1])))  # ~2 s per point
         if i >= reps:

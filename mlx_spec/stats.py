@@ -22,6 +22,7 @@ class Stats:
     accepted: int = 0  # accepted draft tokens among the emitted ones
     target_passes: int = 0  # verify rounds (prefill not counted)
     draft_steps: int = 0  # draft-model forward passes (prompt lookup: none)
+    replayed_tokens: int = 0  # recurrent targets: tokens re-fed after a restored state
     num_draft_tokens: int = 0  # k (the largest k when adaptive); 0 for plain decoding
     adaptive: bool = False  # k chosen per round
     # draft-length histogram: rounds that drafted exactly k tokens
@@ -41,6 +42,7 @@ class Stats:
         self.generated_tokens += len(r.tokens)
         self.drafted += r.drafted
         self.draft_steps += r.draft_steps
+        self.replayed_tokens += r.replayed
         self.accepted += r.accepted
         self.generation_seconds = elapsed
         count(self.draft_lengths, r.drafted)
@@ -88,6 +90,7 @@ class Stats:
             "tokens_per_target_pass": round(self.tokens_per_target_pass, 4),
             "target_passes": self.target_passes,
             "draft_steps": self.draft_steps,
+            "replayed_tokens": self.replayed_tokens,
             "num_draft_tokens": self.num_draft_tokens,
             "adaptive": self.adaptive,
             "mean_draft_length": round(self.mean_draft_length, 3),

@@ -43,6 +43,10 @@ class TinyModels:
         dw2, dc2 = tiny.truncated(w2, cfg2, layers=1)
         self.draft2 = tiny.write_model(root / "draft2", dc2, dw2, self.tokenizer)
         self.mamba = tiny.write_mamba(root / "mamba", VOCAB, self.tokenizer)
+        l4 = tiny.llama4_config(VOCAB)
+        self.chunked = tiny.write_model(
+            root / "chunked", l4, tiny.family_weights(l4, seed=0), self.tokenizer
+        )
         self.swapped = tiny.write_model(root / "swapped", dc, dw, self.tokenizer)
         tiny.write_swapped_tokenizer(self.swapped, self.tokenizer, 100, 101)
         # a 16-token vocabulary: distributions small enough to enumerate exactly

@@ -108,7 +108,7 @@ def deranged(weights: dict, vocab_size: int) -> dict:
 
 
 def mamba_config(vocab_size: int) -> dict:
-    """A recurrent model: its cache (ArraysCache) cannot be rolled back."""
+    """A recurrent model: its cache (ArraysCache) cannot be trimmed, only snapshotted."""
     return {
         "model_type": "mamba",
         "vocab_size": vocab_size,
@@ -149,3 +149,124 @@ def noisy(weights: dict, scale: float, seed: int = 7) -> dict:
         noise = mx.random.normal(w.shape, key=mx.random.key(seed + i))
         out[name] = w + scale * mx.sqrt(mx.mean(w * w)) * noise
     return out
+
+
+# ----------------------------------------------------------------- the architecture matrix
+# One tiny config per model family a pair can use (models.toml's model types, a hybrid
+# recurrent model, sliding-window models with an 8-token window), built through mlx-lm's own
+# classes. Windows and recurrent states are what the engine's roll-back must handle.
+WINDOW = 8
+
+
+def family_configs(vocab_size: int) -> dict[str, dict]:
+    attn = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 512,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,  # tied, a tiny random model echoes its input token
+    }
+    gemma_text = {
+        **attn,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": WINDOW,
+        "sliding_window_pattern": 2,  # layers 0 and 2 slide, 1 and 3 see everything
+    }
+    return {
+        "llama": {**attn, "model_type": "llama", "num_hidden_layers": 3, "rope_theta": 1e4},
+        "qwen2": {**attn, "model_type": "qwen2", "num_hidden_layers": 3, "rope_theta": 1e4},
+        "qwen3": {
+            **attn,
+            "model_type": "qwen3",
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "rope_theta": 1e4,
+        },
+        "gemma3_text": gemma_text,
+        # Gemma 3 12B's checkpoints are multimodal: a text model inside `text_config`
+        "gemma3": {
+            "model_type": "gemma3",
+            "vocab_size": vocab_size,
+            "eos_token_id": 2,
+            "text_config": {k: v for k, v in gemma_text.items() if k != "eos_token_id"},
+        },
+        # Mistral-style: a llama whose layers alternate sliding and full attention
+        "llama_sliding": {
+            **attn,
+            "model_type": "llama",
+            "num_hidden_layers": 3,
+            "rope_theta": 1e4,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        },
+        # Qwen3.5: Gated-DeltaNet layers (recurrent state) and a full-attention layer
+        "qwen3_5": {
+            **attn,
+            "model_type": "qwen3_5",
+            "hidden_size": 128,
+            "num_hidden_layers": 4,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "head_dim": 32,
+            "full_attention_interval": 2,
+        },
+    }
+
+
+def family_weights(
+    config: dict, seed: int, head_scale: float = 4.0, mute: int | None = 2
+) -> dict[str, mx.array]:
+    """Random float32 weights for any mlx-lm model type; the output head (or the tied
+    embedding) scaled so distributions are peaked, not uniform, and its row `mute` (the
+    tokenizer's end of sequence) zeroed so replies run long."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(json.loads(json.dumps(config))))
+    weights = {k: v.astype(mx.float32) for k, v in tree_flatten(model.parameters())}
+    heads = [k for k in weights if k.endswith("lm_head.weight")]
+    heads = heads or [k for k in weights if k.endswith("embed_tokens.weight")]
+    for k in heads:
+        weights[k] = weights[k] * head_scale
+        if mute is not None:
+            weights[k][mute] = 0
+    return weights
+
+
+def llama4_config(vocab_size: int) -> dict:
+    """Llama 4: chunked attention (ChunkedKVCache drops old rows on its own schedule), a cache
+    the engine cannot roll back."""
+    return {
+        "model_type": "llama4",
+        "text_config": {
+            "model_type": "llama4_text",
+            "attention_bias": False,
+            "attention_chunk_size": 16,
+            "head_dim": 16,
+            "hidden_size": 64,
+            "interleave_moe_layer_step": 1,
+            "intermediate_size": 64,
+            "intermediate_size_mlp": 128,
+            "max_position_embeddings": 512,
+            "num_attention_heads": 4,
+            "num_experts_per_tok": 1,
+            "num_hidden_layers": 4,  # every 4th layer is global
+            "num_key_value_heads": 2,
+            "num_local_experts": 2,
+            "rms_norm_eps": 1e-5,
+            "rope_scaling": None,
+            "rope_theta": 1e4,
+            "use_qk_norm": True,
+            "vocab_size": vocab_size,
+        },
+    }
