@@ -211,6 +211,15 @@ def check_model_metadata(info: GGUFInfo, where: str) -> None:
             f"{where}: {arch}.attention.head_count_kv {kv_heads!r} does not divide "
             f"the {heads} attention heads"
         )
+    _require_int(meta, f"{arch}.context_length", where)
+    for key in ("rope.freq_base", "attention.layer_norm_rms_epsilon"):
+        value = meta.get(f"{arch}.{key}", 1.0)
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+            raise SpecError(f"{where}: {arch}.{key} is {value!r}; need a positive number")
+    for key in ("bos_token_id", "eos_token_id"):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise SpecError(f"{where}: tokenizer.ggml.{key} is {value!r}")
     head_dim = meta.get(f"{arch}.rope.dimension_count", hidden // heads)
     if not isinstance(head_dim, int) or head_dim < 1:
         raise SpecError(f"{where}: {arch}.rope.dimension_count {head_dim!r} is not usable")
@@ -232,6 +241,9 @@ def check_model_metadata(info: GGUFInfo, where: str) -> None:
         raise SpecError(
             f"{where}: tokenizer.ggml.token_type is missing or does not match the tokens"
         )
+    if layers * len(BLOCK_NAMES) > len(info.tensors):  # before building any per-layer list
+        raise SpecError(f"{where}: {arch}.block_count is {layers} but the file has only "
+                        f"{len(info.tensors)} tensors")  # fmt: skip
     names = set(info.tensors)
     needed = {"token_embd.weight", "output_norm.weight"} | {
         f"blk.{i}.{part}.weight" for i in range(layers) for part in BLOCK_NAMES
@@ -246,10 +258,18 @@ def check_model_metadata(info: GGUFInfo, where: str) -> None:
             not m and stem not in TENSOR_NAMES
         ):
             raise SpecError(f"{where}: unsupported GGUF tensor {name!r}")
-    embd = info.tensors["token_embd.weight"][0]
-    if embd != (len(tokens), hidden):
-        expected = (len(tokens), hidden)
-        raise SpecError(f"{where}: token_embd has shape {embd}, expected {expected}")
+    ff = meta[f"{arch}.feed_forward_length"]
+    q, kv = heads * head_dim, kv_heads * head_dim
+    shapes = {"attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden),
+              "attn_output": (hidden, q), "ffn_gate": (ff, hidden), "ffn_up": (ff, hidden),
+              "ffn_down": (hidden, ff), "attn_norm": (hidden,), "ffn_norm": (hidden,)}  # fmt: skip
+    expected = {"token_embd.weight": (len(tokens), hidden), "output_norm.weight": (hidden,),
+                "output.weight": (len(tokens), hidden)}  # fmt: skip
+    expected |= {f"blk.{i}.{k}.weight": v for i in range(layers) for k, v in shapes.items()}
+    for name, (shape, _) in info.tensors.items():
+        if name in expected and shape != expected[name]:
+            raise SpecError(f"{where}: tensor {name} has shape {shape}, expected "
+                            f"{expected[name]} from the hyper-parameters")  # fmt: skip
 
 
 def cache_root() -> Path:

@@ -10,9 +10,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, load_config, load_model, load_tokenizer
 
-from .caches import make_cache
+from .drafters import check_trimmable
 from .errors import SpecError
 from .registry import DRAFTERS
 
@@ -42,15 +43,6 @@ class Pair:
     @property
     def speculative(self) -> bool:
         return self.drafter == "ngram" or self.draft is not None
-
-    @property
-    def vocab_size(self) -> int | None:
-        """Rows of the target's embedding: token ids must stay below it."""
-        config = self.target_config or {}
-        for cfg in (config, config.get("text_config") or {}):
-            if isinstance(cfg.get("vocab_size"), int):
-                return cfg["vocab_size"]
-        return None
 
 
 def looks_like_path(name: str) -> bool:
@@ -149,8 +141,12 @@ def is_downloaded(name: str) -> bool:
     if looks_like_path(name) or path.exists():
         return path.exists()
     from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
 
-    config = try_to_load_from_cache(name, "config.json")
+    try:
+        config = try_to_load_from_cache(name, "config.json")
+    except HFValidationError:  # not a valid hub id (a typo in models.toml): not downloaded
+        return False
     return isinstance(config, str) and any(Path(config).parent.glob("*.safetensors"))
 
 
@@ -178,8 +174,9 @@ def _context_length(config: dict) -> int | None:
 def _load_tokenizer(path: Path, config: dict):
     try:
         return load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    # transformers also reads config.json here and divides by its head count
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as err:
+    # the tokenizers library raises bare Exceptions on a broken tokenizer.json, and transformers
+    # reads config.json here too (dividing by its head count, validating its fields)
+    except Exception as err:
         raise SpecError(f"cannot load the tokenizer in {path}: {_first_line(err)}") from None
 
 
@@ -457,9 +454,8 @@ def load_pair(
         )
     else:
         draft_model = None
-    if draft_model is not None:  # refused now, not at the first round
-        make_cache(target_model, "target")
-        make_cache(draft_model, "draft")
+    if draft_model is not None:
+        check_trimmable(make_prompt_cache(target_model), "target")
 
     if num_draft_tokens is None:
         if spec is not None and drafter == spec.drafter:

@@ -353,7 +353,8 @@ GGUF_CASES = {
     "bad-merges": (_rewrite(tokenizer__ggml__merges=("strs", ["nospace"])), "merges"),
     "architecture-gpt9": (_rewrite(general__architecture=("str", "gpt9")), "architecture"),
     "missing-layer-tensor": (_drop_tensor("blk.0.ffn_up.weight"), "missing"),
-    "more-layers-than-tensors": (_rewrite(llama__block_count=("u32", 2)), "missing"),
+    "more-layers-than-tensors": (_rewrite(llama__block_count=("u32", 2)), "block_count"),
+    "absurd-layer-count": (_rewrite(llama__block_count=("u32", 2**30 + 1)), "block_count"),
     "embedding-rows-differ": (_tensors(vocab=300), "token_embd"),
     "extra-layer-tensors": (_tensors(layers=2), "unsupported GGUF tensor"),
 }
