@@ -10,10 +10,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, load_config, load_model, load_tokenizer
 
-from .drafters import check_trimmable
+from .caches import make_cache
 from .errors import SpecError
 from .registry import DRAFTERS
 
@@ -43,6 +42,15 @@ class Pair:
     @property
     def speculative(self) -> bool:
         return self.drafter == "ngram" or self.draft is not None
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Rows of the target's embedding: token ids must stay below it."""
+        config = self.target_config or {}
+        for cfg in (config, config.get("text_config") or {}):
+            if isinstance(cfg.get("vocab_size"), int):
+                return cfg["vocab_size"]
+        return None
 
 
 def looks_like_path(name: str) -> bool:
@@ -454,8 +462,9 @@ def load_pair(
         )
     else:
         draft_model = None
-    if draft_model is not None:
-        check_trimmable(make_prompt_cache(target_model), "target")
+    if draft_model is not None:  # refused now, not at the first round
+        make_cache(target_model, "target")
+        make_cache(draft_model, "draft")
 
     if num_draft_tokens is None:
         if spec is not None and drafter == spec.drafter:
