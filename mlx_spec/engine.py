@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.utils import common_prefix_len
 
 from . import caches
@@ -84,7 +85,19 @@ class Decoder:
         self.sequence: list[int] = []
         self.unfed = 1
         self.stale = False  # the caches may not match `sequence`: the next prefill starts over
-        self.key = mx.random.key(seed if seed is not None else time.time_ns() % 2**63)
+        self.key = mx.random.key(check_seed(seed) if seed is not None else time.time_ns() % 2**63)
+        self.pair = None  # the pair `make_decoder` made it for
+        self.epoch = 0  # incremented by each stream that takes the decoder
+        self.active = False  # a stream took it and has not finished cleanly
+
+    def begin(self) -> int:
+        """A new stream takes the decoder. One that did not finish (an exception, Ctrl-C, a
+        generator kept open) may have left the caches mid-round: start over from the prompt."""
+        if self.active:
+            self.stale = True
+        self.active = True
+        self.epoch += 1
+        return self.epoch
 
     def _next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -198,6 +211,7 @@ class Decoder:
             logits = self.target(tokens[None], cache=self.cache)[0, -1]
             return self._target_token(logits, params)
 
+        epoch = self.epoch
         queued = step(mx.array(self.sequence[-self.unfed :], mx.uint32))
         mx.async_eval(queued)
         self.unfed = 1
@@ -216,7 +230,9 @@ class Decoder:
                     return
                 yield Round(tokens=[token], accepted=0, drafted=0, verified=0)
         finally:
-            if lookahead:  # undo the step queued for a token that will not be emitted
+            # undo the step queued for a token that will not be emitted (unless another stream
+            # has taken the decoder since: the caches are its own now)
+            if lookahead and self.epoch == epoch:
                 if self.recurrent:
                     caches.restore(self.cache, before)
                 try:
@@ -255,6 +271,23 @@ class Result:
         }
 
 
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise SpecError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    return seed
+
+
+def check_token_ids(ids: list, vocab: int | None) -> list[int]:
+    """Token ids must index the target's embedding: out of range, MLX reads past it."""
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int | np.integer):
+            raise SpecError(f"token ids must be integers, got {t!r}")
+        if t < 0 or (vocab is not None and t >= vocab):
+            limit = f"[0, {vocab})" if vocab is not None else "non-negative"
+            raise SpecError(f"token id {t} is out of range: the target's ids are {limit}")
+    return [int(t) for t in ids]
+
+
 def encode_prompt(tokenizer, prompt, system: str | None = None) -> list[int]:
     """str (raw text), list of {"role", "content"} messages, or list of token ids -> ids."""
     if isinstance(prompt, str):
@@ -280,11 +313,11 @@ def encode_prompt(tokenizer, prompt, system: str | None = None) -> list[int]:
             list(prompt), tokenize=False, add_generation_prompt=True
         )
         return list(tokenizer.encode(text, add_special_tokens=False))
-    if isinstance(prompt, list | tuple | mx.array):
-        ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
+    if isinstance(prompt, list | tuple | mx.array | np.ndarray):
+        ids = prompt.tolist() if isinstance(prompt, mx.array | np.ndarray) else list(prompt)
         if not ids:
             raise SpecError("the prompt is empty")
-        return ids
+        return check_token_ids(ids, None)
     raise SpecError(f"unsupported prompt type {type(prompt).__name__}")
 
 
@@ -313,7 +346,9 @@ def draft_policy(num_draft_tokens, draft_confidence: float | None):
 
 
 def make_decoder(pair, seed: int | None = None) -> Decoder:
-    return Decoder(pair.target, make_drafter(pair), pair.tokenizer.eos_token_ids, seed=seed)
+    decoder = Decoder(pair.target, make_drafter(pair), pair.tokenizer.eos_token_ids, seed=seed)
+    decoder.pair = pair
+    return decoder
 
 
 def stream_rounds(
@@ -341,7 +376,7 @@ def stream_rounds(
     )
     if max_tokens < 1:
         raise SpecError(f"max-tokens must be >= 1, got {max_tokens}")
-    tokens = encode_prompt(pair.tokenizer, prompt, system)
+    tokens = check_token_ids(encode_prompt(pair.tokenizer, prompt, system), pair.vocab_size)
     context = pair.context_length
     if context is not None and len(tokens) >= context:
         raise SpecError(
@@ -352,8 +387,11 @@ def stream_rounds(
     speculative = use_draft and pair.speculative
     if decoder is None:
         decoder = make_decoder(pair, seed)
+    elif decoder.pair is not None and decoder.pair is not pair:
+        raise SpecError("this decoder was made for another pair; make one with make_decoder(pair)")
     elif seed is not None:
-        decoder.key = mx.random.key(seed)
+        decoder.key = mx.random.key(check_seed(seed))
+    epoch = decoder.begin()
 
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(tokens)
@@ -368,9 +406,25 @@ def stream_rounds(
     stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
 
+    rounds = decoder.rounds(max_tokens, params, policy, use_draft=speculative)
+    try:
+        for batch in _events(rounds, detokenizer, stats, start, max_tokens):
+            yield batch
+            if decoder.epoch != epoch:  # checked before the next round touches the caches
+                raise SpecError("another stream took over this decoder; this one cannot go on")
+    except GeneratorExit:  # the caller stopped early: every yield is between rounds
+        rounds.close()  # plain decoding rolls back its look-ahead step here
+        if decoder.epoch == epoch:
+            decoder.active = decoder.stale
+        raise
+    decoder.active = False
+
+
+def _events(rounds, detokenizer, stats, start, max_tokens) -> Iterator[list[Event]]:
+    """Rounds -> batches of events: detokenized text, provenance, live stats."""
     held: Event | None = None  # an event whose token's text the detokenizer still holds
     finished = False
-    for index, r in enumerate(decoder.rounds(max_tokens, params, policy, use_draft=speculative)):
+    for index, r in enumerate(rounds):
         stats.add_round(r, time.perf_counter() - start)
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         finished = r.finished

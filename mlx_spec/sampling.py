@@ -8,12 +8,17 @@ from exactly the distribution `mlx_lm.generate` samples from with the same flags
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .errors import SpecError
+
+# Below this temperature the distribution is a point mass on the argmax to float32 precision,
+# and dividing by it can overflow (or, on Metal, divide by a flushed denormal): decode greedily.
+GREEDY_BELOW = 1e-6
 
 
 @dataclass(frozen=True)
@@ -24,8 +29,8 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self):
-        if not self.temperature >= 0:  # also rejects NaN
-            raise SpecError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # also rejects NaN
+            raise SpecError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise SpecError(f"top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -35,7 +40,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -48,7 +53,9 @@ def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
         logprobs = apply_min_p(logprobs, params.min_p)
     if 0 < params.top_k < logprobs.shape[-1]:
         logprobs = apply_top_k(logprobs, params.top_k)
-    return mx.softmax(logprobs * (1 / params.temperature), axis=-1)
+    # subtract the max first: the top token's logit is 0 / T = 0, never 0 * inf = NaN
+    logprobs = logprobs - logprobs.max(axis=-1, keepdims=True)
+    return mx.softmax(logprobs / params.temperature, axis=-1)
 
 
 def sample(probs: mx.array, key: mx.array) -> mx.array:
