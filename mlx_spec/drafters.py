@@ -42,6 +42,7 @@ def prefill_cache(model, cache: list, tokens: list[int], step: int = 2048) -> No
     for start in range(0, len(tokens), step):
         model(mx.array(tokens[start : start + step])[None], cache=cache)
         caches.eval_state(cache)
+        mx.clear_cache()  # a long prompt's activations would otherwise stay in MLX's pool
 
 
 class ModelDrafter:

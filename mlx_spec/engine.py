@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import wired_limit
 from mlx_lm.utils import common_prefix_len
 
 from . import caches
@@ -408,10 +409,12 @@ def stream_rounds(
 
     rounds = decoder.rounds(max_tokens, params, policy, use_draft=speculative)
     try:
-        for batch in _events(rounds, detokenizer, stats, start, max_tokens):
-            yield batch
-            if decoder.epoch != epoch:  # checked before the next round touches the caches
-                raise SpecError("another stream took over this decoder; this one cannot go on")
+        # as mlx-lm does: on Metal, keep the weights wired while generating
+        with wired_limit(pair.target):
+            for batch in _events(rounds, detokenizer, stats, start, max_tokens):
+                yield batch
+                if decoder.epoch != epoch:  # checked before the next round touches the caches
+                    raise SpecError("another stream took over this decoder; this one cannot go on")
     except GeneratorExit:  # the caller stopped early: every yield is between rounds
         rounds.close()  # plain decoding rolls back its look-ahead step here
         if decoder.epoch == epoch:

@@ -7,12 +7,14 @@ import sys
 
 
 def setup_arg_parser(parser):
-    from mlx_spec.cli import add_pair_args
+    from mlx_spec.cli import add_pair_args, positive_int, seed
 
     add_pair_args(parser)
     parser.add_argument("--temp", type=float, default=0.0, help="temperature (0: greedy)")
-    parser.add_argument("--max-tokens", type=int, default=1024, help="most tokens per reply")
-    parser.add_argument("--seed", type=int, help="random seed")
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=1024, help="most tokens per reply"
+    )
+    parser.add_argument("--seed", type=seed, help="random seed, in [0, 2**64)")
 
 
 def main(args):
