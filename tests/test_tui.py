@@ -13,7 +13,10 @@ PROMPT = "Tell me a story"
 
 @pytest.fixture(scope="module")
 def chat_pair(tiny_models):
-    return load_pair(target=str(tiny_models.target), draft=str(tiny_models.noisy))
+    # a fixed k: provenance and the picture must not depend on this machine's timings
+    return load_pair(
+        target=str(tiny_models.target), draft=str(tiny_models.noisy), num_draft_tokens=4
+    )
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +136,10 @@ async def test_speculation_off_means_all_target_tokens(chat_pair):
         assert "speculation  off" in panel and "tokens       20 in 20 passes" in panel
         await pilot.press("f2", "f4", "f6")
         assert "speculation  on   k = 5" in app.query_one(StatsPanel).render_text()
+        await pilot.press(*["f3"] * 5)
+        assert "k = auto" in app.query_one(StatsPanel).render_text()  # below 1: the controller
+        await pilot.press("f4", "f4")
+        assert "speculation  on   k = 2" in app.query_one(StatsPanel).render_text()
         assert app.temperature == 0.1
 
 
@@ -161,3 +168,17 @@ def test_snapshot_after_a_reply(chat_pair, snap_compare):
         await pilot.pause(0.1)
 
     assert snap_compare(app, terminal_size=(110, 32), run_before=run_before)
+
+
+async def test_panel_shows_what_auto_decided(tiny_models):
+    """With `auto` the panel says what the controller chose and why."""
+    pair = load_pair(target=str(tiny_models.target), draft=str(tiny_models.noisy))
+    app = ChatApp(pair, pair_name="tiny", max_tokens=30)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await send(pilot, PROMPT)
+        await finish(app, pilot)
+        panel = app.query_one(StatsPanel).render_text()
+        assert "k = auto" in panel
+        auto = next(line for line in panel.splitlines() if line.startswith("auto "))
+        assert auto.split(maxsplit=1)[1].startswith(("k=", "drafting paused", "probing"))
+        assert "% of tokens" in panel

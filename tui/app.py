@@ -20,6 +20,7 @@ from textual.widgets.option_list import Option
 from textual.worker import get_current_worker
 
 from mlx_spec import SpecError, Stats, make_decoder, stream_rounds
+from mlx_spec.policies import Auto, Fixed, draft_length
 
 from .widgets import ReplyView, StatsPanel
 
@@ -90,7 +91,7 @@ class ChatApp(App):
         *,
         loader=None,
         pair_name: str | None = None,
-        num_draft_tokens: int | None = None,
+        num_draft_tokens=None,  # an int, "auto", policies.Fixed/Auto; None: the pair's own
         temperature: float = 0.0,
         max_tokens: int = 1024,
         seed: int | None = None,
@@ -100,7 +101,7 @@ class ChatApp(App):
         self.pair = None
         self.loader = loader
         self.pair_name = pair_name
-        self.k = num_draft_tokens
+        self.k = None if num_draft_tokens is None else draft_length(num_draft_tokens)
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.seed = seed
@@ -285,9 +286,11 @@ class ChatApp(App):
             self.show_settings()
 
     def action_change_k(self, delta: int) -> None:
+        """f3 / f4 step through auto, 1, 2, ..., K_MAX."""
         if self.reply is None and self.k is not None:
-            k = self.k if isinstance(self.k, int) else 4  # leaving "auto"
-            self.k = max(1, min(K_MAX, k + delta))
+            k = self.k.k if isinstance(self.k, Fixed) else 0  # 0: auto
+            k = max(0, min(K_MAX, k + delta))
+            self.k = Fixed(k) if k else Auto()
             self.show_settings()
 
     def action_change_temperature(self, delta: float) -> None:

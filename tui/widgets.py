@@ -41,6 +41,18 @@ class ReplyView(Static):
         color = self.get_component_styles(name).color
         return color.hex
 
+    @staticmethod
+    def controller_lines(s: dict) -> list[str]:
+        """What `auto` decided and why: "drafting paused: draft costs 1.50 steps"."""
+        view = s.get("controller")
+        if not view:
+            return []
+        plain = s.get("plain_tokens", 0) / max(1, s["generated_tokens"])
+        lines = [f"auto         {view['state']}", f"plain        {plain:.0%} of tokens"]
+        if view.get("draft_cost") is not None:
+            lines.append(f"draft cost   {view['draft_cost']:.2f} target steps")
+        return lines
+
     def assemble(self) -> Content:
         accepted, target = self._style("reply--accepted"), self._style("reply--target")
         parts = [
@@ -97,6 +109,7 @@ class StatsPanel(Static):
             f"tokens/pass  {s['tokens_per_target_pass']:.2f}",
             f"tokens       {s['generated_tokens']} in {s['target_passes']} passes",
             f"k per round  {s['mean_draft_length']:.1f} on average",
+            *self.controller_lines(s),
             f"draft passes {s.get('draft_steps', 0)} "
             f"({s.get('draft_steps', 0) / max(1, s['generated_tokens']):.2f} per token)",
             f"prompt       {s['prompt_tokens']} ({s['prompt_tokens_reused']} reused, "
@@ -108,6 +121,18 @@ class StatsPanel(Static):
         for i, rate in enumerate(s["acceptance_by_position"]):
             lines.append(f"{i + 1:>2} {bar(rate)} {rate:>4.0%}")
         return "\n".join(lines)
+
+    @staticmethod
+    def controller_lines(s: dict) -> list[str]:
+        """What `auto` decided and why: "drafting paused: draft costs 1.50 steps"."""
+        view = s.get("controller")
+        if not view:
+            return []
+        plain = s.get("plain_tokens", 0) / max(1, s["generated_tokens"])
+        lines = [f"auto         {view['state']}", f"plain        {plain:.0%} of tokens"]
+        if view.get("draft_cost") is not None:
+            lines.append(f"draft cost   {view['draft_cost']:.2f} target steps")
+        return lines
 
     def assemble(self) -> Content:
         accepted = self.get_component_styles("reply--accepted").color.hex

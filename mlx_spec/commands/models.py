@@ -26,9 +26,8 @@ def main(args):
     for name, spec in registry.pairs.items():
         models = [spec.target] + ([spec.draft] if spec.draft else [])
         have = all(is_downloaded(m) for m in models)
-        print(
-            f"{name:<20} {spec.num_draft_tokens:>4}  {'yes' if have else 'no':<10}  {spec.target}"
-        )
+        k = str(spec.num_draft_tokens)
+        print(f"{name:<20} {k:>4}  {'yes' if have else 'no':<10}  {spec.target}")
         print(f"{'':<38}{describe_draft(spec)}")
         if spec.note:
             print(f"{'':<38}{spec.note}")

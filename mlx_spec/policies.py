@@ -1,0 +1,319 @@
+"""Draft-length policies: how many tokens to draft each round (k = 0: decode plainly).
+
+A `DraftLength` is the user's choice as a value — `Fixed(4)` or `Auto()` — carried from the CLI,
+models.toml and the API to the engine; `.policy()` makes the object that decides round by
+round. Policies see only the past (earlier rounds' acceptance and timings), never the round they
+decide, so the output stays exactly the target's whatever they choose.
+
+`Controller` (behind `auto`) picks k to maximise expected tokens per second from what this run
+measures: the wall time of a round for each k it tried (draft steps + the verify pass + the
+round's host work), the time of a plain decoding step, and the draft's acceptance per position
+with a memory of the last few rounds. When no k is expected to beat a plain step it decodes
+plainly and re-probes with a short draft now and then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import SpecError
+
+K_MAX = 8  # `auto` chooses k within [0, K_MAX]
+DRAFT_CONFIDENCE = 0.4  # auto k: stop below this top probability (HF assisted generation's default)
+
+
+# --------------------------------------------------------------------------- the user's choice
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """The same draft length every round."""
+
+    k: int
+
+    def __post_init__(self):
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise SpecError(f"num-draft-tokens must be an integer >= 1 or 'auto', got {self.k!r}")
+
+    def __str__(self) -> str:
+        return str(self.k)
+
+    def policy(self, stop_below: float | None = None) -> FixedK:
+        return FixedK(self.k, stop_below or 0.0)
+
+
+@dataclass(frozen=True)
+class Auto:
+    """k chosen every round by the `Controller`."""
+
+    k_max: int = K_MAX
+
+    def __str__(self) -> str:
+        return "auto"
+
+    def policy(self, stop_below: float | None = None) -> Controller:
+        return Controller(self.k_max, DRAFT_CONFIDENCE if stop_below is None else stop_below)
+
+
+DraftLength = Fixed | Auto
+
+
+def draft_length(value) -> DraftLength:
+    """An int, "auto" (or a digit string), or a DraftLength -> a DraftLength."""
+    if isinstance(value, Fixed | Auto):
+        return value
+    if value == "auto":
+        return Auto()
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    return Fixed(value)
+
+
+# ----------------------------------------------------------------------------- the deciders
+
+
+class FixedK:
+    """The same draft length every round (a model draft may stop early below `stop_below`)."""
+
+    def __init__(self, k: int, stop_below: float = 0.0):
+        self.k = self.k_max = k
+        self.stop_below = stop_below
+
+    def next(self) -> int:
+        return self.k
+
+    def update(self, requested, drafted, verified, seconds, split=None) -> None:
+        pass
+
+    def update_plain(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def plain_burst(self) -> int:
+        return 1  # only the last token of a reply (or a recurrent replay) runs without drafts
+
+    def wants_split(self) -> bool:
+        return False
+
+    def view(self) -> dict:
+        return {}
+
+
+@dataclass
+class Estimate:
+    """An exponential moving average that knows whether it has seen anything. With `warmup`
+    the first value is provisional and the second replaces it: a first call of a model (or of
+    a new shape) pays one-time costs — allocation, kernel compilation on Metal."""
+
+    rate: float
+    warmup: bool = False
+    value: float | None = None
+    count: int = 0
+
+    def add(self, x: float) -> None:
+        if self.value is None or (self.warmup and self.count == 1):
+            self.value = x
+        else:
+            self.value += self.rate * (x - self.value)
+        self.count += 1
+
+
+ACCEPT_MEMORY = 0.15  # weight of the newest round in the acceptance estimates (~7 rounds)
+COST_MEMORY = 0.25  # ... in the round-time estimates
+PLAIN_MEMORY = 0.1  # ... in a plain token's time (timed token by token: noisier)
+PRIOR_ACCEPTANCE = 0.6  # before a position has been seen
+PROBE_LOSS = 0.02  # re-probe no more often than a probe's expected loss stays under 2 % of time
+PROBE_MAX_INTERVAL = 256  # plain tokens between probes at most
+WARMUP_PLAIN = 4  # plain tokens of the warm-up that time a plain step
+CALIBRATION_ROUNDS = 3  # first rounds whose draft and verify parts are timed apart
+REVISIT_EVERY = 16  # rounds between re-timings of a neighbouring k
+
+
+@dataclass
+class Controller:
+    """Chooses k each round to maximise expected tokens per second (k = 0: plain decoding).
+
+    Expected tokens of a round with k drafts: E(k) = 1 + sum_j R_j * prod_{i<=j} a_i, where a_i
+    is the acceptance of draft position i given the ones before it were accepted and R_j the
+    chance that the drafter proposes a j-th token at all (prompt lookup may find a shorter
+    match; a model draft may stop on low confidence). The round's time T(k) is measured per k
+    (interpolated between, extrapolated beyond the k tried); a plain step's time T(0) is timed
+    on stretches of plain decoding. The choice is argmax E(k) / T(k), with k = 0 giving 1 / T(0).
+    """
+
+    k_max: int = K_MAX
+    stop_below: float = DRAFT_CONFIDENCE
+    accept: list = field(default_factory=list)  # a_i per draft position
+    reach: list = field(default_factory=list)  # R_j per draft position
+    cost: dict = field(default_factory=dict)  # k -> seconds per round (k = 0: per plain token)
+    draft_step: Estimate = field(default_factory=lambda: Estimate(COST_MEMORY, warmup=True))
+    verify: dict = field(default_factory=dict)  # rows -> seconds of a verify pass (calibration)
+    # warm-up: two short drafts (the first one's timing is provisional), then plain steps
+    plan: list = field(default_factory=lambda: [1, 1, 0])
+    plain_since_probe: int = 0
+    calibrated: int = 0
+    rounds: int = 0
+    burst: int = WARMUP_PLAIN
+    chosen: int = 1
+    reason: str = "warming up"
+
+    def __post_init__(self):
+        self.accept = [Estimate(ACCEPT_MEMORY) for _ in range(self.k_max)]
+        self.reach = [Estimate(ACCEPT_MEMORY) for _ in range(self.k_max)]
+
+    # ------------------------------------------------------------------ the model of a round
+
+    def acceptance(self, i: int) -> float:
+        """a_i for 0-based position i; an unseen position borrows from the one before."""
+        e = self.accept[i]
+        if e.count:
+            return e.value
+        return self.acceptance(i - 1) if i > 0 else PRIOR_ACCEPTANCE
+
+    def expected_tokens(self, k: int, optimistic: bool = False) -> float:
+        total, chain = 1.0, 1.0
+        for i in range(k):
+            a = 1.0 if optimistic else self.acceptance(i)
+            r = 1.0 if optimistic or not self.reach[i].count else self.reach[i].value
+            chain *= a
+            total += r * chain
+        return total
+
+    def round_time(self, k: int) -> float | None:
+        """Seconds of a round with k drafts (k = 0: of a plain token): measured, else
+        interpolated between the k measured, else extrapolated along the nearest two."""
+        known = sorted((j, e.value) for j, e in self.cost.items() if e.count)
+        times = dict(known)
+        if k in times:
+            return times[k]
+        below = [p for p in known if p[0] < k]
+        above = [p for p in known if p[0] > k]
+        if below and above:
+            (j0, t0), (j1, t1) = below[-1], above[0]
+        elif len(below) >= 2:
+            (j0, t0), (j1, t1) = below[-2:]
+        elif len(above) >= 2:
+            (j0, t0), (j1, t1) = above[:2]
+        elif known and known[0][0] > 0:  # one round measured, no plain step: cost ~ rows
+            j0, t0 = known[0]
+            return t0 * (k + 1) / (j0 + 1)
+        else:
+            return None
+        return max(t0 + (t1 - t0) * (k - j0) / (j1 - j0), 1e-9)
+
+    def speed(self, k: int, optimistic: bool = False) -> float | None:
+        t = self.round_time(k)
+        if t is None:
+            return None
+        return (1.0 if k == 0 else self.expected_tokens(k, optimistic)) / t
+
+    # ------------------------------------------------------------------------- the decision
+
+    def best(self, optimistic: bool = False, lowest: int = 0) -> tuple[int, float]:
+        speeds = [(self.speed(k, optimistic) or 0.0, -k, k) for k in range(lowest, self.k_max + 1)]
+        speed, _, k = max(speeds)
+        return k, speed
+
+    def probe_interval(self) -> int:
+        """Plain tokens between probes: a probe (the best k > 0) should cost at most
+        PROBE_LOSS of the time spent decoding plainly in between."""
+        plain = self.round_time(0)
+        k, _ = self.best(lowest=1)
+        t = self.round_time(k)
+        if plain is None or t is None:
+            return WARMUP_PLAIN
+        if self.best(optimistic=True)[0] == 0:
+            return PROBE_MAX_INTERVAL  # even a draft that is always right cannot pay
+        loss = max(t - self.expected_tokens(k) * plain, 0.0)
+        return int(min(PROBE_MAX_INTERVAL, max(8, loss / (PROBE_LOSS * plain))))
+
+    def next(self) -> int:
+        if self.plan:
+            self.chosen, self.burst = self.plan.pop(0), WARMUP_PLAIN
+            return self.chosen
+        k, _ = self.best()
+        if k == 0:
+            interval = self.probe_interval()
+            if self.plain_since_probe >= interval:
+                self.chosen, self.reason = self.best(lowest=1)[0], "probing"
+                return self.chosen
+            self.chosen, self.burst = 0, interval - self.plain_since_probe
+            self.reason = self._paused_reason()
+            return 0
+        self.rounds += 1
+        # climb: try one more draft token while the longest tried is the best; now and then
+        # re-time a neighbour (a single noisy timing must not rule a k out for good)
+        tried = max(j for j, e in self.cost.items() if e.count)
+        if k == tried and k < self.k_max and k + 1 not in self.cost:
+            k += 1
+        elif self.rounds % REVISIT_EVERY == 0:
+            k = min(k + 1, self.k_max) if self.rounds % (2 * REVISIT_EVERY) else max(k - 1, 1)
+        self.chosen, self.reason = k, f"k={k}: predicted {self.predicted_speedup(k):.2f}x"
+        return k
+
+    def plain_burst(self) -> int:
+        """How many plain tokens to decode before asking again (k = 0 was chosen)."""
+        return max(1, self.burst)
+
+    def predicted_speedup(self, k: int) -> float:
+        plain, speed = self.round_time(0), self.speed(k)
+        return speed * plain if plain and speed else 0.0
+
+    def _paused_reason(self) -> str:
+        if self.best(optimistic=True)[0] == 0:  # even a draft that is always right loses
+            c = self.draft_cost()
+            if c is not None:
+                return f"drafting paused: draft costs {c:.2f} steps"
+            return "drafting paused: a round costs more than a perfect draft saves"
+        return f"drafting paused: acceptance {self.acceptance(0):.0%} is too low to pay"
+
+    def draft_cost(self) -> float | None:
+        """One draft step in plain target steps (the `c` of the speed-up formula)."""
+        plain = self.round_time(0)
+        if self.draft_step.value is None or not plain:
+            return None
+        return self.draft_step.value / plain
+
+    def wants_split(self) -> bool:
+        """Time the draft apart from the verify pass this round (one extra host sync): the
+        first rounds and every probe, so the view has `c` and the verify curve."""
+        return self.calibrated < CALIBRATION_ROUNDS or self.reason == "probing"
+
+    # ------------------------------------------------------------------------ what happened
+
+    def update(self, requested, drafted, verified, seconds, split=None) -> None:
+        """A speculative round: k asked, drafted, accepted (before EOS truncation), its wall
+        time, and optionally (draft seconds, draft steps, verify seconds, verify rows)."""
+        if requested == 0:
+            return
+        self.plain_since_probe = 0
+        self.cost.setdefault(requested, Estimate(COST_MEMORY, warmup=True)).add(seconds)
+        for j in range(requested):
+            self.reach[j].add(float(j < drafted))
+        for i in range(min(drafted, verified + 1)):
+            self.accept[i].add(float(i < verified))
+        if split is not None:
+            draft_seconds, steps, verify_seconds, rows = split
+            self.calibrated += 1
+            if steps:
+                self.draft_step.add(draft_seconds / steps)
+            self.verify.setdefault(rows, Estimate(COST_MEMORY, warmup=True)).add(verify_seconds)
+
+    def update_plain(self, tokens: int, seconds: float) -> None:
+        if tokens:
+            self.cost.setdefault(0, Estimate(PLAIN_MEMORY, warmup=True)).add(seconds / tokens)
+            self.plain_since_probe += tokens
+
+    def view(self) -> dict:
+        """The controller's state for stats: measured costs relative to a plain step."""
+        plain = self.round_time(0)
+        rel = (lambda t: round(t / plain, 3)) if plain else (lambda t: None)
+        c = self.draft_cost()
+        state = self._paused_reason() if self.chosen == 0 and not self.plan else self.reason
+        return {
+            "state": state,
+            "k": self.chosen,
+            "draft_cost": round(c, 3) if c is not None else None,
+            "round_cost": {k: rel(e.value) for k, e in sorted(self.cost.items()) if e.count},
+            "verify_curve": {n: rel(e.value) for n, e in sorted(self.verify.items())},
+            "acceptance": [round(e.value, 3) for e in self.accept if e.count],
+        }
