@@ -344,6 +344,13 @@ def _drop_tensor(name):
     return edit
 
 
+def _as_qwen3(path):
+    """The tiny llama file relabelled qwen3: it lacks Qwen3's per-head q/k norms."""
+    meta = {k.replace("llama.", "qwen3."): v for k, v in tiny_metadata().items()}
+    meta["general.architecture"] = ("str", "qwen3")
+    write_gguf(path, meta)
+
+
 GGUF_CASES = {
     "random-after-magic": (_random_after_magic, "not a valid GGUF"),
     "tensor-count-2^40": (lambda p, g: p.write_bytes(_header(2**40, 1, b"\0" * 64)), "claims"),
@@ -366,6 +373,10 @@ GGUF_CASES = {
     "absurd-layer-count": (_rewrite(llama__block_count=("u32", 2**30 + 1)), "block_count"),
     "embedding-rows-differ": (_tensors(vocab=300), "token_embd"),
     "extra-layer-tensors": (_tensors(layers=2), "unsupported GGUF tensor"),
+    "unknown-pre-tokenizer": (_rewrite(tokenizer__ggml__pre=("str", "made-up")), "pre-tokenizer"),
+    "sentencepiece-without-scores": (_rewrite(tokenizer__ggml__model=("str", "llama")), "scores"),
+    "unknown-rope-scaling": (_rewrite(llama__rope__scaling__type=("str", "su")), "scaling.type"),
+    "qwen3-without-qk-norm": (lambda p, g: _as_qwen3(p), "norm.weight is missing"),
 }
 
 

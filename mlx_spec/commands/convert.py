@@ -15,7 +15,8 @@ def setup_arg_parser(parser):
     parser.add_argument(
         "--dtype",
         choices=["float16", "bfloat16", "float32"],
-        help="dequantize every tensor to this type (default: keep the file's quantization)",
+        help="dequantize every tensor to this type (default: keep the file's precision; "
+        "quantized tensors become MLX affine quantization)",
     )
 
 
@@ -35,7 +36,7 @@ def main(args):
                 raise SpecError(f"cannot write {out}: {folder} is not writable")
             break
     start = time.perf_counter()
-    convert(Path(args.gguf), out, args.dtype)
+    convert(Path(args.gguf), out, args.dtype, report=print)
     size = sum(f.stat().st_size for f in out.iterdir()) / 1e6
     print(f"wrote {out} ({size:.0f} MB) in {time.perf_counter() - start:.1f}s")
     return 0
