@@ -501,9 +501,9 @@ def remove_stale(root: Path, held: str | None = None) -> None:
             continue
 
 
-def converted_path(gguf: Path, dtype: str | None = None) -> Path:
+def converted_path(gguf: Path, dtype: str | None = None, report=None) -> Path:
     """The mlx-lm directory for `gguf` (quantized as in the file, or dequantized to `dtype`),
-    converting on first use.
+    converting on first use (`report(line)` gets the conversion's one line; default: stderr).
 
     The file is checked before anything touches the cache. Conversion runs under a file lock:
     a second process converting the same file waits, then reuses the result."""
@@ -518,7 +518,7 @@ def converted_path(gguf: Path, dtype: str | None = None) -> Path:
         if not _usable(out):  # missing, or damaged: (re)convert
             if out.exists():
                 shutil.rmtree(out)
-            convert(gguf, out, dtype)
+            convert(gguf, out, dtype, report)
     return out
 
 
@@ -895,7 +895,7 @@ def convert(gguf: Path, out: Path, dtype: str | None = None, report=None) -> Pat
         raise SpecError(f"cannot read GGUF file {gguf}: {err.strerror or err}") from None
     try:
         config = _config(info, weights, quantization, rope_freqs)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, SpecError) as err:
         raise SpecError(f"{gguf}: {_first_line(err)}") from None
     out = Path(out)
     try:

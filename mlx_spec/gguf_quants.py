@@ -214,9 +214,12 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
         shifts = (bits * np.arange(per)).astype(np.uint8)
         packed = np.bitwise_or.reduce(v << shifts, axis=-1).astype(np.uint8)
         return packed.view("<u4").reshape(rows, cols * bits // 32)
-    stream = np.unpackbits(q[..., None], axis=-1, count=8, bitorder="little")[..., :bits]
-    packed = np.packbits(stream.reshape(rows, -1), axis=-1, bitorder="little")
-    return np.ascontiguousarray(packed).view("<u4").reshape(rows, cols * bits // 32)
+    # 3, 5, 6 bits: eight values fill `bits` bytes exactly; build them in a little-endian
+    # uint64 and keep its low `bits` bytes
+    v = q.reshape(rows, cols // 8, 8).astype("<u8")
+    word = np.bitwise_or.reduce(v << (bits * np.arange(8, dtype="<u8")), axis=-1)
+    packed = word[..., None].view(np.uint8)[..., :bits]
+    return np.ascontiguousarray(packed).reshape(rows, -1).view("<u4")
 
 
 def float_array(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

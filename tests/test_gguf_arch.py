@@ -260,3 +260,14 @@ def test_qwen3_without_qk_norm_is_refused(tmp_path, capsys):
         info.meta["llama." + key.removeprefix("qwen3.")] = info.meta.pop(key)
     with pytest.raises(mg.SpecError, match="unsupported GGUF tensor"):
         mg.check_model_metadata(info, "x")
+
+
+def test_bad_rope_freqs_is_one_line(tmp_path, monkeypatch, capsys):
+    import gguf_tiny
+
+    monkeypatch.setattr(gguf_tiny, "llama3_factors", lambda *a: np.zeros(32, np.float32))
+    tiny = write_tiny(tmp_path, "llama", "F16", rope_scaling=LLAMA3)
+    assert main(["convert", str(tiny.gguf), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "rope_freqs" in err and str(tiny.gguf) in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
