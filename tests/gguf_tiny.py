@@ -296,6 +296,11 @@ def write_tiny(
         else:
             w.add_string(f"{arch}.rope.scaling.type", kind)
             w.add_float32(f"{arch}.rope.scaling.factor", rope_scaling["factor"])
+            if "original_max_position_embeddings" in rope_scaling:
+                w.add_uint32(
+                    f"{arch}.rope.scaling.original_context_length",
+                    rope_scaling["original_max_position_embeddings"],
+                )
     if spm:
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")

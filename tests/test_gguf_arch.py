@@ -188,12 +188,44 @@ def test_llama3_rope_freqs(tmp_path, scaling, expect):
     assert np.abs(logits(model, long) - logits(ref, long)).max() < TOLERANCE["Q8_0"]
 
 
-def test_gemma3_linear_rope_scaling(tmp_path):
-    tiny = write_tiny(tmp_path, "gemma3", "F16", rope_scaling={"type": "linear", "factor": 8.0})
+@pytest.mark.parametrize(
+    "arch,scaling",
+    [
+        ("gemma3", {"type": "linear", "factor": 8.0}),  # Gemma 3 4B and up
+        ("qwen2", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    ],
+)
+def test_rope_scaling_metadata(tmp_path, arch, scaling):
+    tiny = write_tiny(tmp_path, arch, "F16", rope_scaling=scaling)
     out, _ = convert(tiny, tmp_path)
     model, _ = load_model(out)
     ref, _ = load_model(tiny.ref)
-    assert np.abs(logits(model, PROMPT) - logits(ref, PROMPT)).max() < TOLERANCE["F16"]
+    long = PROMPT * 4  # past the original context of the yarn case
+    assert np.abs(logits(model, long) - logits(ref, long)).max() < TOLERANCE["F16"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tied_embeddings(tmp_path, arch):
+    """SmolLM, Llama 3.2 1B/3B and small Qwen 2.5 files have no output.weight."""
+    tiny = write_tiny(tmp_path, arch, "Q8_0", tied=True)
+    out, _ = convert(tiny, tmp_path)
+    model, config = load_model(out)
+    ref, _ = load_model(tiny.ref)
+    assert config["tie_word_embeddings"] and "lm_head" not in dict(model.named_modules())
+    assert np.abs(logits(model, PROMPT) - logits(ref, PROMPT)).max() < TOLERANCE["Q8_0"]
+
+
+def test_gemma3_27b_query_scale():
+    """llama.cpp scales Gemma 3 27B's queries by hidden/heads (168), the others by head size."""
+    meta = {"general.architecture": "gemma3", "gemma3.embedding_length": 5376,
+            "gemma3.attention.head_count": 32, "gemma3.block_count": 62,
+            "gemma3.feed_forward_length": 21504, "gemma3.context_length": 131072,
+            "gemma3.attention.key_length": 128, "gemma3.attention.sliding_window": 1024,
+            "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.token_type": [1]}  # fmt: skip
+    info = mg.GGUFInfo(meta, {})
+    assert mg._config(info, {}, None, None)["query_pre_attn_scalar"] == 168
+    meta["gemma3.block_count"] = 34  # 4B: head size
+    assert mg._config(info, {}, None, None)["query_pre_attn_scalar"] == 128
 
 
 # --- through load_pair and the engine: plain, self-draft, prompt lookup -----------------------
