@@ -208,16 +208,19 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
     """MLX's affine packing: the codes of a row as one little-endian bit stream (value i in
     bits [i*bits, (i+1)*bits)), read as uint32 words."""
     rows, cols = q.shape
-    if bits in (2, 4, 8):  # whole values per byte: shifts, no bit unpacking
+    if bits in (2, 4, 8):  # whole values per byte
         per = 8 // bits
-        v = q.reshape(rows, cols // per, per).astype(np.uint8)
-        shifts = (bits * np.arange(per)).astype(np.uint8)
-        packed = np.bitwise_or.reduce(v << shifts, axis=-1).astype(np.uint8)
+        v = q.reshape(rows, cols // per, per)
+        packed = v[..., 0].copy()
+        for i in range(1, per):
+            packed |= v[..., i] << np.uint8(bits * i)
         return packed.view("<u4").reshape(rows, cols * bits // 32)
     # 3, 5, 6 bits: eight values fill `bits` bytes exactly; build them in a little-endian
     # uint64 and keep its low `bits` bytes
-    v = q.reshape(rows, cols // 8, 8).astype("<u8")
-    word = np.bitwise_or.reduce(v << (bits * np.arange(8, dtype="<u8")), axis=-1)
+    v = q.reshape(rows, cols // 8, 8)
+    word = v[..., 0].astype("<u8")
+    for i in range(1, 8):
+        word |= v[..., i].astype("<u8") << np.uint64(bits * i)
     packed = word[..., None].view(np.uint8)[..., :bits]
     return np.ascontiguousarray(packed).reshape(rows, -1).view("<u4")
 
