@@ -15,7 +15,6 @@ import sys
 import traceback
 
 from .errors import SpecError
-from .policies import DRAFT_CONFIDENCE
 from .registry import DRAFTERS
 
 COMMANDS = {
@@ -118,7 +117,7 @@ def add_pair_args(parser: argparse.ArgumentParser) -> None:
         type=probability,
         metavar="P",
         help="a draft model stops drafting after a token whose top probability is below P "
-        f"(default: {DRAFT_CONFIDENCE} with auto k, 0 = off with a fixed k)",
+        "(default: off)",
     )
     g.add_argument(
         "--force",

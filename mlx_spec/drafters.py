@@ -170,6 +170,10 @@ class NGramDrafter:
                 return self.tokens[start : start + k]
         return []
 
+    def has_proposal(self) -> bool:
+        """Whether a round now would draft anything (a dictionary look-up: free)."""
+        return bool(self.lookup(1))
+
     def propose(self, k, params, key, stop_below=0.0):
         return mx.array(self.lookup(k), mx.uint32), None  # None: a point mass on the guess
 

@@ -39,6 +39,8 @@ class Round:
     requested: int = 0  # k the policy asked for (a drafter may propose fewer)
     plain: bool = False  # decoded plainly while speculating (the policy chose k = 0)
     split: tuple | None = None  # (draft s, draft steps, verify s, verify rows) when timed apart
+    proposal: list[int] = field(default_factory=list)  # the draft's guesses, kept or not
+    target_token: int | None = None  # the target's own token: correction, bonus or plain step
 
 
 def point_mass(tokens: mx.array, vocab: int) -> mx.array:
@@ -143,16 +145,21 @@ class Decoder:
             yield from self._plain_steps(max_tokens, params)
             return
         policy = FixedK(k) if isinstance(k, int) else k
+        # prompt lookup can tell for free whether it has something to draft now
+        peek = getattr(self.drafter, "has_proposal", None)
         emitted = 0
         last = time.perf_counter()  # wall time between round starts: the consumer's share too
         while emitted < max_tokens:
             # the round adds at most k+1 tokens; never draft past max_tokens
-            k_round = min(policy.next(), max_tokens - emitted - 1)
+            available = peek() if peek is not None else None
+            k_round = min(policy.next(available), max_tokens - emitted - 1)
             if self.unfed > REPLAY_LIMIT:
                 k_round = 0
             if k_round == 0:
                 n = min(policy.plain_burst(), max_tokens - emitted)
-                for r in self._plain_steps(n, params, plain=True):
+                # a plain stretch ends where lookup finds a match (after the step already
+                # queued): the policy decides again
+                for r in self._plain_steps(n, params, plain=True, until=peek):
                     emitted += len(r.tokens)
                     self.drafter.commit(self.sequence[-1:])
                     now = time.perf_counter()
@@ -165,7 +172,7 @@ class Decoder:
             r = self._speculative_round(k_round, params, policy.stop_below, policy.wants_split())
             emitted += len(r.tokens)
             now = time.perf_counter()  # before the yield: a caller may stop after any round
-            policy.update(k_round, r.drafted, r.verified, now - last, r.split)
+            policy.update(k_round, r.drafted, r.verified, now - last, r.split, r.replayed)
             last = now
             yield r
             if r.finished:
@@ -179,7 +186,7 @@ class Decoder:
         draft_tokens, q = self.drafter.propose(k, params, key, stop_below)  # (k,), (k, V)|None
         k = draft_tokens.shape[0]  # a drafter may propose fewer (lookup: 0 on no match)
         if split:  # time the draft apart (an extra host sync, in a few calibration rounds)
-            mx.eval(draft_tokens, q) if q is not None else mx.eval(draft_tokens)
+            mx.eval([a for a in (draft_tokens, q) if a is not None])
             drafted_at = time.perf_counter()
         saved = caches.snapshot(self.cache) if self.recurrent else None
         unfed = self.sequence[-self.unfed :]  # replayed tokens, then the last one
@@ -230,13 +237,16 @@ class Decoder:
             replayed=replayed,
             requested=requested,
             split=timing,
+            proposal=drafted,
+            target_token=next_token,
         )
 
     def _plain_steps(
-        self, max_tokens: int, params: SamplingParams, plain: bool = False
+        self, max_tokens: int, params: SamplingParams, plain: bool = False, until=None
     ) -> Iterator[Round]:
         """Plain decoding, one token per round, pipelined as mlx_lm.generate_step is: the
-        next step is queued before the current token is read back (never past max_tokens)."""
+        next step is queued before the current token is read back (never past max_tokens).
+        `until()`, asked after each token, ends the stretch after the step already queued."""
         before = None  # a recurrent state from before the queued step
 
         def step(tokens: mx.array) -> mx.array:
@@ -251,19 +261,23 @@ class Decoder:
         mx.async_eval(queued)
         self.unfed = 1
         lookahead = False  # whether the cache already holds the last token of `sequence`
+        last_step = False
         try:
             for emitted in range(1, max_tokens + 1):
                 current = queued
-                lookahead = emitted < max_tokens
+                lookahead = emitted < max_tokens and not last_step
                 if lookahead:
                     queued = step(current.reshape(1))
                     mx.async_eval(queued)
                 token = current.item()
                 self.sequence.append(token)
                 if token in self.eos:
-                    yield Round([], 0, 0, 0, finished=True, plain=plain)
+                    yield Round([], 0, 0, 0, finished=True, plain=plain, target_token=token)
                     return
-                yield Round([token], 0, 0, 0, plain=plain)
+                yield Round([token], 0, 0, 0, plain=plain, target_token=token)
+                if not lookahead:
+                    return
+                last_step = until is not None and until()
         finally:
             # undo the step queued for a token that will not be emitted (unless another stream
             # has taken the decoder since: the caches are its own now)
@@ -279,6 +293,11 @@ class Decoder:
 # ----------------------------------------------------------------------------- stream layer
 
 
+# What produced a token: the draft (and the target agreed), the target correcting a rejected
+# draft token, or the target on its own (a bonus after full acceptance, or nothing drafted).
+ACCEPTED, REGENERATED, TARGET = "accepted", "regenerated", "target"
+
+
 @dataclass
 class Event:
     text: str  # detokenized text this token completes (may be "" while a word is unfinished)
@@ -286,6 +305,33 @@ class Event:
     accepted: bool  # True: a draft token the target accepted; False: produced by the target
     round: int  # index of the verify round that emitted it
     stats: Stats = field(repr=False)  # live statistics, updated once per round
+    kind: str = ACCEPTED  # ACCEPTED, REGENERATED (a correction) or TARGET (bonus, plain)
+    rejected: list[int] = field(default_factory=list)  # REGENERATED: the draft's losing guesses
+
+
+@dataclass
+class RoundRecord:
+    """One round as it happened: what the draft proposed and what the target made of it."""
+
+    drafted: list[int]  # the draft's proposal (empty: a plain step, or lookup found nothing)
+    accepted: int  # how many of them the target accepted
+    token: int | None  # the target's own token: a correction, a bonus or a plain step
+    emitted: int  # tokens this round added to the reply (an end-of-sequence token is not one)
+
+    @property
+    def kind(self) -> str:
+        if not self.drafted:
+            return "plain"
+        return "bonus" if self.accepted == len(self.drafted) else "correction"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "token": self.token,
+            "kind": self.kind,
+            "emitted": self.emitted,
+        }
 
 
 @dataclass
@@ -295,14 +341,18 @@ class Result:
     accepted: list[bool]
     stats: Stats
     finish_reason: str  # "stop" (end-of-sequence), "length" (max_tokens or context)
+    kinds: list[str] = field(default_factory=list)  # per token: accepted/regenerated/target
+    rounds: list[RoundRecord] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "text": self.text,
             "tokens": self.tokens,
             "accepted": self.accepted,
+            "kinds": self.kinds,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_json(),
+            "rounds": [r.to_json() for r in self.rounds],
         }
 
 
@@ -323,8 +373,11 @@ def check_token_ids(ids: list, vocab: int | None) -> list[int]:
     return [int(t) for t in ids]
 
 
-def encode_prompt(tokenizer, prompt, system: str | None = None) -> list[int]:
-    """str (raw text), list of {"role", "content"} messages, or list of token ids -> ids."""
+def encode_prompt(
+    tokenizer, prompt, system: str | None = None, template_kwargs: dict | None = None
+) -> list[int]:
+    """str (raw text), list of {"role", "content"} messages, or list of token ids -> ids.
+    `template_kwargs` go to the chat template (e.g. Qwen3's `enable_thinking=False`)."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise SpecError("the prompt is empty")
@@ -332,6 +385,7 @@ def encode_prompt(tokenizer, prompt, system: str | None = None) -> list[int]:
             return encode_prompt(
                 tokenizer,
                 [{"role": "system", "content": system}, {"role": "user", "content": prompt}],
+                template_kwargs=template_kwargs,
             )
         bos = tokenizer.bos_token
         return list(
@@ -345,7 +399,7 @@ def encode_prompt(tokenizer, prompt, system: str | None = None) -> list[int]:
         if not tokenizer.has_chat_template:
             raise SpecError("this model's tokenizer has no chat template; pass raw text instead")
         text = tokenizer.apply_chat_template(
-            list(prompt), tokenize=False, add_generation_prompt=True
+            list(prompt), tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
         )
         return list(tokenizer.encode(text, add_special_tokens=False))
     if isinstance(prompt, list | tuple | mx.array | np.ndarray):
@@ -386,6 +440,7 @@ def stream_rounds(
     *,
     draft_confidence: float | None = None,
     system: str | None = None,
+    chat_template_kwargs: dict | None = None,
     use_draft: bool = True,
     decoder: Decoder | None = None,
     stats: Stats | None = None,
@@ -398,7 +453,8 @@ def stream_rounds(
         raise SpecError(f"draft-confidence must be in [0, 1), got {stop_below}")
     if max_tokens < 1:
         raise SpecError(f"max-tokens must be >= 1, got {max_tokens}")
-    tokens = check_token_ids(encode_prompt(pair.tokenizer, prompt, system), pair.vocab_size)
+    ids = encode_prompt(pair.tokenizer, prompt, system, chat_template_kwargs)
+    tokens = check_token_ids(ids, pair.vocab_size)
     context = pair.context_length
     if context is not None and len(tokens) >= context:
         raise SpecError(
@@ -446,6 +502,16 @@ def stream_rounds(
     decoder.active = False
 
 
+def token_kind(r: Round, i: int) -> tuple[str, list[int]]:
+    """The i-th token of round r: accepted draft, the target's correction (with the guesses
+    it replaced), or the target's own token."""
+    if i < r.accepted:
+        return ACCEPTED, []
+    if i == r.verified < r.drafted:
+        return REGENERATED, r.proposal[r.verified :]
+    return TARGET, []
+
+
 def _events(rounds, detokenizer, stats, start, max_tokens) -> Iterator[list[Event]]:
     """Rounds -> batches of events: detokenized text, provenance, live stats."""
     held: Event | None = None  # an event whose token's text the detokenizer still holds
@@ -455,10 +521,16 @@ def _events(rounds, detokenizer, stats, start, max_tokens) -> Iterator[list[Even
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         finished = r.finished
         stats.finish_reason = "stop" if finished else "length"
+        stats.records.append(RoundRecord(r.proposal, r.verified, r.target_token, len(r.tokens)))
         events = []
         for i, token in enumerate(r.tokens):
             detokenizer.add_token(token)
-            events.append(Event(detokenizer.last_segment, token, i < r.accepted, index, stats))
+            kind, rejected = token_kind(r, i)
+            events.append(
+                Event(
+                    detokenizer.last_segment, token, kind == ACCEPTED, index, stats, kind, rejected
+                )
+            )
         if finished or stats.generated_tokens >= max_tokens:
             detokenizer.finalize()
             tail = detokenizer.last_segment
@@ -485,7 +557,8 @@ def stream(pair, prompt, max_tokens: int = 256, **kwargs) -> Iterator[Event]:
     Keyword arguments: temperature, top_p, top_k, min_p, num_draft_tokens (an int, "auto" or a
     policies.Fixed / policies.Auto; default: the pair's, `auto` unless models.toml fixes k),
     draft_confidence (a model draft stops after a token whose top probability is below it;
-    default DRAFT_CONFIDENCE with "auto", off with a fixed k), seed, system,
+    off by default), seed, system,
+    chat_template_kwargs (for the chat template, e.g. {"enable_thinking": False} for Qwen3),
     use_draft (False: plain decoding with the same pair), decoder (from `make_decoder`: keeps
     KV caches across calls, so a prompt that extends the previous conversation only prefills
     its new tokens) and stats (a `Stats` to read the totals from afterwards; every event also
@@ -496,7 +569,8 @@ def stream(pair, prompt, max_tokens: int = 256, **kwargs) -> Iterator[Event]:
 
 
 def generate(pair, prompt, **kwargs) -> Result:
-    """Run `stream` to the end; `res.text`, `res.tokens`, `res.accepted`, `res.stats`."""
+    """Run `stream` to the end; `res.text`, `res.tokens`, `res.accepted`, `res.kinds`,
+    `res.rounds` (what each round drafted and kept), `res.stats`."""
     stats = Stats()
     events = list(stream(pair, prompt, stats=stats, **kwargs))
     return Result(
@@ -505,4 +579,6 @@ def generate(pair, prompt, **kwargs) -> Result:
         accepted=[e.accepted for e in events],
         stats=stats,
         finish_reason=stats.finish_reason,
+        kinds=[e.kind for e in events],
+        rounds=list(stats.records),
     )

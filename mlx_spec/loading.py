@@ -97,7 +97,9 @@ def resolve_model(name: str, dtype: str | None = None, progress=None) -> Path:
         if path.is_file() and path.suffix == ".gguf":
             from .gguf import converted_path, default_dtype
 
-            return converted_path(path, default_dtype() if dtype == "auto" else dtype)
+            return converted_path(
+                path, default_dtype() if dtype == "auto" else dtype, report=progress
+            )
         if not (path / "config.json").is_file():
             raise SpecError(f"{name} is not a model directory (it has no config.json)")
         return path

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from .errors import SpecError
 
 K_MAX = 8  # `auto` chooses k within [0, K_MAX]
-DRAFT_CONFIDENCE = 0.4  # auto k: stop below this top probability (HF assisted generation's default)
 
 
 # --------------------------------------------------------------------------- the user's choice
@@ -52,7 +51,9 @@ class Auto:
         return "auto"
 
     def policy(self, stop_below: float | None = None) -> Controller:
-        return Controller(self.k_max, DRAFT_CONFIDENCE if stop_below is None else stop_below)
+        # the confidence stop is off unless asked for: the controller shortens k itself when
+        # later positions fail, and on a cheap draft the stop cut good drafts short (bench)
+        return Controller(self.k_max, stop_below or 0.0)
 
 
 DraftLength = Fixed | Auto
@@ -79,10 +80,10 @@ class FixedK:
         self.k = self.k_max = k
         self.stop_below = stop_below
 
-    def next(self) -> int:
+    def next(self, available: bool | None = None) -> int:
         return self.k
 
-    def update(self, requested, drafted, verified, seconds, split=None) -> None:
+    def update(self, requested, drafted, verified, seconds, split=None, replayed=0) -> None:
         pass
 
     def update_plain(self, tokens: int, seconds: float) -> None:
@@ -118,14 +119,17 @@ class Estimate:
 
 
 ACCEPT_MEMORY = 0.15  # weight of the newest round in the acceptance estimates (~7 rounds)
-COST_MEMORY = 0.25  # ... in the round-time estimates
-PLAIN_MEMORY = 0.1  # ... in a plain token's time (timed token by token: noisier)
+PLAIN_MEMORY = 0.1  # ... in a plain token's time (timed token by token)
+ROUND_MEMORY = 0.9  # decay per round of the round-time fit (~10 rounds)
 PRIOR_ACCEPTANCE = 0.6  # before a position has been seen
+# an extra verified token costs this much of a plain step until measured (verifying 8 tokens
+# cost ~1.5 steps in float32 on the Linux CPU with OpenBLAS; less on Apple GPUs)
+PRIOR_VERIFY_SLOPE = 0.07
 PROBE_LOSS = 0.02  # re-probe no more often than a probe's expected loss stays under 2 % of time
 PROBE_MAX_INTERVAL = 256  # plain tokens between probes at most
-WARMUP_PLAIN = 4  # plain tokens of the warm-up that time a plain step
+WARMUP_PLAIN = 4  # plain tokens that time a plain step at the start
 CALIBRATION_ROUNDS = 3  # first rounds whose draft and verify parts are timed apart
-REVISIT_EVERY = 16  # rounds between re-timings of a neighbouring k
+EXPLORE_EVERY = 8  # drafting rounds between tries of a longer draft
 
 
 @dataclass
@@ -135,26 +139,33 @@ class Controller:
     Expected tokens of a round with k drafts: E(k) = 1 + sum_j R_j * prod_{i<=j} a_i, where a_i
     is the acceptance of draft position i given the ones before it were accepted and R_j the
     chance that the drafter proposes a j-th token at all (prompt lookup may find a shorter
-    match; a model draft may stop on low confidence). The round's time T(k) is measured per k
-    (interpolated between, extrapolated beyond the k tried); a plain step's time T(0) is timed
-    on stretches of plain decoding. The choice is argmax E(k) / T(k), with k = 0 giving 1 / T(0).
+    match; a model draft may stop on low confidence). A round's wall time is fitted across
+    rounds as T = A + B * x (x: tokens drafted and replayed; A: the verify pass and the round's
+    host work; B: a draft step plus a verified row), so every round informs every k; until x has
+    varied, B is the draft step timed in the calibration rounds plus a prior verify cost. A plain
+    step's time T(0) is timed on stretches of plain decoding. The choice is argmax E(k) / T(k),
+    with E(k) / T(k) = 1 / T(0) for k = 0.
     """
 
     k_max: int = K_MAX
-    stop_below: float = DRAFT_CONFIDENCE
+    stop_below: float = 0.0
     accept: list = field(default_factory=list)  # a_i per draft position
     reach: list = field(default_factory=list)  # R_j per draft position
-    cost: dict = field(default_factory=dict)  # k -> seconds per round (k = 0: per plain token)
-    draft_step: Estimate = field(default_factory=lambda: Estimate(COST_MEMORY, warmup=True))
+    plain: Estimate = field(default_factory=lambda: Estimate(PLAIN_MEMORY, warmup=True))
+    draft_step: Estimate = field(default_factory=lambda: Estimate(0.25, warmup=True))
     verify: dict = field(default_factory=dict)  # rows -> seconds of a verify pass (calibration)
-    # warm-up: two short drafts (the first one's timing is provisional), then plain steps
-    plan: list = field(default_factory=lambda: [1, 1, 0])
+    fit: list = field(default_factory=lambda: [0.0] * 5)  # decayed sums: w, x, xx, t, xt
+    # warm-up: time plain steps, then two single-token drafts (the first round pays one-time
+    # costs: its timing stays out of the fit); cheap for a draft that cannot pay, and a draft
+    # that can is tried longer right after (see `varied`)
+    plan: list = field(default_factory=lambda: [0, 1, 1])
     plain_since_probe: int = 0
     calibrated: int = 0
     rounds: int = 0
     burst: int = WARMUP_PLAIN
-    chosen: int = 1
+    chosen: int = 0
     reason: str = "warming up"
+    given: bool | None = None  # the drafter's word on this round (see next)
 
     def __post_init__(self):
         self.accept = [Estimate(ACCEPT_MEMORY) for _ in range(self.k_max)]
@@ -169,39 +180,59 @@ class Controller:
             return e.value
         return self.acceptance(i - 1) if i > 0 else PRIOR_ACCEPTANCE
 
+    def proposed(self, j: int) -> float:
+        """R_j for 0-based position j: the chance a j-th draft token is proposed (given what
+        the drafter said of this round: a lookup with a match proposes a first token)."""
+        r = self._reach(j)
+        if self.given is None:
+            return r
+        return min(1.0, r / max(self._reach(0), 1e-6)) if self.given else 0.0
+
+    def _reach(self, j: int) -> float:
+        e = self.reach[j]
+        if e.count:
+            return e.value
+        return self._reach(j - 1) if j > 0 else 1.0
+
     def expected_tokens(self, k: int, optimistic: bool = False) -> float:
         total, chain = 1.0, 1.0
         for i in range(k):
-            a = 1.0 if optimistic else self.acceptance(i)
-            r = 1.0 if optimistic or not self.reach[i].count else self.reach[i].value
-            chain *= a
-            total += r * chain
+            chain *= 1.0 if optimistic else self.acceptance(i)
+            total += (1.0 if optimistic else self.proposed(i)) * chain
         return total
 
-    def round_time(self, k: int) -> float | None:
-        """Seconds of a round with k drafts (k = 0: of a plain token): measured, else
-        interpolated between the k measured, else extrapolated along the nearest two."""
-        known = sorted((j, e.value) for j, e in self.cost.items() if e.count)
-        times = dict(known)
-        if k in times:
-            return times[k]
-        below = [p for p in known if p[0] < k]
-        above = [p for p in known if p[0] > k]
-        if below and above:
-            (j0, t0), (j1, t1) = below[-1], above[0]
-        elif len(below) >= 2:
-            (j0, t0), (j1, t1) = below[-2:]
-        elif len(above) >= 2:
-            (j0, t0), (j1, t1) = above[:2]
-        elif known and known[0][0] > 0:  # one round measured, no plain step: cost ~ rows
-            j0, t0 = known[0]
-            return t0 * (k + 1) / (j0 + 1)
-        else:
+    def expected_drafted(self, k: int, optimistic: bool = False) -> float:
+        return float(k) if optimistic else sum(self.proposed(j) for j in range(k))
+
+    def varied(self) -> bool:
+        """Whether the rounds in the fit drafted different numbers of tokens."""
+        w, sx, sxx = self.fit[:3]
+        return w > 0 and sxx / w - (sx / w) ** 2 > 0.25
+
+    def line(self) -> tuple[float, float] | None:
+        """(A, B) of the round-time fit T = A + B * x, or None before any round counted."""
+        w, sx, sxx, st, sxt = self.fit
+        if w <= 0:
             return None
-        return max(t0 + (t1 - t0) * (k - j0) / (j1 - j0), 1e-9)
+        mean_x, mean_t = sx / w, st / w
+        if self.varied():  # x has varied enough to show the slope
+            slope = (sxt / w - mean_x * mean_t) / (sxx / w - mean_x**2)
+        else:
+            slope = (self.draft_step.value or 0.0) + PRIOR_VERIFY_SLOPE * (self.plain.value or 0)
+        slope = max(slope, 0.0)
+        return max(mean_t - slope * mean_x, 1e-9), slope
+
+    def round_time(self, k: int, optimistic: bool = False) -> float | None:
+        """Seconds of a round with k drafts (k = 0: of a plain token)."""
+        if k == 0:
+            return self.plain.value
+        line = self.line()
+        if line is None:
+            return None
+        return line[0] + line[1] * self.expected_drafted(k, optimistic)
 
     def speed(self, k: int, optimistic: bool = False) -> float | None:
-        t = self.round_time(k)
+        t = self.round_time(k, optimistic)
         if t is None:
             return None
         return (1.0 if k == 0 else self.expected_tokens(k, optimistic)) / t
@@ -226,28 +257,30 @@ class Controller:
         loss = max(t - self.expected_tokens(k) * plain, 0.0)
         return int(min(PROBE_MAX_INTERVAL, max(8, loss / (PROBE_LOSS * plain))))
 
-    def next(self) -> int:
+    def next(self, available: bool | None = None) -> int:
+        """k for the next round. `available`: the drafter says (for free) whether it has a
+        proposal now (prompt lookup), so the chance of a first draft token is known."""
         if self.plan:
             self.chosen, self.burst = self.plan.pop(0), WARMUP_PLAIN
             return self.chosen
+        self.given = available
         k, _ = self.best()
         if k == 0:
             interval = self.probe_interval()
-            if self.plain_since_probe >= interval:
+            # a probe needs something to draft: none when lookup says it has no match
+            if self.plain_since_probe >= interval and available is not False:
                 self.chosen, self.reason = self.best(lowest=1)[0], "probing"
                 return self.chosen
-            self.chosen, self.burst = 0, interval - self.plain_since_probe
+            left = interval - self.plain_since_probe  # <= 0: a probe is due but has nothing
+            self.chosen, self.burst = 0, left if left > 0 else interval
             self.reason = self._paused_reason()
             return 0
         self.rounds += 1
-        # climb: try one more draft token while the longest tried is the best; now and then
-        # re-time a neighbour (a single noisy timing must not rule a k out for good)
-        tried = max(j for j, e in self.cost.items() if e.count)
-        if k == tried and k < self.k_max and k + 1 not in self.cost:
-            k += 1
-        elif self.rounds % REVISIT_EVERY == 0:
-            k = min(k + 1, self.k_max) if self.rounds % (2 * REVISIT_EVERY) else max(k - 1, 1)
         self.chosen, self.reason = k, f"k={k}: predicted {self.predicted_speedup(k):.2f}x"
+        if (self.rounds % EXPLORE_EVERY == 0 or not self.varied()) and k < self.k_max:
+            # now and then a longer draft: the round-time fit needs x to vary, and positions
+            # past k need fresh evidence
+            self.chosen = k = min(self.k_max, k + 2)
         return k
 
     def plain_burst(self) -> int:
@@ -280,27 +313,35 @@ class Controller:
 
     # ------------------------------------------------------------------------ what happened
 
-    def update(self, requested, drafted, verified, seconds, split=None) -> None:
+    def update(self, requested, drafted, verified, seconds, split=None, replayed=0) -> None:
         """A speculative round: k asked, drafted, accepted (before EOS truncation), its wall
         time, and optionally (draft seconds, draft steps, verify seconds, verify rows)."""
         if requested == 0:
             return
         self.plain_since_probe = 0
-        self.cost.setdefault(requested, Estimate(COST_MEMORY, warmup=True)).add(seconds)
+        if self.calibrated or split is None:  # the very first round pays one-time costs
+            x = drafted + replayed
+            self.fit = [ROUND_MEMORY * v for v in self.fit]
+            for i, v in enumerate((1.0, x, x * x, seconds, x * seconds)):
+                self.fit[i] += v
+        # a position seen for the first time starts from what was assumed for it, so one
+        # rejection cannot rule it out for good
         for j in range(requested):
+            self.reach[j].value = self._reach(j)
             self.reach[j].add(float(j < drafted))
         for i in range(min(drafted, verified + 1)):
+            self.accept[i].value = self.acceptance(i)
             self.accept[i].add(float(i < verified))
         if split is not None:
             draft_seconds, steps, verify_seconds, rows = split
             self.calibrated += 1
             if steps:
                 self.draft_step.add(draft_seconds / steps)
-            self.verify.setdefault(rows, Estimate(COST_MEMORY, warmup=True)).add(verify_seconds)
+            self.verify.setdefault(rows, Estimate(0.25, warmup=True)).add(verify_seconds)
 
     def update_plain(self, tokens: int, seconds: float) -> None:
         if tokens:
-            self.cost.setdefault(0, Estimate(PLAIN_MEMORY, warmup=True)).add(seconds / tokens)
+            self.plain.add(seconds / tokens)
             self.plain_since_probe += tokens
 
     def view(self) -> dict:
@@ -309,11 +350,15 @@ class Controller:
         rel = (lambda t: round(t / plain, 3)) if plain else (lambda t: None)
         c = self.draft_cost()
         state = self._paused_reason() if self.chosen == 0 and not self.plan else self.reason
+        line = self.line()
         return {
             "state": state,
             "k": self.chosen,
             "draft_cost": round(c, 3) if c is not None else None,
-            "round_cost": {k: rel(e.value) for k, e in sorted(self.cost.items()) if e.count},
+            "round_cost": {
+                k: rel(t) for k in range(1, self.k_max + 1) if (t := self.round_time(k))
+            },
+            "round_fit": {"base": rel(line[0]), "per_token": rel(line[1])} if line else None,
             "verify_curve": {n: rel(e.value) for n, e in sorted(self.verify.items())},
             "acceptance": [round(e.value, 3) for e in self.accept if e.count],
         }

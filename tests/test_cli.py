@@ -58,6 +58,14 @@ def test_generate_json_subprocess(tiny_models):
     assert out["stats"]["num_draft_tokens"] == 3
     assert len(out["tokens"]) == len(out["accepted"]) == out["stats"]["generated_tokens"] == 20
     assert sum(out["accepted"]) == out["stats"]["accepted"]
+    # per-round records and token kinds rebuild the reply
+    assert len(out["rounds"]) == out["stats"]["target_passes"]
+    rebuilt = []
+    for r in out["rounds"]:
+        assert set(r) == {"drafted", "accepted", "token", "kind", "emitted"}
+        rebuilt += (r["drafted"][: r["accepted"]] + [r["token"]])[: r["emitted"]]
+    assert rebuilt == out["tokens"]
+    assert [k == "accepted" for k in out["kinds"]] == out["accepted"]
     # the CLI applies the chat template, exactly as the API does with a messages list
     pair = load_pair(target=str(tiny_models.target), draft=str(tiny_models.draft))
     api = generate(pair, [{"role": "user", "content": "Hello there"}], max_tokens=20)

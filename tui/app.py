@@ -29,17 +29,45 @@ K_MAX = 16
 
 
 class RoundMessage(Message):
-    """One verify round's tokens, posted by the generation worker."""
+    """One verify round's tokens, posted by the generation worker: (text, kind) pieces, the
+    rounds' (drafted, accepted) counts and the tokens/s since the last message."""
 
-    def __init__(self, reply: ReplyView, pieces: list[tuple[str, bool]], stats: dict):
+    def __init__(self, reply: ReplyView, pieces, stats: dict, rounds, speed: float):
         super().__init__()
         self.reply, self.pieces, self.stats = reply, pieces, stats
+        self.rounds, self.speed = rounds, speed
+
+
+# A model without a chat template (a base model) gets plain turns, documented in the README.
+USER, ASSISTANT = "User:", "Assistant:"
+NEXT_TURN = f"\n{USER}"
+
+
+def conversation(messages: list[dict], tokenizer, system: str | None = None):
+    """Messages for the chat template, or plain 'User: / Assistant:' text without one."""
+    if tokenizer.has_chat_template:
+        if system:
+            return [{"role": "system", "content": system}, *messages]
+        return messages
+    turns = [f"System: {system}"] if system else []
+    turns += [f"{USER if m['role'] == 'user' else ASSISTANT} {m['content']}" for m in messages]
+    return "\n".join([*turns, ASSISTANT])
+
+
+def pieces_of(batch, tokenizer) -> list[tuple[str, str]]:
+    """Events -> (text, kind) pieces; a correction is preceded by the guesses it replaced."""
+    pieces = []
+    for e in batch:
+        if e.rejected:
+            pieces.append((tokenizer.decode(e.rejected), "rejected"))
+        pieces.append((e.text, e.kind))
+    return pieces
 
 
 class ReplyDone(Message):
-    def __init__(self, reply: ReplyView, stats: dict | None, note: str = ""):
+    def __init__(self, reply: ReplyView, stats: dict | None, note: str = "", race: bool = False):
         super().__init__()
-        self.reply, self.stats, self.note = reply, stats, note
+        self.reply, self.stats, self.note, self.race = reply, stats, note, race
 
 
 class LoadProgress(Message):
@@ -82,6 +110,12 @@ class ChatApp(App):
         Binding("f5", "change_temperature(-0.1)", "temp−"),
         Binding("f6", "change_temperature(0.1)", "temp+"),
         Binding("f7", "pick_pair", "Pair"),
+        Binding("f8", "toggle_rejected", "Rejected guesses"),
+        Binding("f9", "race", "Race plain"),
+        Binding("f10", "fold_thinking", "Fold thinking"),
+        Binding("f11", "toggle_thinking", "Thinking on/off"),
+        Binding("ctrl+y", "copy_reply", "Copy reply"),
+        Binding("ctrl+s", "save", "Save chat"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
@@ -95,8 +129,11 @@ class ChatApp(App):
         temperature: float = 0.0,
         max_tokens: int = 1024,
         seed: int | None = None,
+        compare: bool = False,
+        system: str | None = None,
     ):
-        """Give a loaded `pair`, or a `loader(name, progress) -> pair` run in a worker."""
+        """Give a loaded `pair`, or a `loader(name, progress) -> pair` run in a worker.
+        `compare`: race every reply against plain decoding (as f9 does)."""
         super().__init__()
         self.pair = None
         self.loader = loader
@@ -106,6 +143,13 @@ class ChatApp(App):
         self.max_tokens = max_tokens
         self.seed = seed
         self.speculation = True
+        self.show_rejected = False  # f8: the draft's losing guesses, struck through
+        self.compare = compare
+        self.fold_thinking = False  # f10: <think> blocks folded
+        self.thinking = True  # f11 off: the chat template's enable_thinking=False (Qwen3)
+        self.system = system  # a system message for every turn (--system, or "/system TEXT")
+        self.saved_to: Path | None = None
+        self.last_turn = None  # (messages, stats, reply text) of the last reply, for the race
         self.history: list[dict] = []
         self.decoder = None
         self.reply: ReplyView | None = None  # the reply being generated
@@ -176,6 +220,9 @@ class ChatApp(App):
         except SpecError as err:
             self.post_message(PairLoaded(None, name, str(err)))
             return
+        except Exception as err:  # out of memory, a broken file: the app keeps working
+            self.post_message(PairLoaded(None, name, f"{type(err).__name__}: {err}"))
+            return
         self.post_message(PairLoaded(pair, name))
 
     def on_load_progress(self, message: LoadProgress) -> None:
@@ -210,63 +257,128 @@ class ChatApp(App):
     # ------------------------------------------------------------------ generation
     def on_input_submitted(self, event: Input.Submitted) -> None:
         text = event.value.strip()
+        if text.startswith("/system"):  # a system message for the following turns
+            self.system = text.removeprefix("/system").strip() or None
+            event.input.value = ""
+            self.set_status(f"system message: {self.system or '(none)'}")
+            return
         if not text or self.pair is None or self.reply is not None:
             self.bell()
             return
         event.input.value = ""
         self.message_list.mount(Static(text, classes="user", markup=False))
         self.reply = ReplyView()
+        self.stats_panel.strip, self.stats_panel.speeds = [], []  # the strip follows the reply
+        self.stats_panel.show(race=None)
         self.message_list.mount(self.reply)
         self.history.append({"role": "user", "content": text})
         self.set_status("generating… (escape stops)")
+        if not self.pair.tokenizer.has_chat_template:
+            self.set_status(f"no chat template: plain '{USER}/{ASSISTANT}' turns (escape stops)")
         self.stop_requested.clear()
         self.generate_reply(self.reply, list(self.history))
 
     @work(thread=True, exclusive=True, group="generate")
-    def generate_reply(self, reply: ReplyView, messages: list[dict]) -> None:
+    def generate_reply(self, reply: ReplyView, messages: list[dict], race: bool = False) -> None:
+        """One reply, posted round by round. `race`: the same turn again with the draft off,
+        to compare (it is not added to the conversation)."""
         worker = get_current_worker()
         stats = Stats()
         note = ""
+        seen, clock = 0, (0, 0.0)  # records posted; (tokens, seconds) at the last message
+        so_far, plain_turns = "", not self.pair.tokenizer.has_chat_template
         try:
             for batch in stream_rounds(
                 self.pair,
-                messages,
+                conversation(messages, self.pair.tokenizer, self.system),
                 self.max_tokens,
                 temperature=self.temperature,
                 num_draft_tokens=self.k,
-                use_draft=self.speculation,
+                chat_template_kwargs={"enable_thinking": self.thinking},
+                use_draft=self.speculation and not race,
                 decoder=self.decoder,
                 stats=stats,
             ):
-                self.post_message(
-                    RoundMessage(reply, [(e.text, e.accepted) for e in batch], stats.to_json())
-                )
+                rounds = [(len(r.drafted), r.accepted) for r in stats.records[seen:]]
+                seen = len(stats.records)
+                tokens, seconds = stats.generated_tokens, stats.generation_seconds
+                speed = (tokens - clock[0]) / max(seconds - clock[1], 1e-9)
+                clock = (tokens, seconds)
+                pieces = pieces_of(batch, self.pair.tokenizer)
+                self.post_message(RoundMessage(reply, pieces, stats.to_json(), rounds, speed))
+                # a base model writes the user's next turn itself: stop there
+                so_far += "".join(e.text for e in batch)
+                if plain_turns and NEXT_TURN in so_far:
+                    break
                 # a thread cannot be interrupted: ask between rounds
                 if worker.is_cancelled or self.stop_requested.is_set():
                     note = "[stopped]"
                     break
         except SpecError as err:
             note = f"[error: {err}]"
-        self.post_message(ReplyDone(reply, stats.to_json() if stats.target_passes else None, note))
+        except Exception as err:  # never let a failed reply take the app down
+            note = f"[error: {type(err).__name__}: {err}]"
+        result = stats.to_json() if stats.target_passes else None
+        self.post_message(ReplyDone(reply, result, note, race))
 
     def on_round_message(self, message: RoundMessage) -> None:
         self.rounds_received += 1
+        message.reply.set_show_rejected(self.show_rejected)
+        message.reply.set_fold_thinking(self.fold_thinking)
         message.reply.add_pieces(message.pieces)
-        self.stats_panel.show(message.stats)
+        panel = self.stats_panel
+        panel.strip += message.rounds
+        panel.speeds.append(message.speed)
+        panel.show(message.stats)
 
     def on_reply_done(self, message: ReplyDone) -> None:
         reply = message.reply
+        reply.cut_at(NEXT_TURN)  # a base model's imagined next user turn is not the reply
         if message.note:
             reply.mark(message.note)
         reply.refresh_if_dirty()  # the timer only renders the active reply: finish this one
+        if message.race:
+            self.finish_race(message)
+            return
         if message.stats:
             self.stats_panel.show(message.stats)
         if reply.text:
+            self.last_turn = (list(self.history), message.stats, reply.text)
             self.history.append({"role": "assistant", "content": reply.text})
         else:
             self.history.pop()  # nothing came back: forget the question too
         self.reply = None
-        self.set_status(message.note or "ready")
+        plain_turns = self.pair is not None and not self.pair.tokenizer.has_chat_template
+        notice = f" (no chat template: plain '{USER}/{ASSISTANT}' turns)" if plain_turns else ""
+        self.set_status(message.note or f"ready{notice}")
+        if self.compare and reply.text and not message.note:
+            self.action_race()
+
+    # ------------------------------------------------------------------ the race
+    def action_race(self) -> None:
+        """f9: the last turn again with the draft off; both runs side by side."""
+        if self.reply is not None or self.last_turn is None or self.pair is None:
+            self.bell()
+            return
+        messages, _, _ = self.last_turn
+        self.reply = ReplyView(classes="race")
+        self.reply.mark("[the same turn, plain decoding: the race]")
+        self.stats_panel.strip, self.stats_panel.speeds = [], []
+        self.message_list.mount(self.reply)
+        self.set_status("racing: the last turn with the draft off… (escape stops)")
+        self.stop_requested.clear()
+        self.generate_reply(self.reply, messages, race=True)
+
+    def finish_race(self, message: ReplyDone) -> None:
+        _, drafted, text = self.last_turn
+        self.reply = None
+        if message.stats is None or drafted is None:
+            self.set_status(message.note or "race: nothing to compare")
+            return
+        same = message.reply.text == text
+        self.stats_panel.show(message.stats, race=(drafted, message.stats, same))
+        speedup = drafted["tokens_per_second"] / max(message.stats["tokens_per_second"], 1e-9)
+        self.set_status(message.note or f"race: speculation {speedup:.2f}x plain decoding")
 
     # ------------------------------------------------------------------ controls
     def action_stop(self) -> None:
@@ -284,6 +396,67 @@ class ChatApp(App):
         if self.reply is None:
             self.speculation = not self.speculation
             self.show_settings()
+
+    def action_fold_thinking(self) -> None:
+        """Fold (or unfold) every reply's <think>…</think> block."""
+        self.fold_thinking = not self.fold_thinking
+        for reply in self.query(ReplyView):
+            reply.set_fold_thinking(self.fold_thinking)
+            reply.refresh_if_dirty()
+
+    def action_toggle_thinking(self) -> None:
+        """Turn a reasoning model's thinking off (or on) through its chat template."""
+        if self.reply is None:
+            self.thinking = not self.thinking
+            self.set_status(f"thinking {'on' if self.thinking else 'off'} (enable_thinking)")
+
+    def action_copy_reply(self) -> None:
+        replies = [r for r in self.query(ReplyView) if not r.has_class("race") and r.text]
+        if replies:
+            self.copy_to_clipboard(replies[-1].text)
+            self.set_status("copied the last reply")
+
+    def action_save(self) -> None:
+        """Write the conversation with its stats as Markdown and JSON (mlx-spec-chat-*.md)."""
+        import json
+        import time
+
+        stem = Path.cwd() / time.strftime("mlx-spec-chat-%Y%m%d-%H%M%S")
+        record = {
+            "pair": self.pair_name,
+            "system": self.system,
+            "messages": self.history,
+            "stats": self.stats_panel.stats,
+        }
+        lines = [f"# mlx-spec chat ({self.pair_name or 'custom pair'})", ""]
+        if self.system:
+            lines += [f"*system:* {self.system}", ""]
+        for m in self.history:
+            lines += [f"**{m['role']}:** {m['content']}", ""]
+        if self.stats_panel.stats:
+            s = self.stats_panel.stats
+            lines.append(
+                f"*last reply: {s['generated_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, "
+                f"acceptance {s['acceptance_rate']:.0%}, {s['tokens_per_target_pass']:.2f} "
+                "tokens/pass*"
+            )
+        try:
+            stem.with_suffix(".json").write_text(json.dumps(record, indent=2))
+            stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        except OSError as err:
+            self.set_status(f"could not save: {err.strerror}")
+            return
+        self.saved_to = stem
+        self.set_status(f"saved {stem.name}.md and .json")
+
+    def action_toggle_rejected(self) -> None:
+        """Show the draft's rejected guesses inline, struck through, in every reply."""
+        self.show_rejected = not self.show_rejected
+        for reply in self.query(ReplyView):
+            reply.set_show_rejected(self.show_rejected)
+            reply.refresh_if_dirty()
+        if self.reply is None:
+            self.set_status("rejected guesses shown" if self.show_rejected else "ready")
 
     def action_change_k(self, delta: int) -> None:
         """f3 / f4 step through auto, 1, 2, ..., K_MAX."""

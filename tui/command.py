@@ -15,6 +15,12 @@ def setup_arg_parser(parser):
         "--max-tokens", type=positive_int, default=1024, help="most tokens per reply"
     )
     parser.add_argument("--seed", type=seed, help="random seed, in [0, 2**64)")
+    parser.add_argument("--system", help="a system message for every turn (also: /system TEXT)")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="race every reply against plain decoding (f9 does it for the last one)",
+    )
 
 
 def main(args):
@@ -40,6 +46,8 @@ def main(args):
         temperature=args.temp,
         max_tokens=args.max_tokens,
         seed=args.seed,
+        compare=args.compare,
+        system=args.system,
     )
     app.run()
     # A worker thread may still be inside MLX; leave without C++ static teardown racing it.

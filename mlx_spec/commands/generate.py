@@ -9,8 +9,11 @@ import sys
 from ..cli import add_pair_args, pair_from_args, seed
 from ..errors import SpecError
 
-ACCEPTED = "\x1b[32m"  # green: a draft token the target accepted
-TARGET = "\x1b[36m"  # cyan: a token the target produced itself
+COLORS = {
+    "accepted": "\x1b[32m",  # green: a draft token the target accepted
+    "regenerated": "\x1b[33m",  # yellow: the target's correction of a rejected draft token
+    "target": "\x1b[36m",  # cyan: the target's own token (a bonus, or nothing drafted)
+}
 RESET = "\x1b[0m"
 LOW_ACCEPTANCE = 0.5
 
@@ -56,7 +59,7 @@ def hint(stats) -> str | None:
     if not stats.num_draft_tokens or stats.acceptance_rate >= LOW_ACCEPTANCE:
         return None
     first = stats.acceptance_by_position[0] if stats.acceptance_by_position else 0.0
-    if first >= LOW_ACCEPTANCE:
+    if first >= LOW_ACCEPTANCE and not stats.adaptive:  # auto shortens the draft by itself
         return (
             f"hint: acceptance {stats.acceptance_rate:.0%} but {first:.0%} at the first draft "
             f"position: the draft is too long for this text; try --num-draft-tokens "
@@ -91,10 +94,12 @@ def main(args):
     color = sys.stdout.isatty() and not args.no_color and "NO_COLOR" not in os.environ
     stats = Stats()
     if color and pair.speculative:
-        print(f"{ACCEPTED}accepted draft{RESET} · {TARGET}target{RESET}", file=sys.stderr)
+        names = {"accepted": "accepted draft", "regenerated": "regenerated", "target": "target"}
+        legend = " · ".join(f"{COLORS[kind]}{name}{RESET}" for kind, name in names.items())
+        print(legend, file=sys.stderr)
     for ev in stream(pair, prompt, stats=stats, **kwargs):
         if color:
-            sys.stdout.write(f"{ACCEPTED if ev.accepted else TARGET}{ev.text}{RESET}")
+            sys.stdout.write(f"{COLORS[ev.kind]}{ev.text}{RESET}")
         else:
             sys.stdout.write(ev.text)
         sys.stdout.flush()
