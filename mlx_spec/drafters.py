@@ -56,19 +56,17 @@ class ModelDrafter:
     def __init__(self, model, vocab: int | None = None):
         self.model = model
         self.vocab = vocab  # the target's: a draft head with extra rows must not propose them
-        self.cache = caches.make_cache(model, "draft")
+        self.steps = 0  # forward passes this round, one of them wasted after an early stop
+        self.reset()
         self.recurrent = caches.is_recurrent(self.cache)
+
+    def reset(self) -> None:
+        self.cache = caches.make_cache(self.model, "draft")
         self.snapshots: list = []  # recurrent state after each step of this round's proposal
         self.cached: list[int] = []  # tokens in the cache
         self.pending: list[int] = []
         self.ran = False  # whether the model ran this round
         self.fed = 0  # draft tokens of this round's proposal the cache has seen
-        self.steps = 0  # forward passes this round, one of them wasted after an early stop
-
-    def reset(self) -> None:
-        self.cache = caches.make_cache(self.model, "draft")
-        self.cached, self.pending, self.snapshots = [], [], []
-        self.ran, self.fed = False, 0
 
     def prefill(self, tokens: list[int]) -> None:
         reuse = min(common_prefix_len(self.cached, tokens), len(tokens) - 1)

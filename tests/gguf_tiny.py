@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
+from hostile_files import byte_tokens  # GPT-2's printable stand-ins for the 256 bytes
 
 DIMS = {  # head_dim 64; every matrix width a multiple of 256 so K-quants fit
     "llama": dict(hidden=256, heads=4, kv_heads=2, head_dim=64, ff=512, layers=2),
@@ -56,19 +57,6 @@ MIXES = {
         T.Q6_K if name.split(".")[-2] in ("attn_v", "ffn_down", "output") else T.Q5_K
     ),
 }
-
-
-def byte_tokens() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 bytes."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 256))
-    chars, n = list(keep), 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + n)
-            n += 1
-    table = dict(zip(keep, chars, strict=True))
-    return [chr(table[b]) for b in range(256)]
 
 
 def bpe_vocab(specials: list[str]) -> tuple[list[str], list[int], list[str]]:

@@ -44,6 +44,8 @@ def test_chat_in_tmux(tiny_models, tmp_path):
             shlex.quote(str(tiny_models.noisy)),
             "--max-tokens",
             "40",
+            "--num-draft-tokens",  # a fixed k: the panel's height does not depend on timings
+            "3",
         ]
     )
     script = f"HF_HUB_OFFLINE=1 {command}; echo $? > {shlex.quote(str(exit_file))}"
