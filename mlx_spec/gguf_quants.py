@@ -52,6 +52,11 @@ def _nibbles(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return b & 0x0F, b >> 4
 
 
+def _crumbs(b: np.ndarray) -> np.ndarray:
+    """(n, h, 32) bytes -> (n, h, 4, 32): bits 2k..2k+1 of each byte at index k."""
+    return (b[:, :, None, :] >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
+
+
 def _q8_0(blocks):
     d = _f16(blocks[:, 0:2])
     q = blocks[:, 2:34].view(np.int8).astype(np.int16) + 128
@@ -131,7 +136,7 @@ def _q6_k(blocks):
     lo, hi = _nibbles(ql)
     # within a half, weight k*32 + l: k=0 ql[l] low, 1 ql[l+32] low, 2 ql[l] high, 3 ql[l+32] high
     low4 = np.stack([lo[..., :32], lo[..., 32:], hi[..., :32], hi[..., 32:]], axis=2)
-    top = (qh[:, :, None, :] >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
+    top = _crumbs(qh)
     q = (low4 | (top << 4)).reshape(-1, QK_K)  # 0..63, weight = d * sc * (q - 32)
     scale = d * sc
     return q, scale, -32 * scale, 16, 6
@@ -152,7 +157,7 @@ def _q3_k(blocks):
     sc |= ((high[:, j % 4] >> (2 * (j // 4)).astype(np.uint8)) & 3).astype(np.int16) << 4
     sc = (sc - 32).astype(np.float32)
     # weight 128*h + 32*k + l: bits 2k of qs[h, l]; its third bit from hmask[l] bit 4h + k
-    two = (qs[:, :, None, :] >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
+    two = _crumbs(qs)
     shift = (4 * np.arange(2)[:, None] + np.arange(4)[None, :]).astype(np.uint8)  # (2, 4)
     third = (hmask[:, None, None, :] >> shift[None, :, :, None]) & 1
     q = (two | (third << 2)).reshape(-1, QK_K)  # 0..7, weight = d * sc * (q - 4)
@@ -165,7 +170,7 @@ def _q2_k(blocks):
     qs = blocks[:, 16:80].reshape(-1, 2, 32)
     d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
     # weight 128*h + 32*k + l: bits 2k of qs[h, l]
-    q = (qs[:, :, None, :] >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
+    q = _crumbs(qs)
     q = q.reshape(-1, QK_K)
     return q, d * (s & 0x0F).astype(np.float32), -(dmin * (s >> 4).astype(np.float32)), 16, 2
 

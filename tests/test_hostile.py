@@ -166,27 +166,24 @@ def test_stdout_full():
     ]
 
 
-def test_stdout_closed():
-    proc = subprocess.run(
-        f"{sys.executable} -m mlx_spec.cli models >&-",
+def run_models_through_shell(redirect: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        f"{sys.executable} -m mlx_spec.cli models {redirect}",
         shell=True,
         capture_output=True,
         text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         timeout=120,
     )
+
+
+def test_stdout_closed():
+    proc = run_models_through_shell(">&-")
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
 
 
 def test_stdout_pipe_closed_early():
-    proc = subprocess.run(
-        f"{sys.executable} -m mlx_spec.cli models | head -c 1",
-        shell=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        timeout=120,
-    )
+    proc = run_models_through_shell("| head -c 1")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
 
 
