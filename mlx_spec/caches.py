@@ -225,5 +225,6 @@ def offset(cache: list) -> int | None:
     return next((c.offset for c in _leaves(cache) if not isinstance(c, ArraysCache)), None)
 
 
-def eval_state(cache: list) -> None:
-    mx.eval([c.state for c in _leaves(cache)])
+def eval_state(cache: list, *also) -> None:
+    """Evaluate the cache's state (and `also`, e.g. the logits of the same pass)."""
+    mx.eval([c.state for c in _leaves(cache)], *also)

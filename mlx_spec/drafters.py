@@ -7,6 +7,7 @@ the round emitted (the accepted draft tokens followed by the target's own token)
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import mlx.core as mx
@@ -18,8 +19,10 @@ from .sampling import SamplingParams, probabilities, sample
 
 
 class Drafter(Protocol):
-    def prefill(self, tokens: list[int]) -> None:
-        """Start a new sequence (or continue a cached one) from these tokens."""
+    def prefill(self, tokens: list[int], timed: bool = False) -> float | None:
+        """Start a new sequence (or continue a cached one) from these tokens. `timed`: return
+        the seconds of one draft step, measured on the prompt's last tokens (0 without a model;
+        None if the prompt was too short to time)."""
 
     def reset(self) -> None:
         """Forget everything (the next prefill starts from nothing)."""
@@ -37,12 +40,28 @@ class Drafter(Protocol):
     steps: int  # draft-model forward passes the last `propose` queued (0 without a model)
 
 
-def prefill_cache(model, cache: list, tokens: list[int], step: int = 2048) -> None:
-    """Run `tokens` through `model`, filling `cache`, in chunks that bound peak memory."""
-    for start in range(0, len(tokens), step):
-        model(mx.array(tokens[start : start + step])[None], cache=cache)
+def prefill_cache(
+    model, cache: list, tokens: list[int], step: int = 2048, timed: bool = False
+) -> float | None:
+    """Run `tokens` through `model`, filling `cache`, in chunks that bound peak memory.
+
+    `timed`: the last two tokens go in one at a time, as decoding steps, and the second one's
+    wall time is returned (the first pays the one-time costs of that shape: allocation, kernel
+    compilation on Metal). None when there are too few tokens to do so."""
+    timed = timed and len(tokens) >= 3
+    batched = tokens[:-2] if timed else tokens
+    for start in range(0, len(batched), step):
+        model(mx.array(batched[start : start + step])[None], cache=cache)
         caches.eval_state(cache)
         mx.clear_cache()  # a long prompt's activations would otherwise stay in MLX's pool
+    if not timed:
+        return None
+    for token in tokens[-2:]:
+        start = time.perf_counter()
+        logits = model(mx.array([token])[None], cache=cache)
+        caches.eval_state(cache, logits)
+        seconds = time.perf_counter() - start
+    return seconds
 
 
 class ModelDrafter:
@@ -68,16 +87,25 @@ class ModelDrafter:
         self.ran = False  # whether the model ran this round
         self.fed = 0  # draft tokens of this round's proposal the cache has seen
 
-    def prefill(self, tokens: list[int]) -> None:
+    def prefill(self, tokens: list[int], timed: bool = False) -> float | None:
         reuse = min(common_prefix_len(self.cached, tokens), len(tokens) - 1)
         if caches.can_rollback(self.cache, len(self.cached) - reuse):
             caches.rollback(self.cache, len(self.cached) - reuse)
         else:  # e.g. a recurrent state cannot forget: start over
             self.cache, reuse = caches.make_cache(self.model, "draft"), 0
-        prefill_cache(self.model, self.cache, tokens[reuse:-1])
+        seconds = prefill_cache(self.model, self.cache, tokens[reuse:-1], timed=timed)
         self.cached = list(tokens[:-1])
         self.pending = [tokens[-1]]
         self.ran, self.fed = False, 0
+        return seconds
+
+    def catch_up(self) -> None:
+        """Take in the tokens emitted since the model last ran (all but the last, which the
+        next proposal feeds) in one batched, evaluated pass."""
+        if len(self.pending) > 1:
+            prefill_cache(self.model, self.cache, self.pending[:-1])
+            self.cached += self.pending[:-1]
+            self.pending = self.pending[-1:]
 
     def propose(self, k, params, key, stop_below=0.0):
         self.ran, self.fed, self.steps, self.snapshots = k > 0, 0, 0, []
@@ -154,12 +182,13 @@ class NGramDrafter:
     def reset(self) -> None:
         self.tokens, self.index = [], {}
 
-    def prefill(self, tokens: list[int]) -> None:
+    def prefill(self, tokens: list[int], timed: bool = False) -> float | None:
         reuse = common_prefix_len(self.tokens, tokens)
         if reuse < len(self.tokens):  # a different history: entries may point past its end
             self.index, reuse = {}, 0
         self.tokens = list(tokens)
         self._index_from(reuse)
+        return 0.0  # drafting costs a dictionary look-up
 
     def lookup(self, k: int) -> list[int]:
         for n in range(min(self.ngram_max, len(self.tokens)), self.ngram_min - 1, -1):
@@ -196,9 +225,12 @@ class LookupThenModel:
         self.lookup.reset()
         self.model.reset()
 
-    def prefill(self, tokens):
+    def prefill(self, tokens, timed=False):
         self.lookup.prefill(tokens)
-        self.model.prefill(tokens)
+        return self.model.prefill(tokens, timed)  # the model's step: lookup's is free
+
+    def catch_up(self) -> None:
+        self.model.catch_up()
 
     def propose(self, k, params, key, stop_below=0.0):
         guess = self.lookup.lookup(k)

@@ -88,6 +88,7 @@ class Decoder:
         self.epoch = 0  # incremented by each stream that takes the decoder
         self.active = False  # a stream took it and has not finished cleanly
         self._policy, self._policy_key = None, None
+        self.step_seconds = (None, None)  # a target and a draft step, timed in prefill
 
     def policy_for(self, length: DraftLength, stop_below: float | None):
         """The draft-length policy; a controller is kept across calls with the same choice,
@@ -113,8 +114,11 @@ class Decoder:
     def _new_cache(self) -> list:
         return caches.make_cache(self.target, strict=self.drafter is not None)
 
-    def prefill(self, prompt: list[int], use_draft: bool = True) -> int:
-        """Fill the caches for `prompt`; returns how many prompt tokens were reused."""
+    def prefill(self, prompt: list[int], use_draft: bool = True, timed: bool = False) -> int:
+        """Fill the caches for `prompt`; returns how many prompt tokens were reused.
+        `timed`: feed the prompt's last tokens one by one, as decoding steps, and keep the
+        seconds of a target step and a draft step in `step_seconds` (None where the prompt was
+        too short to time), so a controller knows both costs before the first token."""
         cached = self.sequence[: len(self.sequence) - self.unfed]
         reuse = min(common_prefix_len(cached, prompt), len(prompt) - 1)
         if self.stale or not caches.can_rollback(self.cache, len(cached) - reuse):
@@ -125,9 +129,11 @@ class Decoder:
         else:
             caches.rollback(self.cache, len(cached) - reuse)
         self.stale = False
-        prefill_cache(self.target, self.cache, prompt[reuse:-1])
+        plain = prefill_cache(self.target, self.cache, prompt[reuse:-1], timed=timed)
+        draft = None
         if self.drafter is not None and use_draft:
-            self.drafter.prefill(prompt)
+            draft = self.drafter.prefill(prompt, timed)
+        self.step_seconds = (plain, draft)
         self.sequence, self.unfed = list(prompt), 1
         return reuse
 
@@ -170,7 +176,14 @@ class Decoder:
                     if r.finished:
                         return
                 continue
-            r = self._speculative_round(k_round, params, policy.stop_below, policy.wants_split())
+            split = policy.wants_split()
+            if split and hasattr(self.drafter, "catch_up"):
+                # after a plain stretch the draft model has many tokens to take in: one batched
+                # pass, kept out of the round's time (it is no cost of a draft step)
+                caught = time.perf_counter()
+                self.drafter.catch_up()
+                last += time.perf_counter() - caught
+            r = self._speculative_round(k_round, params, policy.stop_below, split)
             emitted += len(r.tokens)
             now = time.perf_counter()  # before the yield: a caller may stop after any round
             policy.update(k_round, r.drafted, r.verified, now - last, r.split, r.replayed)
@@ -482,9 +495,12 @@ def stream_rounds(
     detokenizer.reset()
     mx.reset_peak_memory()
     start = time.perf_counter()
-    stats.prompt_tokens_reused = decoder.prefill(tokens, use_draft=speculative)
+    timed = speculative and policy.wants_timing()
+    stats.prompt_tokens_reused = decoder.prefill(tokens, use_draft=speculative, timed=timed)
     mx.synchronize()
     stats.prefill_seconds = time.perf_counter() - start
+    if timed:
+        policy.calibrate(*decoder.step_seconds)
     start = time.perf_counter()
 
     rounds = decoder.rounds(max_tokens, params, policy, use_draft=speculative)

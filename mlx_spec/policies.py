@@ -86,6 +86,12 @@ class FixedK:
     def update(self, requested, drafted, verified, seconds, split=None, replayed=0) -> None:
         pass
 
+    def wants_timing(self) -> bool:
+        return False
+
+    def calibrate(self, plain: float | None, draft: float | None) -> None:
+        pass
+
     def update_plain(self, tokens: int, seconds: float) -> None:
         pass
 
@@ -155,10 +161,8 @@ class Controller:
     draft_step: Estimate = field(default_factory=lambda: Estimate(0.25, warmup=True))
     verify: dict = field(default_factory=dict)  # rows -> seconds of a verify pass (calibration)
     fit: list = field(default_factory=lambda: [0.0] * 5)  # decayed sums: w, x, xx, t, xt
-    # warm-up: time plain steps, then two single-token drafts (the first round pays one-time
-    # costs: its timing stays out of the fit); cheap for a draft that cannot pay, and a draft
-    # that can is tried longer right after (see `varied`)
-    plan: list = field(default_factory=lambda: [0, 1, 1])
+    plan: list = field(default_factory=list)  # choices made in advance (the warm-up)
+    warmed: bool = False
     plain_since_probe: int = 0
     calibrated: int = 0
     rounds: int = 0
@@ -212,8 +216,10 @@ class Controller:
     def line(self) -> tuple[float, float] | None:
         """(A, B) of the round-time fit T = A + B * x, or None before any round counted."""
         w, sx, sxx, st, sxt = self.fit
-        if w <= 0:
-            return None
+        if w <= 0:  # no round yet: a verify pass costs a plain step, a draft token its step
+            if self.draft_step.value is None or self.plain.value is None:
+                return None
+            return self.plain.value, self.draft_step.value + PRIOR_VERIFY_SLOPE * self.plain.value
         mean_x, mean_t = sx / w, st / w
         if self.varied():  # x has varied enough to show the slope
             slope = (sxt / w - mean_x * mean_t) / (sxx / w - mean_x**2)
@@ -260,6 +266,8 @@ class Controller:
     def next(self, available: bool | None = None) -> int:
         """k for the next round. `available`: the drafter says (for free) whether it has a
         proposal now (prompt lookup), so the chance of a first draft token is known."""
+        if not self.warmed:
+            self.warmed, self.plan = True, self.plan or self.warm_up()
         if self.plan:
             self.chosen, self.burst = self.plan.pop(0), WARMUP_PLAIN
             return self.chosen
@@ -277,11 +285,19 @@ class Controller:
             return 0
         self.rounds += 1
         self.chosen, self.reason = k, f"k={k}: predicted {self.predicted_speedup(k):.2f}x"
-        if (self.rounds % EXPLORE_EVERY == 0 or not self.varied()) and k < self.k_max:
+        explore = self.rounds % EXPLORE_EVERY == 0 or (not self.varied() and self.rounds % 2)
+        if explore and k < self.k_max:
             # now and then a longer draft: the round-time fit needs x to vary, and positions
             # past k need fresh evidence
             self.chosen = k = min(self.k_max, k + 2)
         return k
+
+    def warm_up(self) -> list[int]:
+        """Rounds that measure what prefill did not time (see `calibrate`): plain steps, then
+        two single-token drafts (the first pays one-time costs: its timing stays out of the
+        fit). Cheap for a draft that cannot pay; one that can is tried longer right after."""
+        plan = [0] if self.plain.value is None else []
+        return plan + ([1, 1] if self.draft_step.value is None else [])
 
     def plain_burst(self) -> int:
         """How many plain tokens to decode before asking again (k = 0 was chosen)."""
@@ -338,6 +354,19 @@ class Controller:
             if steps:
                 self.draft_step.add(draft_seconds / steps)
             self.verify.setdefault(rows, Estimate(0.25, warmup=True)).add(verify_seconds)
+
+    def wants_timing(self) -> bool:
+        """Whether prefill should time a target step and a draft step (see `calibrate`)."""
+        return self.draft_step.value is None or self.plain.value is None
+
+    def calibrate(self, plain: float | None, draft: float | None) -> None:
+        """A target step and a draft step timed at the end of prefill (warm: the step before
+        each paid the one-time costs). Knowing both before the first token, the controller
+        skips its warm-up: a draft that cannot pay is never run, one that can starts at once."""
+        if plain is not None:
+            self.plain = Estimate(PLAIN_MEMORY, value=plain, count=2)
+        if draft is not None:
+            self.draft_step = Estimate(0.25, value=draft, count=2)
 
     def update_plain(self, tokens: int, seconds: float) -> None:
         if tokens:

@@ -63,6 +63,24 @@ def test_a_draft_dearer_than_the_target_is_paused_for_good():
     assert c.round_time(0) == pytest.approx(1.0)
 
 
+def test_costs_timed_in_prefill_skip_the_warm_up():
+    """Prefill times a target step and a draft step: a draft that cannot pay is never run
+    before its first probe, and a cheap one drafts from the first round."""
+    dear = Controller()
+    dear.calibrate(1.0, 2.4)
+    chosen = simulate(dear, lambda x: 1.2 + 2.5 * x, 1.0, lambda i: 0.7, draft_step=2.4)
+    assert chosen[0] == 0 and dear.plain_burst() <= PROBE_MAX_INTERVAL
+    assert sum(k > 0 for k in chosen) <= 600 // PROBE_MAX_INTERVAL
+    cheap = Controller()
+    cheap.calibrate(1.0, 0.05)
+    assert cheap.next() >= 2
+    untimed = Controller()
+    untimed.calibrate(None, 0.05)  # the prompt was too short to time the target
+    assert [untimed.next(), untimed.burst] == [0, 4]
+    untimed.update_plain(4, 4.0)
+    assert untimed.next() >= 2
+
+
 def test_a_cheap_agreeing_draft_drafts_long():
     c = Controller()
     chosen = simulate(c, lambda x: 1.1 + 0.1 * x, 1.0, lambda i: 0.9, draft_step=0.05)
@@ -103,7 +121,9 @@ def test_the_round_time_fit():
     c.update_plain(4, 4.0)
     assert c.round_time(3) is None  # no round yet
     c.update(4, 4, 4, 9.0, split=(4.0, 4, 5.0, 5))  # the first round: one-time costs, left out
-    assert c.round_time(3) is None
+    # of the fit; until a round counts: a verify pass costs a plain step, a draft token its
+    # draft step and a prior share of a verified row
+    assert c.round_time(3) == pytest.approx(1.0 + 3 * (1.0 + 0.07))
     c.update(2, 2, 1, 1.3)  # x has not varied yet: the slope is the draft step + a prior
     assert c.line()[1] == pytest.approx(1.0 + 0.07)
     for x, t in [(0, 1.15), (4, 1.55), (0, 1.15), (4, 1.55), (2, 1.35)]:
@@ -161,6 +181,24 @@ def test_greedy_with_auto_for_lookup_drafters(tiny_models, drafter):
     ref = reference(pair, prompt, 60)
     for length in ("auto", Scripted()):
         assert generate(pair, prompt, max_tokens=60, num_draft_tokens=length).tokens == ref
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "ngram+model"])
+def test_prefill_times_a_step_of_each_model(tiny_models, drafter):
+    draft = None if drafter == "ngram" else str(tiny_models.noisy)
+    pair = load_pair(target=str(tiny_models.target), draft=draft, drafter=drafter)
+    decoder = make_decoder(pair)
+    res = generate(pair, PROMPTS[1], max_tokens=30, decoder=decoder)
+    plain, draft_step = decoder.step_seconds
+    assert plain > 0 and (draft_step == 0 if drafter == "ngram" else draft_step > 0)
+    assert res.stats.policy.draft_step.value is not None and res.tokens == reference(
+        pair, PROMPTS[1], 30
+    )
+    # a two-token prompt is too short to time: the controller warms up by decoding instead
+    short = generate(
+        pair, pair.tokenizer.encode("Hi")[:2], max_tokens=8, decoder=make_decoder(pair)
+    )
+    assert short.stats.policy.plain.count >= 1
 
 
 def test_a_kept_decoder_keeps_what_the_controller_learned(pair):
