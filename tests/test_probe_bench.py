@@ -136,5 +136,15 @@ def test_bench_bad_input(tiny_models, tmp_path, capsys):
     pair = ["--target", str(tiny_models.target), "--draft", str(tiny_models.noisy)]
     assert main(["bench", *pair, "--k", "0"]) == 2
     assert main(["bench", *pair, "--prompts", str(tmp_path / "missing.txt")]) == 2
+    assert main(["bench", *pair, "--only", "chat,poems"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 2 and "draft lengths" in err and "cannot read prompts file" in err
+    assert err.count("\n") == 3 and "draft lengths" in err and "cannot read prompts file" in err
+    assert "unknown built-in prompt 'poems'; known: chat, code" in err
+
+
+def test_bench_picks_built_in_prompts(tiny_models, capsys):
+    pair = ["--target", str(tiny_models.target), "--draft", str(tiny_models.noisy)]
+    args = ["--k", "auto", "--temps", "0", "--runs", "1", "--max-tokens", "4", "--json"]
+    assert main(["bench", *pair, "--only", "summarisation,code edit", *args]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert {r["prompt"] for r in runs} == {"summarisation", "code edit"}

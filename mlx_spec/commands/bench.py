@@ -36,6 +36,9 @@ def k_list(text: str) -> list:
 def setup_arg_parser(parser):
     add_pair_args(parser)
     parser.add_argument("--prompts", help="a file of prompts, one per line (default: built-in set)")
+    parser.add_argument(
+        "--only", metavar="NAMES", help="built-in prompts to run, e.g. summarisation,'code edit'"
+    )
     parser.add_argument("--temps", type=float_list, default=[0.0, 0.7], help="e.g. 0,0.7")
     parser.add_argument("--k", type=k_list, default=[2, 4, 6], help="draft lengths, e.g. 2,4,auto")
     parser.add_argument(
@@ -49,9 +52,18 @@ def setup_arg_parser(parser):
     parser.add_argument("--plot", metavar="FILE.png", help="bar chart of the speedups")
 
 
-def read_prompts(path: str | None) -> dict[str, str]:
+def read_prompts(path: str | None, only: str | None = None) -> dict[str, str]:
     from ..bench import PROMPTS
 
+    if path is not None and only is not None:
+        raise SpecError("--only picks built-in prompts; it does not go with --prompts")
+    if only is not None:
+        names = [name.strip() for name in only.split(",") if name.strip()]
+        unknown = [name for name in names if name not in PROMPTS]
+        if unknown or not names:
+            known = ", ".join(PROMPTS)
+            raise SpecError(f"unknown built-in prompt {', '.join(unknown)!r}; known: {known}")
+        return {name: PROMPTS[name] for name in names}
     if path is None:
         return PROMPTS
     try:
@@ -88,7 +100,7 @@ def main(args):
         raise SpecError("--k takes draft lengths >= 1 or auto, e.g. 2,4,auto")
     if args.runs < 1:
         raise SpecError("--runs must be >= 1")
-    prompts = read_prompts(args.prompts)
+    prompts = read_prompts(args.prompts, args.only)
     pair = pair_from_args(args)
     say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr))
     say(f"BLAS: {describe()}")
