@@ -153,7 +153,10 @@ def run_bench(pair, prompts: dict[str, str], temps, ks, runs: int, max_tokens: i
         for name, text in prompts.items():
             ids = encode_prompt(pair.tokenizer, [{"role": "user", "content": text}])
             for temperature in temps:
-                for fn, k in configs:
+                # each run starts from another configuration: whatever the one before leaves
+                # behind (caches, memory, a busy neighbour) does not always favour the same one
+                shift = run_index % len(configs)
+                for fn, k in configs[shift:] + configs[:shift]:
                     r = fn(pair, ids, max_tokens, temperature, k, seed=run_index)
                     r.prompt = name
                     results.append(r)
