@@ -24,6 +24,7 @@ COMMANDS = {
     "convert": "Convert a GGUF file into an MLX model directory",
     "probe": "Measure whether decoding is memory-bound here and which k pays",
     "bench": "Benchmark against mlx-lm, plain and speculative, in one process",
+    "serve": "Serve an OpenAI-compatible API on this machine, speculating",
 }
 DEFAULT_PAIR = "smollm2-demo"
 

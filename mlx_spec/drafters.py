@@ -165,10 +165,13 @@ class NGramDrafter:
     dictionary operations whatever the context length. Its q is a point mass on the guess.
     """
 
-    def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1, history=None):
         if not 1 <= ngram_min <= ngram_max:
             raise SpecError(f"need 1 <= ngram-min <= ngram-max, got {ngram_min} and {ngram_max}")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        # a history.HistoryIndex over earlier requests (the server's): searched after the
+        # context at each n-gram length, so a longer match there beats a shorter one here
+        self.history = history
         self.steps = 0  # no model
         self.tokens: list[int] = []
         self.index: dict[tuple[int, ...], int] = {}
@@ -191,10 +194,18 @@ class NGramDrafter:
         return 0.0  # drafting costs a dictionary look-up
 
     def lookup(self, k: int) -> list[int]:
-        for n in range(min(self.ngram_max, len(self.tokens)), self.ngram_min - 1, -1):
-            start = self.index.get(tuple(self.tokens[-n:]))
-            if start is not None:
-                return self.tokens[start : start + k]
+        history = self.history
+        longest = max(self.ngram_max, history.ngram_max if history is not None else 0)
+        for n in range(min(longest, len(self.tokens)), 0, -1):
+            ngram = self.tokens[-n:]
+            if self.ngram_min <= n <= self.ngram_max:
+                start = self.index.get(tuple(ngram))
+                if start is not None:
+                    return self.tokens[start : start + k]
+            if history is not None:
+                guess = history.after(ngram, k)
+                if guess:
+                    return guess
         return []
 
     def has_proposal(self) -> bool:

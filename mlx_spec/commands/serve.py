@@ -1,0 +1,200 @@
+"""mlx-spec serve: an OpenAI-compatible local server that speculates (see mlx_spec/serve/)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from ..cli import add_pair_args, int_at_least, nonnegative_int, pair_from_args, positive_int
+from ..errors import SpecError
+
+API_KEY_ENV = "MLX_SPEC_API_KEY"
+DEFAULT_MAX_TOKENS = 512
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def size(text: str) -> int:
+    """A byte count, with an optional K, M or G suffix (powers of 1024)."""
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+    return int_at_least(text[:-1] if scale > 1 else text, 1) * scale
+
+
+def port(text: str) -> int:
+    value = nonnegative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be at most 65535, got {value}")
+    return value
+
+
+def setup_arg_parser(parser):
+    add_pair_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    g.add_argument("--port", type=port, default=8080, help="port (default 8080; 0: any free one)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"clients must send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
+    )
+    g.add_argument(
+        "--max-queue", type=nonnegative_int, default=16, help="requests that may wait (429 past it)"
+    )
+    g.add_argument(
+        "--request-timeout", type=seconds, default=600.0, help="seconds, queue wait included"
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=seconds,
+        default=10.0,
+        help="on SIGTERM, seconds the running request may take to finish before it is cancelled",
+    )
+    g.add_argument("--max-body", type=size, default=8 << 20, help="request body limit (8M)")
+    g.add_argument(
+        "--max-tokens-limit", type=positive_int, default=8192, help="largest max_tokens allowed"
+    )
+    g.add_argument(
+        "--default-max-tokens",
+        type=positive_int,
+        help="when a request sets none (default: 512, or --max-tokens-limit if lower)",
+    )
+    g.add_argument(
+        "--prompt-cache", type=size, default=2 << 30, help="bytes of KV caches kept (2G)"
+    )
+    g.add_argument(
+        "--history-tokens",
+        type=positive_int,
+        default=100_000,
+        help="tokens of earlier requests and replies that prompt lookup also searches",
+    )
+    g.add_argument(
+        "--no-history",
+        action="store_true",
+        help="prompt lookup searches only the request's own context",
+    )
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind before loading the models, so a busy port fails fast and clearly."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as err:
+        raise SpecError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def served_name(args) -> str:
+    from ..cli import DEFAULT_PAIR
+
+    if args.target:
+        return Path(args.target).stem if args.target.endswith(".gguf") else Path(args.target).name
+    return args.pair or DEFAULT_PAIR
+
+
+def main(args):
+    try:
+        import uvicorn
+
+        from ..serve.app import GracefulServer, Settings, create_app
+        from ..serve.protocol import Limits
+        from ..serve.worker import Engine
+    except ImportError as err:
+        raise SpecError(
+            f"mlx-spec serve needs the serve extra ({err.name} is missing): "
+            "pip install 'mlx-spec[serve]'"
+        ) from None
+    from ..loading import load_pair
+    from ..registry import load_registry
+
+    if args.default_max_tokens is None:
+        args.default_max_tokens = min(DEFAULT_MAX_TOKENS, args.max_tokens_limit)
+    if args.default_max_tokens > args.max_tokens_limit:
+        raise SpecError("--default-max-tokens must not exceed --max-tokens-limit")
+    if not args.api_key and not is_loopback(args.host):
+        print(
+            f"mlx-spec serve: warning: listening on {args.host} without --api-key: anyone who "
+            "can reach this port can use the model",
+            file=sys.stderr,
+        )
+    sock = bind(args.host, args.port)
+    name = served_name(args)
+    pair = pair_from_args(args)
+
+    def loader(model: str):
+        if model == name:
+            return pair_from_args(args)
+        return load_pair(model)
+
+    models = sorted({name, *load_registry().pairs})
+    engine = Engine(
+        pair,
+        name,
+        loader,
+        models,
+        max_queue=args.max_queue,
+        prompt_cache_bytes=args.prompt_cache,
+        history_tokens=0 if args.no_history else args.history_tokens,
+    )
+    settings = Settings(
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_body,
+        request_timeout=args.request_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+        limits=Limits(args.max_tokens_limit, args.default_max_tokens),
+    )
+    config = uvicorn.Config(
+        create_app(engine, settings),
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout + 2,
+    )
+    server = GracefulServer(config, engine, args.shutdown_timeout)
+    host, bound = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{bound}/v1"
+    history = "on" if engine.history is not None else "off"
+    print(f"mlx-spec serve: {name} (drafter {engine.drafter}, history lookup {history}) on {url}")
+    sys.stdout.flush()
+    engine.start()
+    # uvicorn re-raises the signal that stopped it once it is done; after a graceful
+    # shutdown that must not kill the process before the engine thread is joined
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    status = 0
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        status = 130
+    engine.stop(timeout=args.shutdown_timeout + 5)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # MLX's threads may abort the interpreter's normal exit after work in another thread
+    # ("terminate called without an active exception"); everything is flushed and joined
+    os._exit(status)

@@ -1,0 +1,476 @@
+"""`mlx-spec serve` as a real process on 127.0.0.1, driven by the official `openai` client.
+
+Two servers per module: a fast one (the tiny target, drafted by lookup then the tiny draft
+model, history lookup on) for equality, parameters and errors, and a slow one (plain decoding,
+long replies, a queue of one, a short timeout) for 429, timeouts and SIGTERM.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+import tiny
+from conftest import VOCAB
+
+from mlx_spec import generate
+
+KEY = "test-key"
+MAX_TOKENS_LIMIT = 400
+
+
+class Reply:
+    def __init__(self, status: int, body: bytes):
+        self.status_code, self.text = status, body.decode()
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def request(method: str, url: str, body=None, key: str | None = KEY, timeout=10) -> Reply:
+    """A raw HTTP request with the standard library (bodies the client would not send)."""
+    rest = url.removeprefix("http://")
+    hostport, _, path = rest.partition("/")
+    host, _, port = hostport.rpartition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if body is not None:
+        body = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    try:
+        conn.request(method, "/" + path, body=body, headers=headers)
+        r = conn.getresponse()
+        return Reply(r.status, r.read())
+    finally:
+        conn.close()
+
+
+def health(url: str) -> int:
+    return request("GET", url.removesuffix("/v1") + "/health", key=None, timeout=1).status_code
+
+
+def start_server(args: list[str], log) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "mlx_spec", "serve", "--port", "0", "--log-level", "warning"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLX_SPEC_API_KEY": ""}
+    proc = subprocess.Popen(cmd + args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout=60):
+        proc.kill()
+        raise RuntimeError("the server printed nothing within 60 s")
+    line = proc.stdout.readline()
+    match = re.search(r"on (http://\S+/v1)", line)
+    assert match, f"unexpected first line: {line!r} (rc {proc.poll()})"
+    url = match.group(1)
+    for _ in range(100):  # the socket is bound before the line; uvicorn may still be starting
+        try:
+            if health(url) == 200:
+                return proc, url
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the server never answered /health")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    log = open(tmp_path_factory.mktemp("server") / "stderr.log", "w")  # noqa: SIM115
+    proc, url = start_server(
+        [
+            "--target", str(tiny_models.target), "--draft", str(tiny_models.draft),
+            "--drafter", "ngram+model", "--num-draft-tokens", "4", "--api-key", KEY,
+            "--max-body", "64K", "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-queue", "32",
+        ],
+        log,
+    )  # fmt: skip
+    yield url
+    stop_server(proc)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server, api_key=KEY, max_retries=0, timeout=60)
+
+
+def metrics(url: str, key: str | None = KEY) -> dict[str, float]:
+    r = request("GET", url.removesuffix("/v1") + "/metrics", key=key)
+    assert r.status_code == 200
+    out = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of"]
+
+
+def test_models_lists_the_served_pair_first(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == "target"
+    assert "smollm2-demo" in ids  # curated pairs load on demand
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("text", PROMPTS)
+def test_chat_equals_generate(client, pair, text, stream):
+    expected = generate(pair, chat(text), max_tokens=40, temperature=0.0)
+    kwargs = dict(model="target", messages=chat(text), max_tokens=40, temperature=0)
+    if stream:
+        chunks = list(
+            client.chat.completions.create(
+                **kwargs, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        text_out = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        usage = chunks[-1].usage
+        assert not chunks[-1].choices  # the usage chunk comes last, with no choices
+    else:
+        resp = client.chat.completions.create(**kwargs)
+        text_out, finish, usage = (
+            resp.choices[0].message.content,
+            resp.choices[0].finish_reason,
+            resp.usage,
+        )
+    assert text_out == expected.text
+    assert usage.completion_tokens == len(expected.tokens)
+    assert usage.prompt_tokens == expected.stats.prompt_tokens
+    assert finish == expected.finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_equals_generate(client, pair, stream):
+    text = "def add(a, b):\n    return"
+    expected = generate(pair, text, max_tokens=30, temperature=0.0)
+    kwargs = dict(model="target", prompt=text, max_tokens=30, temperature=0)
+    if stream:
+        chunks = list(client.completions.create(**kwargs, stream=True))
+        out = "".join(c.choices[0].text for c in chunks)
+        assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
+    else:
+        resp = client.completions.create(**kwargs)
+        out = resp.choices[0].text
+        assert resp.usage.completion_tokens == len(expected.tokens)
+    assert out == expected.text
+
+
+def test_token_ids_as_prompt(client, pair):
+    ids = pair.tokenizer.encode("Once upon a time")
+    expected = generate(pair, ids, max_tokens=20, temperature=0.0)
+    resp = client.completions.create(model="target", prompt=ids, max_tokens=20, temperature=0)
+    assert resp.choices[0].text == expected.text
+
+
+def stop_across_tokens(pair, prompt) -> tuple[str, str]:
+    """A reply, and a stop string in it that starts inside one token and ends in another."""
+    events = list(generate_events(pair, prompt))
+    text = "".join(e.text for e in events)
+    ends, at = [], 0
+    for e in events:
+        at += len(e.text)
+        ends.append(at)
+    for i in range(1, len(ends) - 1):
+        a, b = ends[i - 1], ends[i]
+        if b - a >= 2 and ends[i + 1] > b:  # a token of 2+ characters with one after it
+            stop = text[b - 1 : b + 1]
+            if text.find(stop) == b - 1:
+                return text, stop
+    pytest.fail("no reply text to cut across a token boundary")
+
+
+def generate_events(pair, prompt):
+    from mlx_spec import stream
+
+    return stream(pair, prompt, max_tokens=60, temperature=0.0)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_stop_string_across_a_token_boundary(client, pair, streaming):
+    prompt = "Speculative decoding drafts tokens"
+    text, stop = stop_across_tokens(pair, prompt)
+    kwargs = dict(model="target", prompt=prompt, max_tokens=60, temperature=0, stop=["zzz", stop])
+    if streaming:
+        chunks = list(client.completions.create(**kwargs, stream=True))
+        out = "".join(c.choices[0].text for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        resp = client.completions.create(**kwargs)
+        out, finish = resp.choices[0].text, resp.choices[0].finish_reason
+    assert out == text[: text.index(stop)]
+    assert finish == "stop"
+
+
+def test_usage_and_speculation_object(client, pair):
+    text = "Once upon a time there was"
+    expected = generate(pair, text, max_tokens=50, temperature=0.0)
+    resp = client.completions.create(model="target", prompt=text, max_tokens=50, temperature=0)
+    u, spec = resp.usage, resp.model_extra["speculation"]
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.completion_tokens == len(expected.tokens)
+    assert spec["drafter"] == "ngram+model" and spec["history_lookup"] is True
+    assert spec["num_draft_tokens"] == 4 and spec["adaptive"] is False
+    assert 0 <= spec["accepted"] <= spec["drafted"] <= 4 * spec["target_passes"]
+    if spec["drafted"]:
+        assert spec["acceptance_rate"] == pytest.approx(spec["accepted"] / spec["drafted"], 1e-3)
+    # every target pass emits its own token plus the accepted drafts (one pass may end at EOS)
+    assert u.completion_tokens <= spec["target_passes"] + spec["accepted"]
+    assert spec["tokens_per_target_pass"] == pytest.approx(
+        u.completion_tokens / spec["target_passes"], 1e-3
+    )
+
+
+def test_history_lookup_drafts_an_earlier_reply(client, pair):
+    """The same question in a fresh context: the reply is drafted from the earlier one."""
+    question = "Berlin is the capital of Germany. The quick brown"
+    kwargs = dict(model="target", prompt=question, max_tokens=60, temperature=0)
+    first = client.completions.create(**kwargs)
+    # another conversation in between: the next request cannot reuse the first one's decoder
+    client.completions.create(model="target", prompt="def add(a, b):", max_tokens=5)
+    again = client.completions.create(**kwargs)
+    assert again.choices[0].text == first.choices[0].text
+    n = again.usage.completion_tokens
+    accepted = again.model_extra["speculation"]["accepted"]
+    assert accepted >= 0.7 * n > first.model_extra["speculation"]["accepted"]
+
+
+def test_follow_up_prefills_only_its_new_tokens(client, pair):
+    turn1 = chat("Paris is the capital of France.")
+    r1 = client.chat.completions.create(
+        model="target", messages=turn1, max_tokens=20, temperature=0
+    )
+    turn2 = turn1 + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "And Berlin?"},
+    ]
+    r2 = client.chat.completions.create(
+        model="target", messages=turn2, max_tokens=20, temperature=0
+    )
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+    assert r2.choices[0].message.content == generate(pair, turn2, max_tokens=20, temperature=0).text
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": MAX_TOKENS_LIMIT + 1}, "max_tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_unsupported_or_bad_parameters_are_400(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="target", messages=chat("hi"), **extra)
+    error = info.value.body
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"]
+
+
+def test_unknown_argument_and_bad_json_are_400(server):
+    url = server + "/chat/completions"
+    body = {"model": "target", "messages": chat("hi"), "frobnicate": 1}
+    r = request("POST", url, body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+    r = request("POST", url, b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_wrong_or_missing_key_is_401(server):
+    bad = openai.OpenAI(base_url=server, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="target", messages=chat("hi"))
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    r = request("GET", server + "/models", key=None)  # no header at all
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert health(server) == 200  # open to all
+
+
+def test_unknown_model_and_path_are_404(client, server):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="no-such-pair", messages=chat("hi"))
+    assert info.value.body["code"] == "model_not_found"
+    r = request("GET", server + "/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_oversized_body_is_413(server):
+    body = {"model": "target", "messages": chat("x" * 70_000)}
+    r = request("POST", server + "/chat/completions", body)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_client_disconnect_mid_stream_frees_the_engine(client, server, pair):
+    before = metrics(server)
+    stream = client.completions.create(
+        model="target", prompt="The quick brown fox", max_tokens=MAX_TOKENS_LIMIT, stream=True,
+        temperature=0,
+    )  # fmt: skip
+    next(iter(stream))
+    stream.close()  # the client leaves after the first chunk
+    expected = generate(pair, "Paris is", max_tokens=10, temperature=0.0)
+    resp = client.completions.create(
+        model="target", prompt="Paris is", max_tokens=10, temperature=0
+    )
+    assert resp.choices[0].text == expected.text
+    after = metrics(server)
+    assert after["mlx_spec_cancelled_total"] == before["mlx_spec_cancelled_total"] + 1
+    generated = after["mlx_spec_generated_tokens_total"] - before["mlx_spec_generated_tokens_total"]
+    assert generated < MAX_TOKENS_LIMIT  # the abandoned reply stopped early
+
+
+def test_twenty_concurrent_clients_all_answered_none_mixed(client, server, pair):
+    prompts = [f"{tiny.CORPUS[i % 5][: 10 + i]}" for i in range(20)]
+    expected = [generate(pair, p, max_tokens=12, temperature=0.0).text for p in prompts]
+    before = metrics(server)
+
+    def ask(p):
+        stream = client.completions.create(
+            model="target", prompt=p, max_tokens=12, temperature=0, stream=True
+        )
+        return "".join(c.choices[0].text for c in stream)
+
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        got = list(pool.map(ask, prompts))
+    assert got == expected
+    after = metrics(server)
+    key = 'mlx_spec_requests_total{endpoint="completions",status="200"}'
+    assert after[key] == before.get(key, 0) + 20
+
+
+def test_metrics_are_prometheus_text_with_totals(server):
+    m = metrics(server)
+    assert m["mlx_spec_generated_tokens_total"] > 0
+    assert 0 <= m["mlx_spec_accepted_tokens_total"] <= m["mlx_spec_drafted_tokens_total"]
+    assert m["mlx_spec_queue_waiting"] == 0 and m["mlx_spec_busy"] == 0
+    assert 0 < m["mlx_spec_prompt_cache_bytes"] <= 2 << 30
+    assert m["mlx_spec_history_tokens"] > 0
+    assert request("GET", server.removesuffix("/v1") + "/metrics", key=None).status_code == 401
+
+
+# --------------------------------------------------------------- the slow server: limits
+
+
+@pytest.fixture(scope="module")
+def slow(tiny_models, tmp_path_factory):
+    """Plain decoding with the end-of-sequence row muted and a long context: replies run to
+    max_tokens (thousands of tokens, seconds), so a request is surely busy while others come."""
+    root = tmp_path_factory.mktemp("slow")
+    cfg = {**tiny.llama_config(VOCAB, layers=4), "max_position_embeddings": 8192}
+    weights = tiny.random_weights(cfg, seed=0)
+    weights["lm_head.weight"][2] = 0  # <|im_end|>: never the argmax of a peaked head
+    path = tiny.write_model(root / "long", cfg, weights, tiny_models.tokenizer)
+    log = open(root / "stderr.log", "w")  # noqa: SIM115
+    proc, url = start_server(
+        [
+            "--target", str(path), "--no-draft", "--max-queue", "1", "--request-timeout", "2",
+            "--shutdown-timeout", "8",
+        ],
+        log,
+    )  # fmt: skip
+    yield proc, url
+    stop_server(proc)
+    log.close()
+
+
+def slow_client(url):
+    return openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=30)
+
+
+def test_a_full_queue_answers_429_with_retry_after(slow):
+    _, url = slow
+    c = slow_client(url)
+    running = c.completions.create(model="long", prompt="The", max_tokens=5000, stream=True)
+    next(iter(running))  # generating now
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(
+            lambda: c.completions.create(model="long", prompt="Paris", max_tokens=5)
+        )
+        deadline = time.monotonic() + 5
+        while metrics(url, None)["mlx_spec_queue_waiting"] < 1:
+            assert time.monotonic() < deadline, "the second request never queued"
+            time.sleep(0.02)
+        with pytest.raises(openai.RateLimitError) as info:
+            c.completions.create(model="long", prompt="Berlin", max_tokens=5)
+        assert int(info.value.response.headers["retry-after"]) >= 1
+        running.close()  # frees the engine for the queued one
+        assert queued.result().usage.completion_tokens == 5
+
+
+def test_request_timeout_is_504(slow):
+    _, url = slow
+    with pytest.raises(openai.InternalServerError) as info:
+        slow_client(url).completions.create(model="long", prompt="The", max_tokens=5000)
+    assert info.value.status_code == 504
+    assert info.value.body["code"] == "request_timeout"
+
+
+def test_sigterm_finishes_the_running_request_then_exits_cleanly(slow):
+    proc, url = slow
+    stream = slow_client(url).completions.create(
+        model="long", prompt="The", max_tokens=300, stream=True, temperature=0
+    )
+    chunks = iter(stream)
+    first = next(chunks)
+    proc.send_signal(signal.SIGTERM)
+    rest = list(chunks)
+    assert rest[-1].choices[0].finish_reason == "length"
+    text = first.choices[0].text + "".join(c.choices[0].text for c in rest)
+    assert text  # the whole reply arrived
+    assert proc.wait(20) == 0
+    with pytest.raises(OSError):
+        health(url)
+
+
+def test_no_network_bind_without_key_warns(tiny_models, tmp_path):
+    """Binding beyond loopback without --api-key warns (here on a port that is busy, so the
+    command stops right after the warning, with one clear error line)."""
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("0.0.0.0", 0))
+    busy.listen()
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_spec", "serve", "--target", str(tiny_models.target),
+         "--host", "0.0.0.0", "--port", str(busy.getsockname()[1])],
+        capture_output=True, text=True, env={**os.environ, "MLX_SPEC_API_KEY": ""},
+    )  # fmt: skip
+    busy.close()
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert "warning" in lines[0] and "--api-key" in lines[0]
+    assert lines[-1].startswith("mlx-spec serve: error: cannot listen on 0.0.0.0")
