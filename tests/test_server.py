@@ -2,7 +2,7 @@
 
 Two servers per module: a fast one (the tiny target, drafted by lookup then the tiny draft
 model, history lookup on) for equality, parameters and errors, and a slow one (plain decoding,
-long replies, a queue of one, a short timeout) for 429, timeouts and SIGTERM.
+long replies, a queue of three, a short timeout) for the queue, 429, timeouts and SIGTERM.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from mlx_spec import generate
 
 KEY = "test-key"
 MAX_TOKENS_LIMIT = 400
+SLOW_QUEUE = 3
 
 
 class Reply:
@@ -397,7 +398,8 @@ def slow(tiny_models, tmp_path_factory):
     log = open(root / "stderr.log", "w")  # noqa: SIM115
     proc, url = start_server(
         [
-            "--target", str(path), "--no-draft", "--max-queue", "1", "--request-timeout", "2",
+            "--target", str(path), "--no-draft", "--max-queue", str(SLOW_QUEUE),
+            "--request-timeout", "2",
             "--shutdown-timeout", "8",
         ],
         log,
@@ -411,24 +413,40 @@ def slow_client(url):
     return openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=30)
 
 
-def test_a_full_queue_answers_429_with_retry_after(slow):
+def wait_until(condition, what: str, seconds: float = 5) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_the_queue_is_first_in_first_out_and_past_its_limit_429(slow):
     _, url = slow
     c = slow_client(url)
     running = c.completions.create(model="long", prompt="The", max_tokens=5000, stream=True)
-    next(iter(running))  # generating now
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        queued = pool.submit(
-            lambda: c.completions.create(model="long", prompt="Paris", max_tokens=5)
-        )
-        deadline = time.monotonic() + 5
-        while metrics(url, None)["mlx_spec_queue_waiting"] < 1:
-            assert time.monotonic() < deadline, "the second request never queued"
-            time.sleep(0.02)
+    next(iter(running))  # generating now, for seconds
+    finished = []
+
+    def ask(i):
+        r = c.completions.create(model="long", prompt=f"Paris {i}", max_tokens=5)
+        finished.append(i)
+        return r
+
+    with concurrent.futures.ThreadPoolExecutor(SLOW_QUEUE) as pool:
+        queued = []
+        for i in range(SLOW_QUEUE):  # one at a time, so the arrival order is known
+            queued.append(pool.submit(ask, i))
+            wait_until(
+                lambda n=i + 1: metrics(url, None)["mlx_spec_queue_waiting"] >= n,
+                f"request {i} never queued",
+            )
         with pytest.raises(openai.RateLimitError) as info:
             c.completions.create(model="long", prompt="Berlin", max_tokens=5)
         assert int(info.value.response.headers["retry-after"]) >= 1
-        running.close()  # frees the engine for the queued one
-        assert queued.result().usage.completion_tokens == 5
+        assert info.value.body["code"] == "rate_limit_exceeded"
+        running.close()  # frees the engine for the queued ones
+        assert all(f.result().usage.completion_tokens == 5 for f in queued)
+    assert finished == list(range(SLOW_QUEUE))
 
 
 def test_request_timeout_is_504(slow):

@@ -169,7 +169,6 @@ def main(args):
         api_key=args.api_key or None,
         max_body_bytes=args.max_body,
         request_timeout=args.request_timeout,
-        shutdown_timeout=args.shutdown_timeout,
         limits=Limits(args.max_tokens_limit, args.default_max_tokens),
     )
     config = uvicorn.Config(

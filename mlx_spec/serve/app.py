@@ -40,7 +40,6 @@ class Settings:
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
     request_timeout: float = 600.0
-    shutdown_timeout: float = 10.0
     limits: Limits = field(default_factory=Limits)
 
 
@@ -87,16 +86,15 @@ def sse(data) -> dict:
     return {"type": "http.response.body", "body": f"data: {text}\n\n".encode(), "more_body": True}
 
 
-class JobResponse(Response):
-    """Answers one job: the status is chosen when its first item arrives (an error before any
-    text is a plain HTTP error), then SSE chunks or one JSON body. Watches for the client
-    leaving at the same time and cancels the job when it does."""
+class JobResponse:
+    """An ASGI response that answers one job: the status is chosen when its first item
+    arrives (an error before any text is a plain HTTP error), then SSE chunks or one JSON
+    body. Watches for the client leaving at the same time and cancels the job when it does."""
 
     def __init__(self, job: Job, settings: Settings, on_status):
         self.job, self.settings, self.on_status = job, settings, on_status
         self.rid = ("chatcmpl-" if job.request.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.background = None
 
     async def __call__(self, scope, receive, send):
         self.scope = scope
@@ -247,7 +245,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         key = (endpoint, str(status))
         engine.metrics.requests[key] = engine.metrics.requests.get(key, 0) + 1
 
-    async def generation(request: Request, endpoint: str, parse) -> Response:
+    async def generation(request: Request, endpoint: str, parse) -> Response | JobResponse:
         try:
             authorize(request, settings)
             data = await read_json(request, settings.max_body_bytes)
@@ -259,10 +257,10 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
             return error_response(err)
         return JobResponse(job, settings, lambda status: count(endpoint, status))
 
-    async def chat(request: Request) -> Response:
+    async def chat(request: Request) -> Response | JobResponse:
         return await generation(request, "chat", parse_chat)
 
-    async def completions(request: Request) -> Response:
+    async def completions(request: Request) -> Response | JobResponse:
         return await generation(request, "completions", parse_completion)
 
     async def models(request: Request) -> Response:

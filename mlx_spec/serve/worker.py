@@ -118,7 +118,9 @@ class PromptCache:
         return best
 
     def trim(self) -> None:
-        """Drop least recently used decoders until the kept caches fit in max_bytes."""
+        """Drop least recently used decoders until the kept caches fit in max_bytes (and
+        those that hold nothing: a request that failed before its prefill)."""
+        self.entries = [d for d in self.entries if d.sequence]
         sizes = [decoder_bytes(d) for d in self.entries]
         while self.entries and sum(sizes) > self.max_bytes:
             self.entries.pop(0)
@@ -206,10 +208,8 @@ class Engine:
         if model == self.name and self.pair is not None:
             return self.pair
         if model not in self.models:
-            raise ApiError(
-                404, f"The model {model!r} does not exist; see /v1/models", "model",
-                "model_not_found",
-            )  # fmt: skip
+            message = f"The model {model!r} does not exist; see /v1/models"
+            raise ApiError(404, message, "model", "model_not_found")
         # one pair resident: free the old one before loading the next
         self._install(None, "")
         gc.collect()
@@ -235,6 +235,7 @@ class Engine:
         with self.lock:
             if self.closing:
                 raise ApiError(503, "the server is shutting down", code="shutting_down")
+            # --max-queue 0: a request is taken only when the engine is idle
             if self.waiting >= self.max_queue and (self.busy or self.waiting):
                 raise ApiError(
                     429,

@@ -1,0 +1,109 @@
+"""The server's parts without a server: the history index, lookup over it, stop strings,
+sandboxed chat templates."""
+
+from __future__ import annotations
+
+import pytest
+from test_greedy_equality import reference
+
+from mlx_spec import generate, load_pair, make_decoder
+from mlx_spec.drafters import NGramDrafter
+from mlx_spec.history import HistoryIndex
+from mlx_spec.serve.stops import StopText
+
+
+def test_history_follows_the_longest_match_at_its_latest_occurrence():
+    h = HistoryIndex(ngram_min=2, ngram_max=3)
+    h.add([1, 2, 3, 4, 9, 2, 3, 5, 6])
+    assert h.follow([7, 2, 3], 2) == [5, 6]  # "2 3" most recently continued with 5
+    assert h.follow([1, 2, 3], 2) == [4, 9]  # "1 2 3" is longer and continued with 4
+    assert h.follow([7, 3], 2) == []  # single tokens are not indexed (ngram_min 2)
+
+
+def test_history_adds_only_what_a_follow_up_adds_and_stays_bounded():
+    h = HistoryIndex(max_tokens=10, ngram_min=2, ngram_max=2)
+    h.add([1, 2, 3])
+    h.add([1, 2, 3, 4, 5])  # the same conversation, one turn later
+    assert h.tokens == [1, 2, 3, 4, 5]
+    h.add(list(range(20, 28)))  # past 10 tokens: the older half goes
+    assert len(h) <= 10 and h.tokens[-1] == 27
+    assert h.follow([1, 2], 1) == []  # forgotten with the dropped half
+    assert h.follow([25, 26], 1) == [27]
+
+
+def test_lookup_prefers_its_context_then_history():
+    history = HistoryIndex(ngram_min=2, ngram_max=4)
+    history.add([5, 6, 7, 8, 9, 10])
+    d = NGramDrafter(ngram_max=2, ngram_min=1, history=history)
+    d.prefill([5, 6, 2, 1, 5, 6])
+    # "5 6" is in both; the context's continuation wins at equal length
+    assert d.lookup(3) == [2, 1, 5]
+    d.prefill([1, 2, 3, 7, 8])
+    assert d.lookup(2) == [9, 10]  # "7 8" only in the history
+    plain = NGramDrafter(ngram_max=2, ngram_min=1)  # no history: as before
+    plain.prefill([1, 2, 3, 7, 8])
+    assert plain.lookup(2) == []
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_greedy_lookup_with_history_equals_target_alone(tiny_models, k):
+    pair = load_pair(target=str(tiny_models.target))
+    pair.drafter = "ngram"
+    prompt = "The quick brown fox jumps over the lazy dog."
+    history = HistoryIndex()
+    decoder = make_decoder(pair)
+    decoder.drafter.history = history
+    first = generate(pair, prompt, max_tokens=40, num_draft_tokens=k, decoder=decoder)
+    history.add(decoder.sequence)
+    fresh = make_decoder(pair)  # a new conversation: only the history knows the reply
+    fresh.drafter.history = history
+    again = generate(pair, prompt, max_tokens=40, num_draft_tokens=k, decoder=fresh)
+    expected = reference(pair, prompt, 40)
+    assert first.tokens == again.tokens == expected
+    # the prompt does not repeat itself: only the history has a continuation for its end
+    assert first.rounds[0].drafted == []
+    guess = again.rounds[0].drafted
+    assert guess and guess == first.tokens[: len(guess)]
+
+
+def feed_all(stops: list[str], pieces: list[str]) -> tuple[list[str], str, bool]:
+    s = StopText(stops)
+    out = [s.feed(p) for p in pieces]
+    return out, ("" if s.stopped else s.flush()), s.stopped
+
+
+def test_stop_string_split_across_pieces_is_cut_before_it():
+    out, tail, stopped = feed_all(["o w"], ["Hel", "lo", " wo", "rld"])
+    assert "".join(out) == "Hell" and stopped and tail == ""
+    assert out[1] == "l"  # "o" is held back: it may begin the stop string
+
+
+def test_a_false_start_is_released():
+    out, tail, stopped = feed_all(["abc"], ["xa", "b", "d", "ab"])
+    assert not stopped
+    assert "".join(out) + tail == "xabdab"
+    assert out[-1] == "" and tail == "ab"  # held until the end, then flushed
+
+
+def test_the_earliest_of_several_stops_wins():
+    out, _, stopped = feed_all(["END", "\n\n"], ["one\n", "\ntwo END"])
+    assert "".join(out) == "one" and stopped
+
+
+def test_chat_templates_render_in_a_sandbox(tiny_models):
+    """A chat template is code from the model's files: the server renders it through the
+    tokenizer's apply_chat_template, which compiles it in jinja2's ImmutableSandboxedEnvironment
+    (transformers), never a plain Environment: reaching Python internals is refused."""
+    import jinja2
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from transformers import AutoTokenizer
+
+    from mlx_spec.engine import encode_prompt
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_models.tokenizer))
+    hf.chat_template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        encode_prompt(TokenizerWrapper(hf), [{"role": "user", "content": "hi"}])
+    hf.chat_template = "{% for m in messages %}{{ m.content.upper() }}{% endfor %}"
+    ids = encode_prompt(TokenizerWrapper(hf), [{"role": "user", "content": "hi"}])
+    assert hf.decode(ids) == "HI"  # ordinary templates still render
