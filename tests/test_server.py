@@ -60,9 +60,9 @@ def health(url: str) -> int:
     return request("GET", url.removesuffix("/v1") + "/health", key=None, timeout=1).status_code
 
 
-def start_server(args: list[str], log) -> tuple[subprocess.Popen, str]:
+def start_server(args: list[str], log, env=None) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "mlx_spec", "serve", "--port", "0", "--log-level", "warning"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLX_SPEC_API_KEY": ""}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLX_SPEC_API_KEY": "", **(env or {})}
     proc = subprocess.Popen(cmd + args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
@@ -95,7 +95,13 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
-    log = open(tmp_path_factory.mktemp("server") / "stderr.log", "w")  # noqa: SIM115
+    root = tmp_path_factory.mktemp("server")
+    log = open(root / "stderr.log", "w")  # noqa: SIM115
+    # a user models.toml with one more pair: requests for it load it on demand
+    models = root / "models.toml"
+    models.write_text(
+        f'[pairs."tiny2"]\ntarget = "{tiny_models.target2}"\ndraft = "{tiny_models.draft2}"\n'
+    )
     proc, url = start_server(
         [
             "--target", str(tiny_models.target), "--draft", str(tiny_models.draft),
@@ -103,6 +109,7 @@ def server(tiny_models, tmp_path_factory):
             "--max-body", "64K", "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-queue", "32",
         ],
         log,
+        env={"MLX_SPEC_MODELS": str(models)},
     )  # fmt: skip
     yield url
     stop_server(proc)
@@ -135,7 +142,7 @@ PROMPTS = ["The quick brown fox", "Paris is the capital of"]
 def test_models_lists_the_served_pair_first(client):
     ids = [m.id for m in client.models.list().data]
     assert ids[0] == "target"
-    assert "smollm2-demo" in ids  # curated pairs load on demand
+    assert {"smollm2-demo", "tiny2"} <= set(ids)  # curated and user pairs load on demand
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -383,13 +390,30 @@ def test_metrics_are_prometheus_text_with_totals(server):
     assert request("GET", server.removesuffix("/v1") + "/metrics", key=None).status_code == 401
 
 
+def test_another_pair_loads_on_demand_one_resident(client, server, tiny_models):
+    """Last for this server: it swaps the resident pair (caches and history start over)."""
+    from mlx_spec import load_pair
+
+    other = load_pair(target=str(tiny_models.target2), draft=str(tiny_models.draft2))
+    expected = generate(other, "The quick brown fox", max_tokens=20, temperature=0.0)
+    resp = client.completions.create(
+        model="tiny2", prompt="The quick brown fox", max_tokens=20, temperature=0
+    )
+    assert resp.choices[0].text == expected.text
+    assert resp.model == "tiny2"
+    assert [m.id for m in client.models.list().data][0] == "tiny2"
+    back = client.completions.create(model="target", prompt="Paris is", max_tokens=5)
+    assert back.usage.completion_tokens == 5  # the startup pair, loaded again
+
+
 # --------------------------------------------------------------- the slow server: limits
 
 
 @pytest.fixture(scope="module")
 def slow(tiny_models, tmp_path_factory):
-    """Plain decoding with the end-of-sequence row muted and a long context: replies run to
-    max_tokens (thousands of tokens, seconds), so a request is surely busy while others come."""
+    """Plain decoding with the end-of-sequence row muted and a long context: greedy replies
+    run to max_tokens (thousands of tokens, seconds; checked for the prompts used here), so a
+    request is surely busy while others come."""
     root = tmp_path_factory.mktemp("slow")
     cfg = {**tiny.llama_config(VOCAB, layers=4), "max_position_embeddings": 8192}
     weights = tiny.random_weights(cfg, seed=0)
@@ -423,8 +447,10 @@ def wait_until(condition, what: str, seconds: float = 5) -> None:
 def test_the_queue_is_first_in_first_out_and_past_its_limit_429(slow):
     _, url = slow
     c = slow_client(url)
-    running = c.completions.create(model="long", prompt="The", max_tokens=5000, stream=True)
-    next(iter(running))  # generating now, for seconds
+    running = c.completions.create(
+        model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
+    )
+    next(iter(running))  # generating now, for seconds (greedy: no end of sequence)
     finished = []
 
     def ask(i):
@@ -451,8 +477,10 @@ def test_the_queue_is_first_in_first_out_and_past_its_limit_429(slow):
 
 def test_request_timeout_is_504(slow):
     _, url = slow
-    with pytest.raises(openai.InternalServerError) as info:
-        slow_client(url).completions.create(model="long", prompt="The", max_tokens=5000)
+    with pytest.raises(openai.InternalServerError) as info:  # greedy: no end of sequence
+        slow_client(url).completions.create(
+            model="long", prompt="The", max_tokens=5000, temperature=0
+        )
     assert info.value.status_code == 504
     assert info.value.body["code"] == "request_timeout"
 
