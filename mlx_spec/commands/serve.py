@@ -109,7 +109,6 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as err:
         raise SpecError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
     sock.listen(128)
-    sock.set_inheritable(True)
     return sock
 
 

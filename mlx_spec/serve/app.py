@@ -30,7 +30,7 @@ from .protocol import (
     parse_chat,
     parse_completion,
 )
-from .worker import Engine, Job
+from .worker import Engine, Job, timeout_error
 
 DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to this, then cut off
 
@@ -91,8 +91,8 @@ class JobResponse:
     arrives (an error before any text is a plain HTTP error), then SSE chunks or one JSON
     body. Watches for the client leaving at the same time and cancels the job when it does."""
 
-    def __init__(self, job: Job, settings: Settings, on_status):
-        self.job, self.settings, self.on_status = job, settings, on_status
+    def __init__(self, job: Job, on_status):
+        self.job, self.on_status = job, on_status
         self.rid = ("chatcmpl-" if job.request.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -120,7 +120,7 @@ class JobResponse:
             return await asyncio.wait_for(self.job.items.get(), max(remaining, 0.001))
         except TimeoutError:
             self.job.cancel()
-            return ("error", ApiError(504, "the request timed out while queued"))
+            return ("error", timeout_error())
 
     async def send_error(self, send, err: ApiError) -> None:
         self.on_status(err.status)
@@ -255,7 +255,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         except ApiError as err:
             count(endpoint, err.status)
             return error_response(err)
-        return JobResponse(job, settings, lambda status: count(endpoint, status))
+        return JobResponse(job, lambda status: count(endpoint, status))
 
     async def chat(request: Request) -> Response | JobResponse:
         return await generation(request, "chat", parse_chat)
