@@ -107,3 +107,26 @@ def test_chat_templates_render_in_a_sandbox(tiny_models):
     hf.chat_template = "{% for m in messages %}{{ m.content.upper() }}{% endfor %}"
     ids = encode_prompt(TokenizerWrapper(hf), [{"role": "user", "content": "hi"}])
     assert hf.decode(ids) == "HI"  # ordinary templates still render
+
+
+def test_prompt_cache_keeps_recent_conversations_within_its_bytes(pair):
+    from mlx_spec.engine import encode_prompt
+    from mlx_spec.serve.worker import PromptCache, decoder_bytes
+
+    prompts = ["The quick brown fox", "Paris is the capital", "def add(a, b):", "Once upon"]
+    ids = [encode_prompt(pair.tokenizer, p) for p in prompts]
+    probe = make_decoder(pair)
+    generate(pair, ids[0], max_tokens=8, decoder=probe)
+    one = decoder_bytes(probe)  # short conversations: one allocation step each
+    assert one > 0
+    cache = PromptCache(pair, max_bytes=int(2.5 * one), history=None)
+    decoders = []
+    for p in ids:
+        decoders.append(cache.take(p))
+        generate(pair, p, max_tokens=8, decoder=decoders[-1])
+        cache.trim()
+        assert cache.bytes <= 2.5 * one
+    assert cache.entries == decoders[-2:]  # the two most recent, least recent first
+    follow_up = decoders[-1].sequence + encode_prompt(pair.tokenizer, " and then")
+    assert cache.take(follow_up) is decoders[-1]  # continues the kept conversation
+    assert cache.take(ids[0]) not in decoders  # an evicted one starts afresh
