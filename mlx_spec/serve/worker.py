@@ -100,14 +100,15 @@ class PromptCache:
         self.bytes = 0
 
     def take(self, tokens: list[int]):
+        # reuse a decoder whose sequence the prompt mostly continues (a re-rendered reply or
+        # a stop string may cut its end); rolling back more would discard another
+        # conversation's cache. The longest shared prefix wins, ties the most recent.
         best, shared = None, 0
         for d in self.entries:
             n = common_prefix_len(d.sequence, tokens)
-            if n > shared:
+            if n and n >= shared and 2 * n >= len(d.sequence):
                 best, shared = d, n
-        # reuse when the prompt continues the conversation (a re-rendered reply or a stop
-        # string may cut its end); a different conversation would discard this one's cache
-        if best is not None and 2 * shared >= len(best.sequence):
+        if best is not None:
             self.entries.remove(best)
         else:
             best = make_decoder(self.pair)
