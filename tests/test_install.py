@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from mlx_spec.cli import COMMANDS
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("mlx_spec", "tui")
-SUBCOMMANDS = ("generate", "chat", "models", "convert", "probe", "bench")
+SUBCOMMANDS = tuple(COMMANDS)  # every subcommand's --help must work from the wheel
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 

@@ -129,8 +129,8 @@ def main(args):
         from ..serve.worker import Engine
     except ImportError as err:
         raise SpecError(
-            f"mlx-spec serve needs the serve extra ({err.name} is missing): "
-            "pip install 'mlx-spec[serve]'"
+            f"mlx-spec serve needs {err.name}, a dependency of mlx-spec that is missing here: "
+            "reinstall mlx-spec"
         ) from None
     from ..loading import load_pair
     from ..registry import load_registry
