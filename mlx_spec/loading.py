@@ -163,6 +163,11 @@ def is_downloaded(name: str) -> bool:
     return isinstance(config, str) and any(Path(config).parent.glob("*.safetensors"))
 
 
+def pair_downloaded(spec) -> bool:
+    """Whether every model of a models.toml pair is on this machine (nothing to download)."""
+    return all(is_downloaded(m) for m in [spec.target] + ([spec.draft] if spec.draft else []))
+
+
 def first_vocab_difference(target_vocab: dict, draft_vocab: dict) -> str | None:
     """Compare token->id maps; describe the first id where they disagree, if any."""
     if target_vocab == draft_vocab:

@@ -296,6 +296,7 @@ def test_follow_up_prefills_only_its_new_tokens(client, pair):
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": MAX_TOKENS_LIMIT + 1}, "max_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": "x" * 257}, "stop"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
     ],
 )
@@ -316,6 +317,25 @@ def test_unknown_argument_and_bad_json_are_400(server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"chat_template": "{% for i in range(10**9) %}x{% endfor %}"},  # the client's template
+        {"tokenize": True},  # an argument of apply_chat_template, not a template variable
+        {"enable_thinking": ["a list"]},
+    ],
+)
+def test_chat_template_kwargs_are_variables_only(server, kwargs):
+    body = {"model": "target", "messages": chat("hi"), "chat_template_kwargs": kwargs}
+    r = request("POST", server + "/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_deeply_nested_json_is_400(server):
+    r = request("POST", server + "/chat/completions", b"[" * 50_000)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
 def test_wrong_or_missing_key_is_401(server):
     bad = openai.OpenAI(base_url=server, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -331,6 +351,10 @@ def test_unknown_model_and_path_are_404(client, server):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="no-such-pair", messages=chat("hi"))
     assert info.value.body["code"] == "model_not_found"
+    # a curated pair that is not on this machine is not offered: a request never downloads
+    assert "qwen3-8b" not in [m.id for m in client.models.list().data]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="qwen3-8b", messages=chat("hi"))
     r = request("GET", server + "/nothing-here")
     assert r.status_code == 404 and "error" in r.json()
 

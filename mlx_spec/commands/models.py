@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..loading import is_downloaded
+from ..loading import pair_downloaded
 from ..registry import load_registry, user_file
 
 
@@ -24,8 +24,7 @@ def main(args):
     registry = load_registry()
     print(f"{'pair':<20} {'k':>4}  {'downloaded':<10}  target / draft")
     for name, spec in registry.pairs.items():
-        models = [spec.target] + ([spec.draft] if spec.draft else [])
-        have = all(is_downloaded(m) for m in models)
+        have = pair_downloaded(spec)
         k = str(spec.num_draft_tokens)
         print(f"{name:<20} {k:>4}  {'yes' if have else 'no':<10}  {spec.target}")
         print(f"{'':<38}{describe_draft(spec)}")

@@ -132,7 +132,7 @@ def main(args):
             f"mlx-spec serve needs {err.name}, a dependency of mlx-spec that is missing here: "
             "reinstall mlx-spec"
         ) from None
-    from ..loading import load_pair
+    from ..loading import load_pair, pair_downloaded
     from ..registry import load_registry
 
     if args.default_max_tokens is None:
@@ -147,16 +147,20 @@ def main(args):
         )
     sock = bind(args.host, args.port)
     name = served_name(args)
-    pair = pair_from_args(args)
+    # on demand: only pairs already on this machine (a request never starts a download)
+    registry = load_registry()
+    local = {n for n, spec in registry.pairs.items() if pair_downloaded(spec)}
 
     def loader(model: str):
         if model == name:
             return pair_from_args(args)
+        if not pair_downloaded(load_registry().pairs[model]):
+            raise SpecError("it is not downloaded on this machine")
         return load_pair(model)
 
-    models = sorted({name, *load_registry().pairs})
+    models = sorted({name, *local})
     engine = Engine(
-        pair,
+        pair_from_args(args),  # not kept here: after a swap the engine holds the only pair
         name,
         loader,
         models,

@@ -10,6 +10,26 @@ from dataclasses import dataclass, field
 
 SEED_LIMIT = 2**64
 MAX_STOPS = 4  # as OpenAI
+MAX_STOP_CHARS = 256  # a stop string is held back while it may be starting: keep that short
+# apply_chat_template's own parameters: a client must not pass them as template variables
+TEMPLATE_ARGUMENTS = {
+    "conversation",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+}
+TEMPLATE_VALUE = str | int | float | bool | type(None)
+MAX_TEMPLATE_STRING = 256
 ROLES = {"system", "developer", "user", "assistant"}
 
 
@@ -178,6 +198,8 @@ def stops(data: dict) -> list[str]:
         raise bad("stop must be a non-empty string or a list of them", "stop", "invalid_type")
     if len(value) > MAX_STOPS:
         raise bad(f"stop takes at most {MAX_STOPS} strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in value):
+        raise bad(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     return value
 
 
@@ -267,8 +289,18 @@ def parse_chat(data: dict, limits: Limits) -> GenRequest:
         max_tokens = data.get("max_tokens")
     req = common(data, "chat", messages, limits, max_tokens)
     kwargs = data.get("chat_template_kwargs")
-    if kwargs is not None and not (isinstance(kwargs, dict) and all(map(str.isidentifier, kwargs))):
-        raise bad("chat_template_kwargs must map names to values", "chat_template_kwargs")
+    if kwargs is not None and not (
+        isinstance(kwargs, dict)
+        and all(k.isidentifier() and k not in TEMPLATE_ARGUMENTS for k in kwargs)
+        and all(isinstance(v, TEMPLATE_VALUE) for v in kwargs.values())
+        and all(len(v) <= MAX_TEMPLATE_STRING for v in kwargs.values() if isinstance(v, str))
+    ):
+        # variables for the model's own template (e.g. enable_thinking), never a template of
+        # the client's or an argument of apply_chat_template itself
+        raise bad(
+            "chat_template_kwargs must map variable names to short strings, numbers or booleans",
+            "chat_template_kwargs",
+        )
     req.chat_template_kwargs = kwargs
     return req
 

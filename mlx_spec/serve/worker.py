@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from jinja2 import TemplateError
 from mlx.utils import tree_flatten
 from mlx_lm.utils import common_prefix_len
 
@@ -219,6 +220,9 @@ class Engine:
             pair = self.loader(model)
         except SpecError as err:
             raise ApiError(404, f"the pair {model!r} cannot be loaded: {err}", "model") from None
+        except Exception as err:  # a broken file, out of memory, ...: the next request retries
+            message = f"the pair {model!r} failed to load: {type(err).__name__}: {err}"
+            raise ApiError(503, message, "model") from None
         self._install(pair, model)
         return pair
 
@@ -309,7 +313,14 @@ class Engine:
     def _generate(self, job: Job) -> None:
         req = job.request
         pair = self._pair_for(req.model)
-        tokens = encode_prompt(pair.tokenizer, req.prompt, template_kwargs=req.chat_template_kwargs)
+        try:
+            tokens = encode_prompt(
+                pair.tokenizer, req.prompt, template_kwargs=req.chat_template_kwargs
+            )
+        except TemplateError as err:  # e.g. "roles must alternate": the messages, not a bug
+            raise ApiError(
+                400, f"the chat template rejected the messages: {err}", "messages"
+            ) from None
         decoder = self.cache.take(tokens)
         stats, stops = Stats(), StopText(req.stop)
         rounds = stream_rounds(
