@@ -25,6 +25,7 @@ COMMANDS = {
     "probe": "Measure whether decoding is memory-bound here and which k pays",
     "bench": "Benchmark against mlx-lm, plain and speculative, in one process",
     "serve": "Serve an OpenAI-compatible API on this machine, speculating",
+    "distill": "Teach the draft to agree with its target on your text (a LoRA adapter)",
 }
 DEFAULT_PAIR = "smollm2-demo"
 
@@ -82,7 +83,9 @@ def probability(text: str) -> float:
     return value
 
 
-def add_pair_args(parser: argparse.ArgumentParser) -> None:
+def add_pair_args(parser: argparse.ArgumentParser, adapter: bool = True) -> None:
+    """The flags that name a pair; `adapter=False` leaves out --draft-adapter (distill trains
+    one from the bare draft)."""
     g = parser.add_argument_group("model pair")
     g.add_argument("--pair", help=f"a pair from models.toml (default: {DEFAULT_PAIR})")
     g.add_argument("--target", help="target model: local path, .gguf file or Hugging Face id")
@@ -90,6 +93,13 @@ def add_pair_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--draft-bits", type=positive_int, help="draft = the target re-quantized to N bits"
     )
+    if adapter:
+        g.add_argument(
+            "--draft-adapter",
+            metavar="DIR",
+            help="a LoRA adapter for the draft, as `mlx-spec distill` writes (default: the "
+            "pair's draft_adapter in models.toml)",
+        )
     g.add_argument("--no-draft", action="store_true", help="plain decoding (the baseline)")
     g.add_argument(
         "--drafter",
@@ -135,6 +145,8 @@ def pair_from_args(args, progress=None):
         raise SpecError("--no-draft cannot be combined with --draft, --draft-bits or --drafter")
     if args.drafter == "ngram" and (args.draft or args.draft_bits):
         raise SpecError("--drafter ngram needs no draft model; drop --draft / --draft-bits")
+    if getattr(args, "draft_adapter", None) and (args.no_draft or args.drafter == "ngram"):
+        raise SpecError("--draft-adapter needs a draft model; drop --no-draft / --drafter ngram")
     if args.ngram_min > args.ngram_max:
         raise SpecError("--ngram-min must not exceed --ngram-max")
     pair = _load(args, progress)
@@ -156,6 +168,7 @@ def _load(args, progress):
         "force": getattr(args, "force", False),
         # probe fills a KV cache of --context tokens: the memory check must count it
         "context": getattr(args, "context", None),
+        "draft_adapter": getattr(args, "draft_adapter", None),
     }
     if args.target:
         return load_pair(target=args.target, draft=args.draft, **common)

@@ -39,6 +39,9 @@ class Pair:
     ngram_max: int = 3
     ngram_min: int = 1
     draft_confidence: float | None = None  # a model draft stops below it (None: the default)
+    draft_bits: int | None = None  # the draft is the target re-quantized to this many bits
+    draft_group_size: int = 32
+    draft_adapter: Path | None = None  # a LoRA adapter applied to the draft (mlx-spec distill)
 
     @property
     def speculative(self) -> bool:
@@ -386,6 +389,87 @@ def _load_model(path: Path):
     return model
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # mlx-lm's adapter layout: `mlx_lm.load(adapter_path=...)`
+ADAPTER_WEIGHTS = "adapters.safetensors"
+NO_ADAPTER = ""  # load_pair(draft_adapter=NO_ADAPTER): the bare draft, whatever the pair names
+
+
+def read_adapter_config(path: str | Path) -> tuple[Path, dict]:
+    """Check an adapter directory (mlx-lm's layout) before anything is applied; one line when
+    it is not one."""
+    path = _expand(str(path))
+    if not path.is_dir():
+        raise SpecError(f"draft adapter {path} is not a directory")
+    config_file = path / ADAPTER_CONFIG
+    if not config_file.is_file():
+        raise SpecError(f"{path} is not an adapter directory (it has no {ADAPTER_CONFIG})")
+    config = _json_object(config_file, ADAPTER_CONFIG)
+    kind = config.get("fine_tune_type", "lora")
+    lora = config.get("lora_parameters")
+    layers = config.get("num_layers")
+    if kind not in ("lora", "dora"):
+        raise SpecError(f"{config_file}: fine_tune_type {kind!r} is not a LoRA adapter")
+    if (
+        not isinstance(layers, int)
+        or not isinstance(lora, dict)
+        or not isinstance(lora.get("rank"), int)
+        or not isinstance(lora.get("scale"), int | float)
+    ):
+        raise SpecError(f"{config_file} needs num_layers and lora_parameters with rank and scale")
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise SpecError(f"{path} has no {ADAPTER_WEIGHTS}")
+    check_safetensors(weights)
+    return path, config
+
+
+def apply_draft_adapter(model, adapter: str | Path, draft_bits: int | None = None) -> Path:
+    """Wrap the draft's layers with the adapter's LoRA weights (mlx-lm's `load_adapters`;
+    QLoRA over a quantized draft). An adapter trained for a draft quantized differently from
+    this one is refused: its corrections would not fit."""
+    import mlx.core as mx
+    from mlx_lm.tuner.utils import load_adapters
+
+    path, config = read_adapter_config(adapter)
+    base = (
+        config.get("mlx_spec", {}).get("base", {})
+        if isinstance(config.get("mlx_spec"), dict)
+        else {}
+    )
+    if "draft_bits" in base and base["draft_bits"] != draft_bits:
+        want = (
+            "a separate draft model"
+            if base["draft_bits"] is None
+            else (f"a draft re-quantized to {base['draft_bits']} bits")
+        )
+        have = "a separate draft model" if draft_bits is None else f"{draft_bits} bits"
+        raise SpecError(f"the adapter in {path} was trained for {want}; this draft is {have}")
+    try:
+        load_adapters(model, str(path))
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise SpecError(f"cannot apply the adapter in {path}: {_first_line(err)}") from None
+    mx.eval(model.parameters())
+    return path
+
+
+def _draft_model(target_path: Path, draft_path: Path | None, bits: int | None, group_size: int):
+    if draft_path is not None:
+        return _load_model(draft_path)
+    if bits is None:
+        return None
+    from .quantize import requantized_copy
+
+    return requantized_copy(_load_model(target_path), bits, group_size)
+
+
+def load_draft_model(pair: Pair):
+    """A fresh copy of the pair's draft model, without any adapter (what distill trains)."""
+    model = _draft_model(pair.target_path, pair.draft_path, pair.draft_bits, pair.draft_group_size)
+    if model is None:
+        raise SpecError("this pair has no draft model")
+    return model
+
+
 def load_pair(
     name: str | None = None,
     *,
@@ -399,6 +483,7 @@ def load_pair(
     drafter: str | None = None,
     force: bool = False,
     context: int | None = None,
+    draft_adapter: str | Path | None = None,
 ) -> Pair:
     """Load a pair by its name in models.toml, or from explicit target/draft paths or ids.
 
@@ -411,11 +496,14 @@ def load_pair(
     (lookup first, the draft model when it finds nothing); default: the pair's, else "model".
     Before loading, the weights plus the KV cache for `context` tokens (default: up to 4096) are
     compared with the machine's memory; `force=True` loads anyway.
+    `draft_adapter`: a LoRA adapter directory for the draft (`mlx-spec distill` writes one);
+    None takes the pair's `draft_adapter` from models.toml, NO_ADAPTER ("") none at all.
     """
     from .registry import load_registry
 
     report = progress or (lambda _: None)
     spec = None
+    asked_adapter = draft_adapter
     if name is not None:
         if target is not None:
             raise SpecError("give a pair name or a target, not both")
@@ -424,6 +512,8 @@ def load_pair(
         if draft_bits is None and spec.draft_bits is not None:
             draft_bits = spec.draft_bits
         dtype = dtype or spec.dtype
+        if draft_adapter is None:
+            draft_adapter = spec.draft_adapter
     asked = drafter
     drafter = drafter or (spec.drafter if spec else "model")
     if drafter not in DRAFTERS:
@@ -439,6 +529,12 @@ def load_pair(
         raise SpecError("no target model given")
     if draft is not None and draft_bits is not None:
         raise SpecError("give a draft model or --draft-bits, not both")
+    if draft is None and draft_bits is None:
+        if asked_adapter:
+            raise SpecError("a draft adapter needs a draft model (--draft or --draft-bits)")
+        draft_adapter = None  # the pair's adapter, but plain decoding or lookup: nothing to adapt
+    if draft_adapter:
+        read_adapter_config(draft_adapter)  # a bad directory fails before any model loads
 
     report(f"Finding {target}…")
     target_path = resolve_model(target, dtype, progress)
@@ -461,17 +557,12 @@ def load_pair(
     target_model = _load_model(target_path)
     if draft_path is not None or draft_bits is not None:
         report("Loading the draft weights…")
-    if draft_path is not None:
-        draft_model = _load_model(draft_path)
-    elif draft_bits is not None:
-        from .quantize import requantized_copy
-
-        draft_model = _load_model(target_path)
-        draft_model = requantized_copy(
-            draft_model, draft_bits, spec.draft_group_size if spec else 32
-        )
-    else:
-        draft_model = None
+    group_size = spec.draft_group_size if spec else 32
+    draft_model = _draft_model(target_path, draft_path, draft_bits, group_size)
+    adapter_path = None
+    if draft_model is not None and draft_adapter:
+        report("Applying the draft adapter…")
+        adapter_path = apply_draft_adapter(draft_model, draft_adapter, draft_bits)
     if draft_model is not None:  # refused now, not at the first round
         make_cache(target_model, "target")
         make_cache(draft_model, "draft")
@@ -491,4 +582,7 @@ def load_pair(
         num_draft_tokens=draft_length(num_draft_tokens),
         context_length=_context_length(target_config),
         target_config=target_config,
+        draft_bits=draft_bits if draft_model is not None else None,
+        draft_group_size=group_size,
+        draft_adapter=adapter_path,
     )

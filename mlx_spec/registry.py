@@ -17,7 +17,7 @@ DRAFTERS = ("model", "ngram", "ngram+model")
 # what MLX's affine quantization accepts (mx.quantize); anything else is refused, not skipped
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
 QUANT_GROUP_SIZES = (32, 64, 128)
-PAIR_KEYS = {"target", "draft", "num_draft_tokens", "note", "dtype", "drafter"}
+PAIR_KEYS = {"target", "draft", "num_draft_tokens", "note", "dtype", "drafter", "draft_adapter"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class PairSpec:
     dtype: str | None = None  # GGUF targets: dequantize to this ("auto": the backend's best)
     source: Path | None = None
     drafter: str = "model"  # "ngram": prompt lookup, no draft model; "ngram+model": both
+    draft_adapter: str | None = None  # a LoRA adapter directory for the draft (mlx-spec distill)
 
 
 def builtin_file() -> Path:
@@ -106,7 +107,22 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairSpec:
     drafter = entry.get("drafter", "model")
     if drafter not in DRAFTERS:
         raise SpecError(f"{where}: pair {name!r}: drafter must be one of {', '.join(DRAFTERS)}")
-    return PairSpec(name, target, draft, k, str(note), draft_bits, group_size, dtype, path, drafter)
+    adapter = entry.get("draft_adapter")
+    if adapter is not None:
+        if not isinstance(adapter, str) or not adapter:
+            raise SpecError(f"{where}: pair {name!r}: draft_adapter must be a directory path")
+        if draft is None and draft_bits is None:
+            raise SpecError(f"{where}: pair {name!r}: draft_adapter needs a draft model")
+        adapter = _relative_to(path, adapter)
+    return PairSpec(
+        name, target, draft, k, str(note), draft_bits, group_size, dtype, path, drafter, adapter
+    )
+
+
+def _relative_to(toml_file: Path, name: str) -> str:
+    """A relative adapter path in models.toml is read from the file's own folder."""
+    expanded = os.path.expanduser(name)
+    return expanded if os.path.isabs(expanded) else str(toml_file.parent / expanded)
 
 
 def parse_file(path: Path) -> dict[str, PairSpec]:

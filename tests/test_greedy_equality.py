@@ -84,3 +84,22 @@ def test_chat_messages_use_the_template(pair):
     assert generate(pair, messages, max_tokens=20).tokens == expected
     ids = pair.tokenizer.encode(text, add_special_tokens=False)
     assert generate(pair, ids, max_tokens=20).tokens == expected
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_greedy_equals_target_alone_with_a_draft_adapter(tiny_models, tmp_path, k):
+    """A LoRA adapter changes what the draft proposes, never what the pair outputs."""
+    import mlx.core as mx
+    import tiny
+
+    adapter = tiny.write_adapter(tmp_path / "adapter", tiny_models.draft, size=0.2)
+    pair = load_pair(
+        target=str(tiny_models.target), draft=str(tiny_models.draft), draft_adapter=adapter
+    )
+    bare = load_pair(target=str(tiny_models.target), draft=str(tiny_models.draft))
+    ids = mx.array([[5, 9, 3, 12]])
+    assert not mx.allclose(pair.draft(ids), bare.draft(ids)).item()  # the adapter is applied
+    for prompt in PROMPTS:
+        res = generate(pair, prompt, max_tokens=40, num_draft_tokens=k)
+        assert res.tokens == reference(pair, prompt, 40)
+        assert res.stats.drafted > 0

@@ -270,3 +270,25 @@ def llama4_config(vocab_size: int) -> dict:
             "vocab_size": vocab_size,
         },
     }
+
+
+def write_adapter(path: Path, draft_path: Path, seed: int = 0, size: float = 0.1) -> Path:
+    """A LoRA adapter in mlx-lm's layout with random (non-zero) weights: a draft that
+    proposes differently from its base, without training."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(draft_path)
+    model.freeze()
+    params = {"rank": 4, "scale": 1.0, "dropout": 0.0}
+    linear_to_lora_layers(model, -1, params)
+    leaves = tree_flatten(model.trainable_parameters())
+    weights = {
+        k: size * mx.random.normal(v.shape, key=mx.random.key(seed + i))
+        for i, (k, v) in enumerate(leaves)
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "adapters.safetensors"), weights)
+    config = {"fine_tune_type": "lora", "num_layers": -1, "lora_parameters": params}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path

@@ -37,6 +37,7 @@ def main(args):
             # a picked pair comes with its own draft and drafter
             args.pair, args.target, args.draft = name, None, None
             args.draft_bits, args.drafter, args.no_draft = None, None, False
+            args.draft_adapter = None  # an adapter fits the draft it was trained for only
         return pair_from_args(args, progress)
 
     app = ChatApp(
