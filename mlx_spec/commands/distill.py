@@ -1,0 +1,178 @@
+"""mlx-spec distill: train a LoRA adapter that makes the draft agree with its target."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..cli import add_pair_args, nonnegative_int, pair_from_args, positive_int
+from ..errors import SpecError
+
+DEFAULT_OUT = "draft-adapter"
+
+
+def fraction(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
+    return value
+
+
+def setup_arg_parser(parser):
+    from ..distill import LOSSES, Settings
+
+    d = Settings()
+    add_pair_args(parser, adapter=False)
+    parser.add_argument(
+        "--data",
+        help="prompts to distil on: a .txt file (one per line), .jsonl (strings, or objects "
+        "with prompt, text or messages), a .json chat saved by `mlx-spec chat`, any other "
+        "text file or a folder (e.g. a code repository: its text files cut into prompts); "
+        "default: a built-in mixed set",
+    )
+    parser.add_argument("--out", default=DEFAULT_OUT, help="the adapter folder to write")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out")
+    g = parser.add_argument_group("training")
+    g.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps")
+    g.add_argument("--batch-size", type=positive_int, default=d.batch_size)
+    g.add_argument("--learning-rate", type=float, default=d.learning_rate)
+    g.add_argument("--rank", type=positive_int, default=d.rank, help="LoRA rank")
+    g.add_argument(
+        "--lora-layers",
+        type=int,
+        default=d.num_layers,
+        help="LoRA in the last N blocks (-1: all)",
+    )
+    g.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default=d.loss,
+        help="tv: 1 - Σ min(p, q), what acceptance measures; kl: forward KL(p || q)",
+    )
+    g.add_argument(
+        "--reply-tokens", type=positive_int, default=d.reply_tokens, help="tokens per reply"
+    )
+    g.add_argument(
+        "--max-length", type=positive_int, default=d.max_length, help="longest sequence trained"
+    )
+    g.add_argument(
+        "--max-prompts", type=positive_int, help="use at most N prompts (a fixed random subset)"
+    )
+    g.add_argument(
+        "--held-out", type=fraction, default=d.held_out, help="share of prompts never trained on"
+    )
+    g.add_argument("--temp", type=float, default=d.temperature, help="temperature of the replies")
+    g.add_argument(
+        "--eval-every", type=positive_int, default=d.eval_every, help="held-out check interval"
+    )
+    g.add_argument(
+        "--save-every", type=positive_int, default=d.save_every, help="checkpoint interval"
+    )
+    g.add_argument("--seed", type=nonnegative_int, default=d.seed)
+    g.add_argument(
+        "--k", type=positive_int, default=d.k, help="draft length when measuring tokens per pass"
+    )
+    g.add_argument(
+        "--eval-prompts",
+        type=positive_int,
+        default=d.eval_prompts,
+        help="held-out prompts decoded with the pair before and after to count tokens per pass",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def settings_from_args(args):
+    from ..distill import Settings
+
+    return Settings(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        rank=args.rank,
+        num_layers=args.lora_layers,
+        loss=args.loss,
+        reply_tokens=args.reply_tokens,
+        max_length=args.max_length,
+        held_out=args.held_out,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        seed=args.seed,
+        temperature=args.temp,
+        k=args.k,
+        eval_prompts=args.eval_prompts,
+        max_prompts=args.max_prompts,
+    )
+
+
+def base_of(args, pair) -> dict:
+    """What the adapter was trained on: loading it over another draft kind is refused."""
+    return {
+        "target": args.target or args.pair,
+        "draft": args.draft,
+        "draft_bits": pair.draft_bits,
+        "draft_group_size": pair.draft_group_size if pair.draft_bits else None,
+    }
+
+
+class Bar:
+    """One status line on stderr: redrawn in place on a terminal, a line per check elsewhere."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream = stream
+        self.tty = stream.isatty()
+
+    def message(self, text: str) -> None:
+        self.stream.write(("\r\x1b[2K" if self.tty else "") + text + ("" if self.tty else "\n"))
+        self.stream.flush()
+
+    def __call__(self, state, loss: float, settings) -> None:
+        last = state.history[-1] if state.history else None
+        checked = bool(last) and last["step"] == state.step
+        if not (self.tty or checked):
+            return
+        width = 24
+        done = int(width * state.step / settings.steps)
+        accept = f" held-out acceptance {last['acceptance_t1']:.3f}" if last else ""
+        self.message(
+            f"[{'#' * done}{'.' * (width - done)}] step {state.step}/{settings.steps} "
+            f"loss {loss:.4f}{accept} ({state.seconds / max(state.step, 1):.1f} s/step)"
+        )
+
+    def end(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+def main(args):
+    from ..distill import distill, format_table, read_data
+    from ..loading import NO_ADAPTER
+
+    if args.no_draft or args.drafter == "ngram":
+        raise SpecError("distill trains a draft model; drop --no-draft / --drafter ngram")
+    settings = settings_from_args(args)
+    settings.check()
+    prompts = read_data(args.data, args.max_prompts, args.seed)  # bad data fails before loading
+    out = Path(args.out).expanduser()
+    args.draft_adapter = NO_ADAPTER  # train from the bare draft, whatever models.toml names
+    bar = Bar()
+    pair = pair_from_args(args, progress=bar.message)
+    report = distill(
+        pair, prompts, out, settings, base_of(args, pair), args.resume, bar.message, bar
+    )
+    bar.end()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_table(report))
+        seconds = report["seconds"]
+        print(
+            f"\nadapter: {out} (replies {seconds['replies']:.0f} s, training "
+            f"{seconds['training']:.0f} s); use it with --draft-adapter {out}"
+        )
+    return 0
