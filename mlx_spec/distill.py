@@ -131,7 +131,9 @@ class Settings:
 
     def training_key(self) -> dict:
         """What a resumed run must share with the run it continues (all but the length)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("steps", "eval_every")}
+        return {
+            k: v for k, v in asdict(self).items() if k not in ("steps", "eval_every", "save_every")
+        }
 
 
 # ----------------------------------------------------------------------------- data
@@ -469,10 +471,16 @@ def load_checkpoint(out: Path, model, optimizer, settings: Settings) -> State:
             f"the checkpoint in {where} was made with other settings; resume with the same "
             "options (only --steps may change) or choose another --out"
         )
-    model.load_weights(list(mx.load(str(where / ADAPTER_WEIGHTS)).items()), strict=False)
-    optimizer.state = tree_unflatten(list(mx.load(str(where / "optimizer.safetensors")).items()))
-    mx.eval(model.parameters(), optimizer.state)
-    return State(**saved["state"])
+    try:
+        model.load_weights(list(mx.load(str(where / ADAPTER_WEIGHTS)).items()), strict=False)
+        moments = mx.load(str(where / "optimizer.safetensors"))
+        optimizer.state = tree_unflatten(list(moments.items()))
+        mx.eval(model.parameters(), optimizer.state)
+        return State(**saved["state"])
+    except (ValueError, RuntimeError, OSError, TypeError) as err:
+        raise SpecError(
+            f"the checkpoint in {where} is damaged ({err}); remove it to restart"
+        ) from None
 
 
 def write_adapter(out: Path, model, settings: Settings, base: dict) -> None:
