@@ -550,7 +550,8 @@ def distill(
     progress=lambda message: None,
     bar=lambda state, loss, settings: None,
 ) -> dict:
-    """Train, measure before and after, write the adapter and the report into `out`."""
+    """Train, measure before and after, write the adapter and the report into `out`. The
+    adapter ends up applied to `pair.draft` (the after-measurement decodes with it)."""
     import mlx.optimizers as optim
 
     settings.check()
