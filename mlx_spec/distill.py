@@ -461,10 +461,18 @@ def save_checkpoint(out: Path, model, optimizer, state: State, settings: Setting
     shutil.rmtree(old, ignore_errors=True)
 
 
+def checkpoint_dir(out: Path) -> Path | None:
+    """The last complete checkpoint (the previous one if a save died between its renames)."""
+    for where in (out / CHECKPOINT, out / f"{CHECKPOINT}.old"):
+        if (where / "state.json").is_file():
+            return where
+    return None
+
+
 def load_checkpoint(out: Path, model, optimizer, settings: Settings) -> State:
     from mlx.utils import tree_unflatten
 
-    where = out / CHECKPOINT
+    where = checkpoint_dir(out)
     saved = _json(_read_text(where / "state.json"), str(where / "state.json"))
     if saved.get("settings") != json.loads(json.dumps(settings.training_key())):
         raise SpecError(
@@ -574,7 +582,7 @@ def distill(
     optimizer = optim.Adam(learning_rate=settings.learning_rate)
     optimizer.init(model.trainable_parameters())
     state = State()
-    if resume and (out / CHECKPOINT / "state.json").is_file():
+    if resume and checkpoint_dir(out) is not None:
         state = load_checkpoint(out, model, optimizer, settings)
         progress(f"resumed at step {state.step}")
     if state.before is None:

@@ -119,6 +119,10 @@ def test_resume_continues_exactly(tiny_models, tmp_path):
     assert a.keys() == b.keys()
     assert all(mx.allclose(a[k], b[k], atol=1e-6).item() for k in a)
     assert resumed["before"] == first["before"]  # measured once, kept by the checkpoint
+    # a save that died between its two renames leaves only the previous checkpoint
+    (part / "checkpoint").rename(part / "checkpoint.old")
+    again = run(tiny_models, part, resume=True, steps=7, save_every=3, eval_every=3, prompts=6)
+    assert [h["step"] for h in again["history"]] == [3, 6, 7]
 
     with pytest.raises(SpecError, match="other settings"):
         run(tiny_models, part, resume=True, steps=9, rank=4, prompts=6)
