@@ -134,13 +134,75 @@ def _hub_snapshot(repo_id: str, progress=None) -> Path:
     else:
         print(message, file=sys.stderr, flush=True)
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+        return hub_download(repo_id, progress)
     except Exception as err:  # network, auth, missing repo: all mean "cannot get it"
         reason = type(err).__name__
         raise SpecError(
             f"{repo_id} is not downloaded and the Hugging Face hub could not provide it "
             f"({reason}); {hint}"
         ) from err
+
+
+def size_text(n: float) -> str:
+    """Bytes for people: 512 B, 1.5 kB, 23.4 MB, 4.50 GB (powers of 1000, as hub pages)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "GB" else f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+class DownloadProgress(str):
+    """A progress message that carries byte counts: `done` of `total` bytes of `repo_id`.
+    A str, so a `progress(message)` callback that only prints keeps working."""
+
+    def __new__(cls, repo_id: str, done: int, total: int):
+        text = f"Downloading {repo_id}: {size_text(done)} of {size_text(total)}"
+        message = super().__new__(cls, text)
+        message.repo_id, message.done, message.total = repo_id, int(done), int(total)
+        return message
+
+
+# snapshot_download's bar of network bytes; its total is a guess that grows as bytes arrive
+TRANSFER_BAR = "Downloading bytes"
+
+
+def byte_bar_class(repo_id: str, progress):
+    """A tqdm class for snapshot_download that sends byte counts to `progress` as
+    DownloadProgress messages instead of drawing on the terminal (at tqdm's own pace, ~10 a
+    second). Its bars of files (unit "it") and of network bytes are not reported."""
+    import io
+
+    from tqdm.std import tqdm
+
+    class ByteBar(tqdm):
+        monitor_interval = 0  # no monitor thread: nothing is drawn
+        live = True  # off once the download is over: a bar closed later says nothing
+
+        def __init__(self, *args, **kwargs):
+            kwargs["file"] = io.StringIO()  # never the terminal (the chat owns the screen)
+            super().__init__(*args, **kwargs)
+
+        def display(self, msg=None, pos=None):
+            if ByteBar.live and self.unit == "B" and not self.desc.startswith(TRANSFER_BAR):
+                progress(DownloadProgress(repo_id, self.n, self.total or 0))
+            return True
+
+    return ByteBar
+
+
+def hub_download(repo_id: str, progress=None) -> Path:
+    """Download a model from the hub (huggingface_hub.snapshot_download). With `progress`, the
+    bytes done and to do go there as DownloadProgress messages, not as tqdm bars."""
+    from huggingface_hub import snapshot_download
+
+    options = {"allow_patterns": DEFAULT_ALLOW_PATTERNS}
+    if progress is not None:
+        options["tqdm_class"] = byte_bar_class(repo_id, progress)
+    try:
+        return Path(snapshot_download(repo_id, **options))
+    finally:
+        if progress is not None:  # bars of a failed download close when collected, later
+            options["tqdm_class"].live = False
 
 
 def is_downloaded(name: str) -> bool:

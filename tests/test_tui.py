@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from mlx_spec import generate, load_pair, make_decoder
@@ -138,7 +140,11 @@ async def test_escape_stops_a_reply_and_keeps_it(slow_pair):
     app = ChatApp(slow_pair, pair_name="tiny", max_tokens=200)
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
-        await pilot.pause(0.05)
+        # stop once some text is out (a first round's token can still be half a character)
+        for _ in range(500):
+            if app.reply is not None and app.reply.text:
+                break
+            await pilot.pause(0.02)
         await pilot.press("escape")
         reply = await finish(app, pilot)
         assert reply.note == "[stopped]"
@@ -377,3 +383,298 @@ async def test_copy_save_and_system_message(chat_pair, tmp_path, monkeypatch):
         assert saved["stats"]["generated_tokens"] > 0
         markdown = app.saved_to.with_suffix(".md").read_text()
         assert PROMPT in markdown and "tok/s" in markdown
+
+
+def cycle_pair(tiny_models, root):
+    """A target that writes one line over and over (each token's successor is fixed: attention
+    and MLP write nothing, and the head maps each token's embedding to the next token), with a
+    noisy copy as its draft: mixed rounds, and many lines."""
+    import mlx.core as mx
+    import tiny
+    from conftest import VOCAB
+
+    tok = load_pair(target=str(tiny_models.target)).tokenizer
+    ids = list(dict.fromkeys(tok.encode("Once upon a time there was a tiny model.\n")))
+    cfg = tiny.llama_config(VOCAB, layers=1)
+    w = tiny.random_weights(cfg, seed=5)
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        w[f"model.layers.0.{name}.weight"] = mx.zeros_like(w[f"model.layers.0.{name}.weight"])
+    head = mx.zeros_like(w["lm_head.weight"])  # (vocab, hidden)
+    head[mx.array(ids[1:] + ids[:1])] = w["model.embed_tokens.weight"][mx.array(ids)] * 4.0
+    w["lm_head.weight"] = head
+    target = tiny.write_model(root / "cycle", cfg, w, tiny_models.tokenizer)
+    draft = tiny.write_model(root / "cycle_draft", cfg, tiny.noisy(w, 1.0), tiny_models.tokenizer)
+    return load_pair(target=str(target), draft=str(draft), num_draft_tokens=4)
+
+
+async def test_a_long_reply_moves_finished_paragraphs_into_their_own_widgets(
+    tiny_models, tmp_path, monkeypatch
+):
+    from textual.widgets import Static
+
+    pair = cycle_pair(tiny_models, tmp_path)
+    expected = generate(pair, [{"role": "user", "content": PROMPT}], max_tokens=300)
+    assert expected.text.count("\n") > 10 and {"accepted", "regenerated"} <= set(expected.kinds)
+    monkeypatch.setattr(ReplyView, "TAIL_LINES", 3)  # blocks of a few lines: several of them
+    app = ChatApp(pair, pair_name="cycle", max_tokens=300)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await send(pilot, PROMPT)
+        reply = await finish(app, pilot)
+        assert reply.text == expected.text
+        assert [k for _, k in reply.pieces if k != "rejected"] == expected.kinds
+        blocks = list(reply.query(Static))
+        assert len(reply.paragraphs) >= 3 and blocks == [*reply.paragraphs, reply.tail]
+        # the blocks together are the reply, in its colours, with no line added or lost
+        lines = "\n".join(b.content.plain for b in blocks)
+        assert lines == reply.text.translate(CONTROL_CHARS)
+        check_spans(reply)
+        assert sum(b.size.height for b in blocks) == reply.text.count("\n") + 1
+        # a toggle that changes earlier text lays the blocks out again, still all there
+        await pilot.press("f8")
+        assert reply.content.plain == "".join(t for t, _ in reply.pieces).translate(CONTROL_CHARS)
+        check_spans(reply)
+        await pilot.press("f8")
+        assert reply.content.plain == reply.text.translate(CONTROL_CHARS)
+
+
+async def test_paragraphs_at_blank_lines_and_folded_thinking(chat_pair):
+    app = ChatApp(chat_pair, pair_name="tiny")
+    async with app.run_test(size=(120, 40)) as pilot:
+        view = ReplyView()
+        await app.message_list.mount(view)
+        stream = [
+            ("<think>", "target"), ("plan:\n\nfirst", "accepted"), (" this</think>", "target"),
+            ("One.", "accepted"), ("\n", "target"), ("\nTwo", "regenerated"), (".\n\n", "target"),
+            ("Three", "accepted"),
+        ]  # fmt: skip
+        for piece in stream:  # as the rounds come: each refresh sees one more piece
+            view.add_pieces([piece])
+            view.refresh_if_dirty()
+        whole = "".join(t for t, _ in stream)
+        assert view.content.plain == whole
+        assert [p.content.plain for p in view.paragraphs] == [
+            "<think>plan:",
+            "\nfirst this</think>One.",
+            "\nTwo.",
+        ]
+        assert view.tail.content.plain == "\nThree"
+        assert view.content == view.assemble()
+        await pilot.press("f10")  # folded: the think block is one line, the rest as it was
+        folded = "[thinking: 32 characters — f10 unfolds]One.\n\nTwo.\n\nThree"
+        assert view.content.plain == folded and view.content == view.assemble()
+        view.add_pieces([(" and four.\n\nFive", "target")])  # streaming on, folded
+        view.refresh_if_dirty()
+        assert view.content.plain == folded + " and four.\n\nFive"
+        assert view.content == view.assemble() and view.tail.content.plain == "\nFive"
+        await pilot.press("f10")
+        assert view.content.plain == whole + " and four.\n\nFive"
+
+
+class LocalHub:
+    """A download source for hub ids that stands in for huggingface_hub.snapshot_download
+    (tests never reach the network): it copies model folders into its own cache in chunks,
+    counting the bytes through `tqdm_class` as snapshot_download does (a bar of network bytes,
+    one of bytes written whose total grows as files start, a bar of files). Before the file
+    `pause_before` it waits for `resume`; `drop` makes the connection fail there instead."""
+
+    def __init__(self, repos: dict, cache):
+        self.repos, self.cache = repos, cache
+        self.pause_before, self.drop = None, False
+        self.paused, self.resume = threading.Event(), threading.Event()
+
+    def __call__(self, repo_id, *, allow_patterns, tqdm_class=None, local_files_only=False):
+        from fnmatch import fnmatch
+
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        out = self.cache / repo_id.replace("/", "--")
+        if local_files_only:
+            if (out / ".complete").exists():
+                return str(out)
+            raise LocalEntryNotFoundError(f"{repo_id} is not in the cache")
+        files = sorted(
+            f
+            for f in self.repos[repo_id].iterdir()
+            if any(fnmatch(f.name, pattern) for pattern in allow_patterns)
+        )
+        network = tqdm_class(desc="Downloading bytes", total=0, unit="B", unit_scale=True)
+        written = tqdm_class(desc="Reconstructing", total=0, unit="B", unit_scale=True)
+        fetched = tqdm_class(desc=f"Fetching {len(files)} files", total=len(files))
+        out.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            written.total += f.stat().st_size
+            network.total += f.stat().st_size
+            written.refresh()  # as snapshot_download does when a file starts
+            if f.name == self.pause_before and not self.paused.is_set():
+                if self.drop:
+                    raise ConnectionError("connection reset by peer")
+                self.paused.set()
+                assert self.resume.wait(60)
+            with f.open("rb") as source, (out / f.name).open("wb") as target:
+                while chunk := source.read(4096):
+                    target.write(chunk)
+                    written.update(len(chunk))
+                    network.update(len(chunk))
+            fetched.update(1)
+        network.set_description_str("Download complete")
+        written.set_description("Reconstruction complete")
+        (out / ".complete").touch()
+        return str(out)
+
+
+def allowed_bytes(folder, chosen=lambda name: True) -> int:
+    """Bytes of the files a model download takes from `folder` (those `chosen` by name)."""
+    from fnmatch import fnmatch
+
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    return sum(
+        f.stat().st_size
+        for f in folder.iterdir()
+        if chosen(f.name) and any(fnmatch(f.name, pattern) for pattern in DEFAULT_ALLOW_PATTERNS)
+    )
+
+
+async def wait_until(pilot, condition, seconds: float = 60.0) -> None:
+    for _ in range(int(seconds / 0.02)):
+        if condition():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError("timed out")
+
+
+async def test_a_picked_pair_downloads_with_a_progress_bar_in_bytes(
+    chat_pair, tiny_models, tmp_path, monkeypatch
+):
+    import huggingface_hub
+    from textual.widgets import ProgressBar
+
+    repos = {"tiny/target": tiny_models.target, "tiny/draft": tiny_models.noisy}
+    hub = LocalHub(repos, tmp_path / "cache")
+    hub.pause_before = "model.safetensors"  # after the small files: some of the bytes are in
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the source is local
+    monkeypatch.chdir(tmp_path)  # no "tiny/" folder here: "tiny/target" is a hub id
+    picked = []
+
+    def loader(name, progress):  # whichever row is picked, the tiny pair from the local hub
+        picked.append(name)
+        return load_pair(
+            target="tiny/target", draft="tiny/draft", num_draft_tokens=4, progress=progress
+        )
+
+    app = ChatApp(chat_pair, loader=loader, pair_name="tiny", max_tokens=20)
+    async with app.run_test(size=(120, 40)) as pilot:
+        bar = app.query_one("#download", ProgressBar)
+        assert not bar.display
+        await pilot.press("f7")
+        await pilot.pause()
+        await pilot.press("down", "enter")
+        await wait_until(pilot, hub.paused.is_set)
+        # files go in name order: those before the weights are in, the weights just started
+        done = allowed_bytes(tiny_models.target, lambda name: name < "model.safetensors")
+        started = done + (tiny_models.target / "model.safetensors").stat().st_size
+        await wait_until(pilot, lambda: bar.progress == done)
+        assert bar.display and bar.total == started and done > 0
+        status = str(app.status_line.content)
+        assert status == f"Downloading tiny/target: {done} B of {started / 1000:.1f} kB"
+        hub.resume.set()
+        await app.workers.wait_for_complete()
+        await pilot.pause(0.1)
+        assert not bar.display and picked and picked[0] is not None
+        assert str(app.status_line.content).startswith("ready: ")
+        # the last report was the draft's, complete
+        assert bar.progress == bar.total == allowed_bytes(tiny_models.noisy)
+        assert app.pair.target_path == tmp_path / "cache" / "tiny--target"
+        for f in ("config.json", "model.safetensors", "tokenizer.json"):
+            assert (app.pair.target_path / f).read_bytes() == (tiny_models.target / f).read_bytes()
+        await send(pilot, PROMPT)  # the downloaded pair chats like the one it copies
+        reply = await finish(app, pilot)
+        expected = generate(chat_pair, [{"role": "user", "content": PROMPT}], max_tokens=20)
+        assert reply.text == expected.text
+
+
+async def test_a_pair_that_cannot_load_becomes_an_error_line(
+    chat_pair, tiny_models, tmp_path, monkeypatch
+):
+    import huggingface_hub
+    from textual.widgets import Static
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the real hub client, offline
+
+    def loader(name, progress):
+        return load_pair(target="mlx-spec-tests/not-downloaded", progress=progress)
+
+    app = ChatApp(loader=loader, pair_name=None, max_tokens=10)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.workers.wait_for_complete()
+        await pilot.pause(0.1)
+        errors = [str(e.content) for e in app.query(".error").results(Static)]
+        assert len(errors) == 1 and errors[0].startswith("[error: mlx-spec-tests/not-downloaded")
+        assert "HF_HUB_OFFLINE is set" in errors[0]
+        assert app.pair is None
+        # a download that breaks off half-way: a line too, and no progress bar left behind
+        hub = LocalHub({"tiny/target": tiny_models.target}, tmp_path / "cache")
+        hub.pause_before, hub.drop = "model.safetensors", True
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        app.loader = lambda name, progress: load_pair(target="tiny/target", progress=progress)
+        app.load_pair(None)
+        await app.workers.wait_for_complete()
+        await pilot.pause(0.1)
+        errors = [str(e.content) for e in app.query(".error").results(Static)]
+        assert len(errors) == 2 and "could not provide it (ConnectionError)" in errors[1]
+        assert not app.query_one("#download").display
+        app.use_pair(chat_pair, "tiny")  # and the app goes on
+        await send(pilot, PROMPT)
+        reply = await finish(app, pilot)
+        assert reply.text and "error" not in reply.content.plain
+
+
+async def test_a_saved_chat_reloads_and_goes_on(chat_pair, tmp_path, monkeypatch):
+    from tui.app import read_saved
+
+    monkeypatch.chdir(tmp_path)
+    app = ChatApp(chat_pair, pair_name="tiny", max_tokens=8, system="Be brief.")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await send(pilot, PROMPT)
+        await finish(app, pilot)
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        saved, history = app.saved_to, list(app.history)
+    record = read_saved(saved.with_suffix(".json"))
+    assert record == {"messages": history, "system": "Be brief."}
+    markdown = saved.with_suffix(".md").read_text()
+    assert all(m["content"] in markdown for m in history) and "Be brief." in markdown
+    again = ChatApp(chat_pair, pair_name="tiny", max_tokens=8, saved=record)
+    async with again.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        shown = [str(w.content) for w in again.query(".user, .assistant")]
+        assert shown == [m["content"] for m in history]
+        await send(pilot, "And then?")
+        reply = await finish(again, pilot)
+    turns = [{"role": "system", "content": "Be brief."}, *history]
+    expected = generate(chat_pair, [*turns, {"role": "user", "content": "And then?"}], max_tokens=8)
+    assert reply.text == expected.text  # the model saw the whole saved conversation
+    assert again.history[:2] == history and len(again.history) == 4
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [("{not json", "not JSON"), ('{"messages": [{"role": "x"}]}', "no list of user/assistant")],
+)
+def test_chat_load_refuses_a_file_that_is_no_saved_chat(tmp_path, content, why):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    run = subprocess.run(
+        [sys.executable, "-m", "mlx_spec.cli", "chat", "--load", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.strip().splitlines()) == 1 and why in run.stderr

@@ -15,11 +15,12 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import ModalScreen
-from textual.widgets import Footer, Input, OptionList, Static
+from textual.widgets import Footer, Input, OptionList, ProgressBar, Static
 from textual.widgets.option_list import Option
 from textual.worker import get_current_worker
 
 from mlx_spec import SpecError, Stats, make_decoder, stream_rounds
+from mlx_spec.loading import DownloadProgress
 from mlx_spec.policies import Auto, Fixed, draft_length
 
 from .widgets import ReplyView, StatsPanel
@@ -62,6 +63,28 @@ def pieces_of(batch, tokenizer) -> list[tuple[str, str]]:
             pieces.append((tokenizer.decode(e.rejected), "rejected"))
         pieces.append((e.text, e.kind))
     return pieces
+
+
+def read_saved(path: str | Path) -> dict:
+    """A conversation saved with ctrl+s (its .json), checked: {"messages": [...], "system"}."""
+    import json
+
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise SpecError(f"cannot read the saved chat {path}: {err.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SpecError(f"{path} is not a saved chat (not JSON: {err})") from None
+    messages = record.get("messages") if isinstance(record, dict) else None
+    good = isinstance(messages, list) and all(
+        isinstance(m, dict)
+        and m.get("role") in ("user", "assistant")
+        and isinstance(m.get("content"), str)
+        for m in messages
+    )
+    if not good or not isinstance(record.get("system"), str | None):
+        raise SpecError(f"{path} is not a saved chat (no list of user/assistant messages)")
+    return {"messages": messages, "system": record.get("system")}
 
 
 class ReplyDone(Message):
@@ -131,9 +154,11 @@ class ChatApp(App):
         seed: int | None = None,
         compare: bool = False,
         system: str | None = None,
+        saved: dict | None = None,
     ):
         """Give a loaded `pair`, or a `loader(name, progress) -> pair` run in a worker.
-        `compare`: race every reply against plain decoding (as f9 does)."""
+        `compare`: race every reply against plain decoding (as f9 does). `saved`: a
+        conversation saved with ctrl+s (see `read_saved`) to go on with."""
         super().__init__()
         self.pair = None
         self.loader = loader
@@ -150,7 +175,9 @@ class ChatApp(App):
         self.system = system  # a system message for every turn (--system, or "/system TEXT")
         self.saved_to: Path | None = None
         self.last_turn = None  # (messages, stats, reply text) of the last reply, for the race
-        self.history: list[dict] = []
+        self.history: list[dict] = list(saved["messages"]) if saved else []
+        if saved and system is None:
+            self.system = saved.get("system")
         self.decoder = None
         self.reply: ReplyView | None = None  # the reply being generated
         # set by escape / quit; the worker checks it between rounds. A flag of our own rather
@@ -165,6 +192,7 @@ class ChatApp(App):
     def compose(self) -> ComposeResult:
         with Vertical(id="chat"):
             yield VerticalScroll(id="messages")
+            yield ProgressBar(id="download", show_eta=False)  # while a pair downloads
             yield Static("", id="status")
             yield Input(placeholder="Message (enter to send)", id="prompt")
         yield StatsPanel(id="stats")
@@ -175,6 +203,9 @@ class ChatApp(App):
         self.stats_panel = self.query_one(StatsPanel)
         self.status_line = self.query_one("#status", Static)
         self.message_list = self.query_one("#messages", VerticalScroll)
+        self.download_bar = self.query_one("#download", ProgressBar)
+        for m in self.history:  # a saved conversation goes on (its colours were not saved)
+            self.message_list.mount(Static(m["content"], classes=m["role"], markup=False))
         self.set_interval(1 / REFRESH_HZ, self.refresh_views)
         if self._initial_pair is not None:
             self.use_pair(self._initial_pair, self.pair_name)
@@ -226,13 +257,24 @@ class ChatApp(App):
         self.post_message(PairLoaded(pair, name))
 
     def on_load_progress(self, message: LoadProgress) -> None:
-        self.set_status(message.text)
+        progress = message.text
+        if isinstance(progress, DownloadProgress):  # bytes done of bytes to do
+            self.download_bar.display = True
+            self.download_bar.update(total=progress.total or None, progress=progress.done)
+        self.set_status(progress)
 
     def on_pair_loaded(self, message: PairLoaded) -> None:
+        self.download_bar.display = False
         if message.error:
-            self.set_status(f"error: {message.error}")
+            self.error_line(message.error)
         else:
             self.use_pair(message.pair, message.name)
+
+    def error_line(self, error: str) -> None:
+        """A failure (a pair that would not load) as a line in the chat; the app goes on."""
+        self.message_list.mount(Static(f"[error: {error}]", classes="error", markup=False))
+        self.message_list.scroll_end(animate=False)
+        self.set_status(f"error: {error}")
 
     def action_pick_pair(self) -> None:
         if self.loader is None or self.reply is not None:

@@ -17,6 +17,9 @@ def setup_arg_parser(parser):
     parser.add_argument("--seed", type=seed, help="random seed, in [0, 2**64)")
     parser.add_argument("--system", help="a system message for every turn (also: /system TEXT)")
     parser.add_argument(
+        "--load", metavar="FILE", help="go on with a chat saved with ctrl+s (its .json file)"
+    )
+    parser.add_argument(
         "--compare",
         action="store_true",
         help="race every reply against plain decoding (f9 does it for the last one)",
@@ -27,9 +30,10 @@ def main(args):
     from mlx_spec.cli import DEFAULT_PAIR, pair_from_args
     from mlx_spec.sampling import SamplingParams
 
-    from .app import ChatApp
+    from .app import ChatApp, read_saved
 
     SamplingParams(args.temp)  # bad flags fail here, before the screen opens
+    saved = read_saved(args.load) if args.load else None
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # tqdm would tear the screen
 
     def loader(name, progress):
@@ -49,6 +53,7 @@ def main(args):
         seed=args.seed,
         compare=args.compare,
         system=args.system,
+        saved=saved,
     )
     app.run()
     # A worker thread may still be inside MLX; leave without C++ static teardown racing it.

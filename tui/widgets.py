@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import Static
 
@@ -11,7 +12,7 @@ BAR_WIDTH = 16
 CONTROL_CHARS = {c: "\ufffd" for c in [*range(0x20), *range(0x7F, 0xA0)] if c not in (9, 10)}
 
 
-class ReplyView(Static):
+class ReplyView(Vertical):
     """One assistant reply: (text, kind) pieces, re-assembled at most ~30 times a second.
 
     Kinds: "accepted" (a draft token the target accepted), "regenerated" (the target's
@@ -19,6 +20,10 @@ class ReplyView(Static):
     nothing was drafted) and "rejected" (the draft's losing guesses, shown struck through only
     when `show_rejected` is on). Colours come from the component classes in app.tcss, so they
     follow the theme.
+
+    A long reply stays cheap to update: finished paragraphs (up to a blank line, or TAIL_LINES
+    lines without one) move into Statics of their own, and an update re-renders only the live
+    tail after them. A toggle that changes earlier text (f8, f10, a cut) lays them out again.
     """
 
     COMPONENT_CLASSES = {
@@ -28,14 +33,26 @@ class ReplyView(Static):
         "reply--rejected",
         "reply--note",
     }
+    TAIL_LINES = 40  # a paragraph with more lines than this is frozen at its last line end
 
     def __init__(self, **kwargs):
-        super().__init__("", **kwargs)
+        super().__init__(**kwargs)
         self.pieces: list[tuple[str, str]] = []
         self.note = ""  # e.g. "[stopped]"
         self.show_rejected = False
         self.fold_thinking = False  # a reasoning model's <think>…</think> block, folded
         self.dirty = False
+        self.relayout = False  # the text before the tail changed: freeze again from the start
+        self.paragraphs: list[Static] = []  # finished, never re-rendered while streaming
+        self.finished: list[Content] = []  # what they show, with the line end after each
+        self.frozen = 0  # characters of the shown reply in `paragraphs`
+        self.frozen_plain = ""
+        self.first = (0, 0, 0)  # where the tail's first piece starts: see assemble
+        self.starts: list[tuple[int, int, int]] = []
+        self.tail = Static("", classes="tail")
+
+    def compose(self):
+        yield self.tail
 
     def add_pieces(self, pieces: list[tuple[str, str]]) -> None:
         self.pieces += pieces
@@ -48,11 +65,21 @@ class ReplyView(Static):
     def set_show_rejected(self, show: bool) -> None:
         if show != self.show_rejected:
             self.show_rejected = show
-            self.dirty = True
+            self.dirty = self.relayout = True
+
+    def set_fold_thinking(self, fold: bool) -> None:
+        if fold != self.fold_thinking:
+            self.fold_thinking = fold
+            self.dirty = self.relayout = True
 
     @property
     def text(self) -> str:
         return "".join(text for text, kind in self.pieces if kind != "rejected")
+
+    @property
+    def content(self) -> Content:
+        """What is on screen: the finished paragraphs and the tail, as one Content."""
+        return Content("").join([*self.finished, self.tail.content])
 
     def cut_at(self, marker: str) -> None:
         """Drop everything from the first `marker` in the reply's text on."""
@@ -69,7 +96,7 @@ class ReplyView(Static):
                 kept.append((text, kind))
             if length >= end:
                 break
-        self.pieces, self.dirty = kept, True
+        self.pieces, self.dirty, self.relayout = kept, True, True
 
     def _style(self, name: str) -> str:
         styles = self.get_component_styles(name)
@@ -78,38 +105,90 @@ class ReplyView(Static):
             style = f"strike {style}"
         return style
 
-    def assemble(self) -> Content:
+    def shows(self, kind: str) -> bool:
+        return kind != "rejected" or self.show_rejected
+
+    def assemble(self, first: tuple[int, int, int] = (0, 0, 0)) -> Content:
+        """The reply from `first` on: (piece index, its offset in the pieces' shown text, its
+        offset on screen), as recorded in `self.starts` for every piece it went through. Think
+        blocks are found in the whole text, so a folded block's placeholder knows its size."""
         style = {
             kind: self._style(f"reply--{kind}")
             for kind in ("accepted", "regenerated", "target", "rejected")
         }
-        visible = [(t, k) for t, k in self.pieces if k != "rejected" or self.show_rejected]
-        regions = think_regions("".join(t for t, _ in visible))
-        parts, offset = [], 0
-        for text, kind in visible:
-            for start, end, inside in split_by(offset, len(text), regions):
-                chunk = text[start - offset : end - offset].translate(CONTROL_CHARS)
-                if not inside:
-                    parts.append((chunk, style[kind]))
-                elif not self.fold_thinking:  # reasoning: dimmed, colours kept
-                    parts.append((chunk, f"dim {style[kind]}"))
-                elif start in {a for a, _ in regions}:
-                    a, b = next(r for r in regions if r[0] == start)
-                    parts.append((f"[thinking: {b - a} characters — f10 unfolds]", "dim italic"))
-            offset += len(text)
+        regions = think_regions("".join(t for t, k in self.pieces if self.shows(k)))
+        region_end = dict(regions)
+        index, offset, shown = first
+        parts, self.starts = [], []
+        for text, kind in self.pieces[index:]:
+            if self.shows(kind):
+                self.starts.append((index, offset, shown))
+                for start, end, inside in split_by(offset, len(text), regions):
+                    chunk = text[start - offset : end - offset].translate(CONTROL_CHARS)
+                    if inside and self.fold_thinking:
+                        if start not in region_end:
+                            continue
+                        size = region_end[start] - start
+                        chunk, chunk_style = (
+                            f"[thinking: {size} characters — f10 unfolds]",
+                            ("dim italic"),
+                        )
+                    elif inside:  # reasoning: dimmed, colours kept
+                        chunk_style = f"dim {style[kind]}"
+                    else:
+                        chunk_style = style[kind]
+                    parts.append((chunk, chunk_style))
+                    shown += len(chunk)
+                offset += len(text)
+            index += 1
         if self.note:
             parts.append((f" {self.note}", self._style("reply--note")))
         return Content.assemble(*parts)
 
-    def set_fold_thinking(self, fold: bool) -> None:
-        if fold != self.fold_thinking:
-            self.fold_thinking = fold
-            self.dirty = True
-
     def refresh_if_dirty(self) -> None:
-        if self.dirty:
-            self.dirty = False
-            self.update(self.assemble())
+        if not self.dirty:
+            return
+        self.dirty = False
+        if self.relayout:
+            self.relayout = False
+            self.unfreeze()
+        content = self.assemble(self.first)
+        at = self.first[2]  # where `content` begins on screen
+        if not content.plain.startswith(self.frozen_plain[at:]):  # never keep stale paragraphs
+            self.unfreeze()
+            content, at = self.assemble(), 0
+        live = self.frozen - at
+        end = paragraph_end(content.plain, live, self.TAIL_LINES)
+        if end > live:
+            # a block ends a line: its own last newline would add an empty one
+            block = Static(content[live : end - 1])
+            self.paragraphs.append(block)
+            self.finished.append(content[live:end])
+            self.mount(block, before=self.tail)
+            self.frozen_plain += content.plain[live:end]
+            self.frozen = at + end
+            # the tail's first piece: the last one that starts at or before the boundary
+            self.first = next(s for s in reversed(self.starts) if s[2] <= self.frozen)
+            live = end
+        self.tail.update(content[live:])
+
+    def unfreeze(self) -> None:
+        for block in self.paragraphs:
+            block.remove()
+        self.paragraphs, self.finished, self.frozen, self.frozen_plain = [], [], 0, ""
+        self.first = (0, 0, 0)
+
+
+def paragraph_end(text: str, start: int, max_lines: int) -> int:
+    """Where the finished paragraphs in text[start:] end: after the last blank line's first
+    newline (the blank line itself begins the next block), else after the line that makes
+    the tail longer than `max_lines`; `start` when nothing is finished."""
+    blank = text.rfind("\n\n", start)
+    if blank >= 0:
+        return blank + 1
+    if text.count("\n", start) > max_lines:
+        return text.rfind("\n", start) + 1
+    return start
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
