@@ -678,3 +678,12 @@ def test_chat_load_refuses_a_file_that_is_no_saved_chat(tmp_path, content, why):
     )
     assert run.returncode == 2 and run.stdout == ""
     assert len(run.stderr.strip().splitlines()) == 1 and why in run.stderr
+
+
+def test_the_rounds_strip_keeps_the_last_rounds_that_fit_one_row():
+    from tui.widgets import STRIP, round_strip
+
+    rounds = [(3, 1)] * 5 + [(0, 0), (4, 4), (2, 0)]
+    assert round_strip(rounds) == "▮▯▯ ▮▯▯ ▮▯▯ ▮▯▯ · ▮▮▮▮ ▯▯"
+    long = round_strip([(4, 2)] * 40)
+    assert len(long) <= STRIP and long.endswith("▮▮▯▯") and len(long.split()) == 5

@@ -219,7 +219,7 @@ def split_by(offset: int, length: int, regions) -> list[tuple[int, int, bool]]:
 
 
 SPARK = 16  # rounds in the tokens/s sparkline
-STRIP = 10  # rounds in the accepted/drafted strip
+STRIP = 28  # characters of the accepted/drafted strip: one row of the panel
 
 
 def race_lines(drafted: dict, plain: dict, same: bool) -> list[str]:
@@ -246,9 +246,17 @@ def sparkline(values: list[float]) -> str:
     return "".join("▁▂▃▄▅▆▇█"[min(7, int(v / top * 7.999))] for v in values)
 
 
-def round_strip(rounds: list[tuple[int, int]]) -> str:
-    """One group per round: ▮ an accepted draft token, ▯ a rejected one, · a plain step."""
-    return " ".join("▮" * a + "▯" * (d - a) if d else "·" for d, a in rounds)
+def round_strip(rounds: list[tuple[int, int]], width: int = STRIP) -> str:
+    """The last rounds that fit in `width` characters, one group per round: ▮ an accepted draft
+    token, ▯ a rejected one, · a plain step."""
+    groups, used = [], -1
+    for d, a in reversed(rounds):
+        group = "▮" * a + "▯" * (d - a) if d else "·"
+        if used + 1 + len(group) > width:
+            break
+        groups.append(group)
+        used += 1 + len(group)
+    return " ".join(reversed(groups))
 
 
 def bar(fraction: float, width: int = BAR_WIDTH) -> str:
@@ -308,7 +316,7 @@ class StatsPanel(Static):
             f"prompt       {s['prompt_tokens']} ({s['prompt_tokens_reused']} reused, "
             f"{s['prompt_tokens'] - s['prompt_tokens_reused']} computed)",
             f"memory       {s['peak_memory_gb']:.2f} GB",
-            f"rounds       {round_strip(self.strip[-STRIP:])}",
+            f"rounds       {round_strip(self.strip)}",
             "",
             "acceptance by draft position",
         ]
