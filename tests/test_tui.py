@@ -8,7 +8,7 @@ import pytest
 
 from mlx_spec import generate, load_pair, make_decoder
 from tui.app import ChatApp
-from tui.widgets import CONTROL_CHARS, ReplyView, StatsPanel
+from tui.widgets import CONTROL_CHARS, ReplyView, StatsPanel, round_strip, sparkline
 
 PROMPT = "Tell me a story"
 
@@ -119,6 +119,14 @@ async def test_reply_colours_follow_the_engine(chat_pair):
         # at most one message per verify round (a round whose only token is still being
         # detokenized rides with the next), so fewer messages than tokens
         assert 0 < app.rounds_received <= stats.target_passes < stats.generated_tokens
+        # the rounds strip is the engine's rounds: k drafted, n kept; one speed per message
+        strip = [(len(r.drafted), r.accepted) for r in expected.rounds]
+        assert app.stats_panel.strip == strip
+        assert f"rounds       {round_strip(strip)}\n" in panel and "▯" in round_strip(strip)
+        speeds = app.stats_panel.speeds
+        assert len(speeds) == app.rounds_received and max(speeds) > 0
+        tokens_per_second = next(line for line in panel.splitlines() if "tokens/s" in line)
+        assert tokens_per_second.endswith(f"  {sparkline(speeds[-16:])}")
 
 
 async def test_follow_up_reuses_the_cache(chat_pair):
@@ -652,6 +660,8 @@ async def test_a_saved_chat_reloads_and_goes_on(chat_pair, tmp_path, monkeypatch
         await pilot.pause()
         shown = [str(w.content) for w in again.query(".user, .assistant")]
         assert shown == [m["content"] for m in history]
+        await pilot.press("ctrl+y")  # the loaded reply is the last one, to copy
+        assert again.clipboard == history[-1]["content"]
         await send(pilot, "And then?")
         reply = await finish(again, pilot)
     turns = [{"role": "system", "content": "Be brief."}, *history]

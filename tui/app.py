@@ -453,9 +453,10 @@ class ChatApp(App):
             self.set_status(f"thinking {'on' if self.thinking else 'off'} (enable_thinking)")
 
     def action_copy_reply(self) -> None:
-        replies = [r for r in self.query(ReplyView) if not r.has_class("race") and r.text]
+        """The last finished reply (also one of a chat loaded with --load) to the clipboard."""
+        replies = [m["content"] for m in self.history if m["role"] == "assistant"]
         if replies:
-            self.copy_to_clipboard(replies[-1].text)
+            self.copy_to_clipboard(replies[-1])
             self.set_status("copied the last reply")
 
     def action_save(self) -> None:

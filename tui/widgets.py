@@ -54,6 +54,9 @@ class ReplyView(Vertical):
     def compose(self):
         yield self.tail
 
+    def on_mount(self) -> None:
+        self.refresh_if_dirty()  # pieces that came before the tail was there
+
     def add_pieces(self, pieces: list[tuple[str, str]]) -> None:
         self.pieces += pieces
         self.dirty = True
@@ -146,7 +149,7 @@ class ReplyView(Vertical):
         return Content.assemble(*parts)
 
     def refresh_if_dirty(self) -> None:
-        if not self.dirty:
+        if not self.dirty or self.tail.parent is None:  # not composed yet: the next tick
             return
         self.dirty = False
         if self.relayout:
