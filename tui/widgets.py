@@ -109,6 +109,7 @@ class ReplyView(Vertical):
         return style
 
     def shows(self, kind: str) -> bool:
+        """Whether pieces of this kind are on screen (rejected guesses: only with f8)."""
         return kind != "rejected" or self.show_rejected
 
     def assemble(self, first: tuple[int, int, int] = (0, 0, 0)) -> Content:
@@ -128,14 +129,11 @@ class ReplyView(Vertical):
                 self.starts.append((index, offset, shown))
                 for start, end, inside in split_by(offset, len(text), regions):
                     chunk = text[start - offset : end - offset].translate(CONTROL_CHARS)
-                    if inside and self.fold_thinking:
+                    if inside and self.fold_thinking:  # the whole block: one placeholder
                         if start not in region_end:
                             continue
-                        size = region_end[start] - start
-                        chunk, chunk_style = (
-                            f"[thinking: {size} characters — f10 unfolds]",
-                            ("dim italic"),
-                        )
+                        chunk = f"[thinking: {region_end[start] - start} characters — f10 unfolds]"
+                        chunk_style = "dim italic"
                     elif inside:  # reasoning: dimmed, colours kept
                         chunk_style = f"dim {style[kind]}"
                     else:
