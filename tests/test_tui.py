@@ -697,3 +697,24 @@ def test_the_rounds_strip_keeps_the_last_rounds_that_fit_one_row():
     assert round_strip(rounds) == "▮▯▯ ▮▯▯ ▮▯▯ ▮▯▯ · ▮▮▮▮ ▯▯"
     long = round_strip([(4, 2)] * 40)
     assert len(long) <= STRIP and long.endswith("▮▮▯▯") and len(long.split()) == 5
+
+
+async def test_any_exception_while_loading_is_an_error_line_too(chat_pair):
+    from textual.widgets import Static
+
+    def loader(name, progress):  # what a Mac out of memory does halfway through the weights
+        progress("Loading the target weights…")
+        raise MemoryError("[METAL] Command buffer execution failed: Insufficient Memory")
+
+    app = ChatApp(loader=loader, pair_name="big")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.workers.wait_for_complete()
+        await pilot.pause(0.1)
+        errors = [str(e.content) for e in app.query(".error").results(Static)]
+        assert errors == ["[error: MemoryError: [METAL] Command buffer execution failed: "
+                          "Insufficient Memory]"]  # fmt: skip
+        # on screen as written: brackets in an error are not markup
+        assert app.status_line.visual.plain == errors[0].replace("[error: ", "error: ")[:-1]
+        app.use_pair(chat_pair, "tiny")
+        await send(pilot, PROMPT)
+        assert (await finish(app, pilot)).text

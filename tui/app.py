@@ -193,7 +193,7 @@ class ChatApp(App):
         with Vertical(id="chat"):
             yield VerticalScroll(id="messages")
             yield ProgressBar(id="download", show_eta=False)  # while a pair downloads
-            yield Static("", id="status")
+            yield Static("", id="status", markup=False)  # errors and ids hold brackets
             yield Input(placeholder="Message (enter to send)", id="prompt")
         yield StatsPanel(id="stats")
         yield Footer()
