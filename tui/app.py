@@ -320,7 +320,9 @@ class ChatApp(App):
         self.stop_requested.clear()
         self.generate_reply(self.reply, list(self.history))
 
-    @work(thread=True, exclusive=True, group="generate")
+    # not exclusive: the next reply (a --compare race) starts when this one has posted
+    # ReplyDone, maybe before its thread has returned; exclusive would cancel it there
+    @work(thread=True, group="generate")
     def generate_reply(self, reply: ReplyView, messages: list[dict], race: bool = False) -> None:
         """One reply, posted round by round. `race`: the same turn again with the draft off,
         to compare (it is not added to the conversation)."""
