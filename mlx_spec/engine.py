@@ -18,7 +18,7 @@ import numpy as np
 from mlx_lm.generate import wired_limit
 from mlx_lm.utils import common_prefix_len
 
-from . import caches
+from . import caches, distributed
 from .acceptance import verify_greedy, verify_stochastic
 from .drafters import Drafter, LookupThenModel, ModelDrafter, NGramDrafter, prefill_cache
 from .errors import SpecError
@@ -436,6 +436,7 @@ def make_drafter(pair) -> Drafter | None:
 
 
 def make_decoder(pair, seed: int | None = None) -> Decoder:
+    seed = distributed.agreed_seed(pair, seed)  # a sharded target: every rank, one seed
     decoder = Decoder(pair.target, make_drafter(pair), pair.tokenizer.eos_token_ids, seed=seed)
     decoder.pair = pair
     return decoder
@@ -462,6 +463,7 @@ def stream_rounds(
     """Generate from `pair`, one list of `Event`s per verify round (see `stream`)."""
     params = SamplingParams(temperature, top_p, top_k, min_p)
     length = draft_length(pair.num_draft_tokens if num_draft_tokens is None else num_draft_tokens)
+    length = distributed.agreed_length(pair, length)  # a sharded target: `auto` follows rank 0
     stop_below = pair.draft_confidence if draft_confidence is None else draft_confidence
     if stop_below is not None and not 0 <= stop_below < 1:
         raise SpecError(f"draft-confidence must be in [0, 1), got {stop_below}")
@@ -501,6 +503,7 @@ def stream_rounds(
     stats.prefill_seconds = time.perf_counter() - start
     if timed:
         policy.calibrate(*decoder.step_seconds)
+    stats.watch(pair.link)  # a sharded target: count its collectives from here
     start = time.perf_counter()
 
     rounds = decoder.rounds(max_tokens, params, policy, use_draft=speculative)

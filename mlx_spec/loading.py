@@ -42,6 +42,7 @@ class Pair:
     draft_bits: int | None = None  # the draft is the target re-quantized to this many bits
     draft_group_size: int = 32
     draft_adapter: Path | None = None  # a LoRA adapter applied to the draft (mlx-spec distill)
+    link: object = None  # distributed.Link: the target is sharded over a group (None: alone)
 
     @property
     def speculative(self) -> bool:
@@ -415,21 +416,24 @@ def check_memory(
     draft_path: Path | None,
     draft_bits: int | None,
     context: int | None,
+    shards: int = 1,
 ) -> None:
-    """Refuse, with the figures, a pair whose weights plus KV cache exceed the machine."""
+    """Refuse, with the figures, a pair whose weights plus KV cache exceed the machine (a
+    target split over `shards` ranks puts about a `shards`-th of it on each)."""
     available, source = machine_memory()
     if available is None:
         return
     model_context = _context_length(target_config)
     tokens = context or min(model_context or DEFAULT_MEMORY_CONTEXT, DEFAULT_MEMORY_CONTEXT)
-    target = weights_bytes(target_path)
-    kv = kv_cache_bytes(target_config, tokens)
+    target = weights_bytes(target_path) // shards
+    kv = kv_cache_bytes(target_config, tokens) // shards
     draft = 0
     if draft_path is not None:
         draft = weights_bytes(draft_path)
         kv += kv_cache_bytes(_read_config(draft_path), tokens)
     elif draft_bits is not None:
-        draft = target  # a full copy of the target is loaded, then re-quantized
+        # a full copy of the target is loaded (whole on every rank), then re-quantized
+        draft = weights_bytes(target_path)
         kv *= 2
     need = target + draft + kv
     if need > available:
@@ -441,11 +445,11 @@ def check_memory(
         )
 
 
-def _load_model(path: Path):
+def _load_model(path: Path, lazy: bool = False):
     """mlx-lm's loader, with what a checked directory can still get wrong (weights that do not
     fit the architecture, bad config values) as one line."""
     try:
-        model, _ = load_model(path)
+        model, _ = load_model(path, lazy=lazy)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, ArithmeticError) as err:
         raise SpecError(f"cannot load the model in {path}: {_first_line(err)}") from None
     return model
@@ -546,6 +550,7 @@ def load_pair(
     force: bool = False,
     context: int | None = None,
     draft_adapter: str | Path | None = None,
+    group=None,
 ) -> Pair:
     """Load a pair by its name in models.toml, or from explicit target/draft paths or ids.
 
@@ -560,8 +565,16 @@ def load_pair(
     compared with the machine's memory; `force=True` loads anyway.
     `draft_adapter`: a LoRA adapter directory for the draft (`mlx-spec distill` writes one);
     None takes the pair's `draft_adapter` from models.toml, NO_ADAPTER ("") none at all.
+    `group`: an `mx.distributed` group to split the target over, tensor-parallel (the draft is
+    loaded whole on every rank); default: the group `mlx.launch` started, if any. A group of
+    one loads as usual.
     """
+    from . import distributed
     from .registry import load_registry
+
+    group = group if group is not None else distributed.world()
+    if group is not None and group.size() == 1:
+        group = None
 
     report = progress or (lambda _: None)
     spec = None
@@ -613,10 +626,16 @@ def load_pair(
             raise SpecError(f"draft and target vocabularies differ: {diff}")
 
     if not force:
-        check_memory(target_path, target_config, draft_path, draft_bits, context)
+        shards = group.size() if group is not None else 1
+        check_memory(target_path, target_config, draft_path, draft_bits, context, shards)
 
     report("Loading the target weights…")
-    target_model = _load_model(target_path)
+    link = None
+    if group is None:
+        target_model = _load_model(target_path)
+    else:  # lazily: each rank reads only its slice of the weights
+        target_model = _load_model(target_path, lazy=True)
+        link = distributed.sharded(target_model, target_config, group)
     if draft_path is not None or draft_bits is not None:
         report("Loading the draft weights…")
     group_size = spec.draft_group_size if spec else 32
@@ -647,4 +666,5 @@ def load_pair(
         draft_bits=draft_bits if draft_model is not None else None,
         draft_group_size=group_size,
         draft_adapter=adapter_path,
+        link=link,
     )

@@ -41,6 +41,19 @@ class Stats:
     generation_seconds: float = 0.0
     peak_memory_gb: float = 0.0
     finish_reason: str = "length"
+    # a target sharded over a group (distributed.Link): its collectives while generating
+    group_size: int = 1
+    collectives: int = 0
+    collective_seconds: float = 0.0  # estimated: count x the latency calibrated at load
+    link: object = field(default=None, repr=False, compare=False)
+    _link_start: tuple = field(default=(0, 0.0), repr=False, compare=False)
+
+    def watch(self, link) -> None:
+        """Count `link`'s collectives from now on (after the prefill)."""
+        self.link = link
+        if link is not None:
+            self.group_size = link.size
+            self._link_start = (link.collectives, link.seconds)
 
     def add_round(self, r, elapsed: float) -> None:
         self.target_passes += 1
@@ -50,6 +63,9 @@ class Stats:
         self.replayed_tokens += r.replayed
         self.accepted += r.accepted
         self.generation_seconds = elapsed
+        if self.link is not None:
+            self.collectives = self.link.collectives - self._link_start[0]
+            self.collective_seconds = self.link.seconds - self._link_start[1]
         count(self.draft_lengths, r.drafted)
         count(self.chosen_lengths, r.requested)
         if r.plain:
@@ -87,6 +103,17 @@ class Stats:
         return computed / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
+    def collectives_per_token(self) -> float:
+        return self.collectives / self.generated_tokens if self.generated_tokens else 0.0
+
+    @property
+    def collective_share(self) -> float:
+        """Share of the generation time spent in collectives (estimated)."""
+        if not self.generation_seconds:
+            return 0.0
+        return min(1.0, self.collective_seconds / self.generation_seconds)
+
+    @property
     def mean_draft_length(self) -> float:
         return self.drafted / self.target_passes if self.target_passes else 0.0
 
@@ -121,6 +148,10 @@ class Stats:
             "generation_seconds": round(self.generation_seconds, 4),
             "peak_memory_gb": round(self.peak_memory_gb, 3),
             "finish_reason": self.finish_reason,
+            "group_size": self.group_size,
+            "collectives": self.collectives,
+            "collectives_per_token": round(self.collectives_per_token, 3),
+            "collective_seconds": round(self.collective_seconds, 4),
         }
 
     def _auto_summary(self) -> str:
@@ -141,4 +172,9 @@ class Stats:
             )
         else:
             line += " · no draft"
+        if self.group_size > 1:
+            line += (
+                f" · {self.group_size} ranks: {self.collectives_per_token:.1f} collectives/token"
+                f" (~{self.collective_share:.0%} of the time)"
+            )
         return line
