@@ -63,6 +63,9 @@ class Run:
     draft_steps: int = 0  # draft-model forward passes
     plain_tokens: int = 0  # `auto`: tokens it decoded plainly (k = 0)
     controller: str = ""  # `auto`: the controller's state at the end of the run
+    collectives: int = 0  # a sharded target (mlx-spec runs): collectives while generating
+    collective_seconds: float = 0.0  # estimated time in them
+    generation_seconds: float = 0.0
 
 
 def _timed(events):
@@ -138,6 +141,9 @@ def run_mlx_spec(pair, prompt_ids, max_tokens, temperature, k, seed) -> Run:
         stats.draft_steps,
         stats.plain_tokens,
         (stats.controller or {}).get("state", ""),
+        stats.collectives,
+        stats.collective_seconds,
+        stats.generation_seconds,
     )
 
 
@@ -183,6 +189,8 @@ class Row:
     prompt: str | None = None  # None: every prompt together
     plain_share: float = 0.0  # `auto`: share of tokens decoded plainly
     states: dict | None = None  # `auto`: the controller's final state -> runs that ended in it
+    collectives_per_token: float = 0.0  # a sharded target (mlx-spec rows)
+    collective_share: float = 0.0  # of the generation time, estimated
 
 
 def _k_order(k) -> int:
@@ -226,6 +234,9 @@ def summarise(results: list[Run], by_prompt: bool = False) -> list[Row]:
                 prompt,
                 sum(r.plain_tokens for r in runs) / max(1, sum(len(r.tokens) for r in runs)),
                 _count(r.controller.split(":")[0] for r in runs if r.controller) or None,
+                sum(r.collectives for r in runs) / max(1, sum(len(r.tokens) for r in runs)),
+                sum(r.collective_seconds for r in runs)
+                / max(1e-9, sum(r.generation_seconds for r in runs)),
             )
         )
     if by_prompt:  # prompt by prompt, in the order they ran
@@ -274,9 +285,11 @@ def format_rows(rows: list[Row]) -> str:
     by_prompt = any(r.prompt is not None for r in rows)
     width = max((len(r.prompt) for r in rows if r.prompt), default=0)
     head = f"{'prompt':<{width}}  " if by_prompt else ""
+    sharded = any(r.collectives_per_token for r in rows)  # columns only on a group
     lines = [
         f"{head}{'temp':>4}  {'configuration':<20} {'k':>4}  {'tok/s':>7}  {'speedup':>7}  "
         f"{'accept':>6}  {'tok/pass':>8}  {'drafts/tok':>10}  {'peak GB':>7}  same output"
+        + ("  coll/tok  in coll" if sharded else "")
     ]
     for r in rows:
         accept = "" if r.acceptance_rate is None else f"{r.acceptance_rate:.0%}"
@@ -287,8 +300,16 @@ def format_rows(rows: list[Row]) -> str:
             f"{r.median_tokens_per_second:>7.1f}  {r.speedup:>6.2f}x  {accept:>6}  "
             f"{r.tokens_per_target_pass:>8.2f}  {r.draft_steps_per_token:>10.2f}  "
             f"{r.peak_memory_gb:>7.2f}  {same}"
+            + (_collective_columns(r, len(same)) if sharded else "")
         )
     return "\n".join(lines + auto_lines(rows))
+
+
+def _collective_columns(r: Row, same_width: int) -> str:
+    if not r.collectives_per_token:  # mlx-lm's rows: not counted
+        return ""
+    pad = " " * (11 - same_width)
+    return f"{pad}  {r.collectives_per_token:>8.1f}  {r.collective_share:>7.0%}"
 
 
 def to_json(results: list[Run]) -> dict:

@@ -93,8 +93,7 @@ def plot(rows, path: str) -> None:
 
 
 def main(args):
-    from ..bench import format_rows, run_bench, summarise, to_json
-    from ..blas import describe
+    from ..distributed import rank_zero_prints
 
     if not args.k or any(k != "auto" and k < 1 for k in args.k):
         raise SpecError("--k takes draft lengths >= 1 or auto, e.g. 2,4,auto")
@@ -102,11 +101,19 @@ def main(args):
         raise SpecError("--runs must be >= 1")
     prompts = read_prompts(args.prompts, args.only)
     pair = pair_from_args(args)
+    with rank_zero_prints(pair):  # a target sharded over mlx.launch's ranks: rank 0 prints
+        return report(pair, args, prompts)
+
+
+def report(pair, args, prompts) -> int:
+    from ..bench import format_rows, run_bench, summarise, to_json
+    from ..blas import describe
+
     say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr))
     say(f"BLAS: {describe()}")
     results = run_bench(pair, prompts, args.temps, args.k, args.runs, args.max_tokens, progress=say)
     rows = summarise(results)
-    if args.plot:
+    if args.plot and (pair.link is None or pair.link.rank == 0):
         plot(rows, args.plot)
     if args.json:
         print(json.dumps(to_json(results)))

@@ -72,11 +72,18 @@ def hint(stats) -> str | None:
 
 
 def main(args):
-    from ..engine import generate, stream
-    from ..stats import Stats
+    from ..distributed import rank_zero_prints
 
     text = read_prompt(args)
     pair = pair_from_args(args)
+    with rank_zero_prints(pair):  # a target sharded over mlx.launch's ranks: rank 0 prints
+        return reply(pair, args, text)
+
+
+def reply(pair, args, text: str) -> int:
+    from ..engine import generate, stream
+    from ..stats import Stats
+
     prompt = build_prompt(pair, args, text)
     kwargs = dict(
         max_tokens=args.max_tokens,
