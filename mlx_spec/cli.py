@@ -28,6 +28,8 @@ COMMANDS = {
     "distill": "Teach the draft to agree with its target on your text (a LoRA adapter)",
 }
 DEFAULT_PAIR = "smollm2-demo"
+# commands that time or draw on one machine; under mlx.launch every rank would run its own
+SINGLE_PROCESS = ("chat", "probe")
 
 
 class Parser(argparse.ArgumentParser):
@@ -208,6 +210,16 @@ def build_parser() -> Parser:
     return parser
 
 
+def _refuse_group(command: str) -> None:
+    from .distributed import launched, world
+
+    if launched() and world() is not None:
+        raise SpecError(
+            f"{command} runs in one process; under mlx.launch use generate or bench "
+            "(or the Python API)"
+        )
+
+
 def _not_utf8(args) -> str | None:
     """The first argument that was not valid UTF-8 (Python keeps such bytes as lone
     surrogates, which no tokenizer or file system call can take)."""
@@ -246,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         bad = _not_utf8(args)
         if bad is not None:
             raise SpecError(f"the {bad.replace('_', '-')} argument is not valid UTF-8")
+        if args.command in SINGLE_PROCESS:
+            _refuse_group(args.command)
         status = args.run(args) or 0
         _flush_stdout()  # a full disk or a closed pipe shows here, inside the handlers
         return status

@@ -181,6 +181,13 @@ def test_the_cli_prints_once_on_rank_zero(tiny_models, tmp_path):
     assert got["stats"]["collectives"] == 8 * got["stats"]["target_passes"]
 
 
+def test_chat_and_probe_refuse_a_group(tiny_models, tmp_path):
+    run = launch([str(BIN / "mlx-spec"), "probe", "--target", str(tiny_models.target)], tmp_path)
+    message = "mlx-spec probe: error: probe runs in one process; under mlx.launch use generate"
+    assert run.stderr.count(message) == 2, run.stderr[-3000:]  # one line from each rank
+    assert run.stdout == ""
+
+
 # ------------------------------------------------------------------ a group of one, in process
 
 
