@@ -216,24 +216,67 @@ def agreed_seed(pair, seed: int | None) -> int | None:
     return parts[0] | parts[1] << 31
 
 
+def broadcast_floats(group, values: list[float]) -> list[float]:
+    """Rank 0's numbers on every rank, as float32 (rank 0 gets the rounded values too)."""
+    mine = mx.array(values, mx.float32) * (group.rank() == 0)
+    return mx.distributed.all_sum(mine, group=group, stream=mx.cpu).tolist()
+
+
+def _floats(values) -> list[float]:
+    out = []
+    for v in values:
+        if isinstance(v, tuple):
+            out += _floats(v)
+        elif isinstance(v, float):
+            out.append(v)
+    return out
+
+
+def _replace_floats(values: tuple, agreed) -> tuple:
+    """`values` with each float, in order, taken from the iterator `agreed`."""
+
+    def one(v):
+        if isinstance(v, tuple):
+            return _replace_floats(v, agreed)
+        return next(agreed) if isinstance(v, float) else v
+
+    return tuple(one(v) for v in values)
+
+
 class AgreedController(Controller):
-    """`auto` on a group: rank 0's controller decides and the others follow. Its choices come
-    from rank 0's clock; every rank's own controller still learns (acceptance is the same)."""
+    """`auto` on a group. Every rank must choose the same k, plain stretch, timed prefill and
+    split rounds, but each times rounds with its own clock. So each rank holds its
+    measurements back and, when the next choice is due, all apply rank 0's (one small
+    broadcast per choice): the controllers' states stay equal, and so does all they decide."""
 
     def __init__(self, link: Link, *args):
         super().__init__(*args)
         self.link = link
-        self.agreed_burst = 1
+        self.held: list[tuple] = []  # (method, arguments): measurements not yet agreed
+
+    def update(self, *args) -> None:
+        self.held.append((super().update, args))
+
+    def update_plain(self, *args) -> None:
+        self.held.append((super().update_plain, args))
+
+    def calibrate(self, *args) -> None:
+        self.held.append((super().calibrate, args))
 
     def next(self, available: bool | None = None) -> int:
-        k = super().next(available)
-        burst = super().plain_burst() if k == 0 else 0
-        k, self.agreed_burst = broadcast(self.link.group, [k, burst])
-        self.link.count(1)
-        return k
+        self.agree()
+        return super().next(available)
 
-    def plain_burst(self) -> int:
-        return max(1, self.agreed_burst)
+    def agree(self) -> None:
+        """Apply the held measurements with rank 0's timings. Their shape (which calls, which
+        arguments are None) is the same on every rank: it follows from equal states."""
+        values = _floats(tuple(args for _, args in self.held))
+        agreed = iter(broadcast_floats(self.link.group, values) if values else [])
+        if values:
+            self.link.count(1)
+        for method, args in self.held:
+            method(*_replace_floats(args, agreed))
+        self.held = []
 
 
 @dataclass(frozen=True)
