@@ -211,9 +211,9 @@ def build_parser() -> Parser:
 
 
 def _refuse_group(command: str) -> None:
-    from .distributed import launched, world
+    from .distributed import world
 
-    if launched() and world() is not None:
+    if world() is not None:
         raise SpecError(
             f"{command} runs in one process; under mlx.launch use generate or bench "
             "(or the Python API)"

@@ -6,8 +6,8 @@ draft whole. Every rank then runs the same decode loop on the same tokens: the d
 lookup propose the same guesses everywhere, the all-reduced logits are bitwise equal on every
 rank (the ring backend reduces each segment on one rank and gathers the result), and the same
 random keys make the same acceptance decisions. So nothing but the target's own all-reduces
-crosses the link, except one small broadcast where a rank-local choice must agree: a seed drawn
-from the clock and the `auto` controller's k (it times rounds, and clocks differ by rank).
+crosses the link, except small broadcasts of what is rank-local: a seed drawn when none is
+given, and the timings the `auto` controller learns from (clocks differ by rank).
 
 A verify pass over k+1 tokens costs the same number of all-reduces as a plain step over one,
 so speculation divides the link's latency per token by the tokens a round keeps.
@@ -143,7 +143,7 @@ class Link:
     per_row: float = 0.0  # extra seconds per further row
     collectives: int = 0  # so far, this process
     seconds: float = 0.0  # estimated time in them so far
-    passes: int = field(default=0)
+    passes: int = 0  # target forward passes so far
 
     @property
     def size(self) -> int:
