@@ -141,9 +141,9 @@ def test_sampling_agrees_across_ranks(ranks, case):
     """No seed: rank 0 draws one for every rank. `auto`: every rank's controller applies rank
     0's timings, so all choose the same k and draw the same keys."""
     a, b = (r["results"][case] for r in ranks)
-    assert a["tokens"] == b["tokens"]
-    assert len(a["tokens"]) == MAX_TOKENS
-    assert a["stats"]["drafted"] == b["stats"]["drafted"] > 0
+    assert a["tokens"] == b["tokens"]  # (a sample may end early: not always MAX_TOKENS long)
+    for key in ("target_passes", "drafted", "accepted", "finish_reason"):
+        assert a["stats"][key] == b["stats"][key]
 
 
 def test_auto_controllers_stay_equal_across_ranks(ranks):
