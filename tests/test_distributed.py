@@ -195,6 +195,31 @@ def test_the_cli_prints_once_on_rank_zero(tiny_models, tmp_path):
     assert got["stats"]["collectives"] == 8 * got["stats"]["target_passes"]
 
 
+def test_bench_on_a_group(tiny_models, tmp_path):
+    """mlx-lm's runs and ours interleave on the sharded target: each must be exact (mlx-lm
+    leaves a look-ahead step running; its all-reduces must not meet the next run's)."""
+    (tmp_path / "prompts.txt").write_text(PROMPT + "\n")
+    args = ["--target", str(tiny_models.target), "--draft", str(tiny_models.draft)]
+    args += ["--prompts", "prompts.txt", "--k", "3", "--temps", "0", "--runs", "2"]
+    run = launch([str(BIN / "mlx-spec"), "bench", *args, "--max-tokens", "12", "--json"], tmp_path)
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1, run.stdout + run.stderr[-3000:]
+    rows = json.loads(lines[0])["rows"]
+    assert {(r["config"], r["k"]) for r in rows} == {
+        ("mlx-lm", 0),
+        ("mlx-spec", 0),
+        ("mlx-lm speculative", 3),
+        ("mlx-spec", 3),
+    }
+    for r in rows:
+        if r["config"] != "mlx-lm":
+            assert r["same_output"] is True, r
+        if r["config"] == "mlx-spec":
+            assert r["collectives_per_token"] > 0
+    plain, k3 = sorted((r for r in rows if r["config"] == "mlx-spec"), key=lambda r: r["k"])
+    assert plain["collectives_per_token"] == 8 >= k3["collectives_per_token"]  # one set a round
+
+
 def test_chat_and_probe_refuse_a_group(tiny_models, tmp_path):
     run = launch([str(BIN / "mlx-spec"), "probe", "--target", str(tiny_models.target)], tmp_path)
     message = "mlx-spec probe: error: probe runs in one process; under mlx.launch use generate"
