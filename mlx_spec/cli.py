@@ -28,8 +28,9 @@ COMMANDS = {
     "distill": "Teach the draft to agree with its target on your text (a LoRA adapter)",
 }
 DEFAULT_PAIR = "smollm2-demo"
-# commands that time or draw on one machine; under mlx.launch every rank would run its own
-SINGLE_PROCESS = ("chat", "probe")
+# commands that time, draw or listen on one machine; under mlx.launch every rank would run its
+# own (the server's requests reach rank 0 only, and every rank must run each generation)
+SINGLE_PROCESS = ("chat", "probe", "serve")
 
 
 class Parser(argparse.ArgumentParser):
