@@ -30,7 +30,7 @@ COMMANDS = {
 DEFAULT_PAIR = "smollm2-demo"
 # commands that time, draw or listen on one machine; under mlx.launch every rank would run its
 # own (the server's requests reach rank 0 only, and every rank must run each generation)
-SINGLE_PROCESS = ("chat", "probe", "serve")
+SINGLE_PROCESS = ("chat", "probe", "serve", "distill")
 
 
 class Parser(argparse.ArgumentParser):
