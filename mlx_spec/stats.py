@@ -165,10 +165,9 @@ class Stats:
     def summary(self) -> str:
         line = f"{self.generated_tokens} tokens · {self.tokens_per_second:.1f} tok/s"
         if self.num_draft_tokens:
-            line += (
-                f" · acceptance {self.acceptance_rate:.0%}"
-                f" · {self.tokens_per_target_pass:.2f} tokens/pass"
-                + (self._auto_summary() if self.adaptive else f" (k={self.num_draft_tokens})")
+            accepted = f"{self.acceptance_rate:.0%}" if self.drafted else "–"  # none drafted
+            line += f" · acceptance {accepted} · {self.tokens_per_target_pass:.2f} tokens/pass" + (
+                self._auto_summary() if self.adaptive else f" (k={self.num_draft_tokens})"
             )
         else:
             line += " · no draft"

@@ -181,3 +181,15 @@ def test_user_file_adds_and_overrides_pairs(tmp_path, monkeypatch, tiny_models, 
     assert " 7 " in qwen_line and "no" in qwen_line
     pair = load_pair("tiny")
     assert pair.num_draft_tokens == Fixed(2) and pair.draft is not None
+
+
+def test_no_acceptance_verdict_when_nothing_was_drafted():
+    """auto paused drafting for the whole reply: no acceptance to show, no hint to give."""
+    from mlx_spec.commands.generate import hint
+    from mlx_spec.stats import Stats
+
+    paused = Stats(num_draft_tokens=8, generated_tokens=7, target_passes=8)
+    assert hint(paused) is None and "acceptance –" in paused.summary()
+    poor = Stats(num_draft_tokens=4, generated_tokens=7, target_passes=6, drafted=20, accepted=1)
+    poor.drafted_at, poor.accepted_at = [5, 5, 5, 5], [1, 0, 0, 0]
+    assert "poor match" in hint(poor) and "acceptance 5%" in poor.summary()

@@ -56,8 +56,8 @@ def build_prompt(pair, args, text: str):
 
 
 def hint(stats) -> str | None:
-    if not stats.num_draft_tokens or stats.acceptance_rate >= LOW_ACCEPTANCE:
-        return None
+    if not stats.drafted or stats.acceptance_rate >= LOW_ACCEPTANCE:
+        return None  # nothing drafted (auto paused it, or no draft): nothing to judge
     first = stats.acceptance_by_position[0] if stats.acceptance_by_position else 0.0
     if first >= LOW_ACCEPTANCE and not stats.adaptive:  # auto shortens the draft by itself
         return (
