@@ -154,7 +154,7 @@ def main(args):
     def loader(model: str):
         if model == name:
             return pair_from_args(args)
-        if not pair_downloaded(load_registry().pairs[model]):
+        if not pair_downloaded(registry.pairs[model]):  # still there (files may go)
             raise SpecError("it is not downloaded on this machine")
         return load_pair(model)
 
