@@ -37,6 +37,9 @@ class Drafter(Protocol):
     def commit(self, kept: list[int]) -> None:
         """The round emitted `kept`: the accepted draft tokens, then the target's one."""
 
+    def settle(self) -> None:
+        """Evaluate any state kept between replies (see Decoder.settle)."""
+
     steps: int  # draft-model forward passes the last `propose` queued (0 without a model)
 
 
@@ -111,7 +114,7 @@ class ModelDrafter:
         self.ran, self.fed, self.steps, self.snapshots = k > 0, 0, 0, []
         if k == 0:
             return mx.zeros((0,), mx.uint32), None
-        keys = mx.random.split(key, k)
+        keys = None if params.greedy else mx.random.split(key, k)
         y = mx.array(self.pending)
         tokens, qs, top = [], [], []
         for i in range(k):
@@ -140,6 +143,9 @@ class ModelDrafter:
             if not params.greedy:
                 qs.append(q)
         return mx.concatenate(tokens), (mx.stack(qs) if qs else None)
+
+    def settle(self) -> None:
+        caches.eval_state(self.cache)
 
     def commit(self, kept):
         if not self.ran:  # nothing drafted (k = 0, or another drafter proposed)
@@ -215,6 +221,9 @@ class NGramDrafter:
     def propose(self, k, params, key, stop_below=0.0):
         return mx.array(self.lookup(k), mx.uint32), None  # None: a point mass on the guess
 
+    def settle(self) -> None:
+        pass  # token ids only
+
     def commit(self, kept):
         start = len(self.tokens)
         self.tokens += kept
@@ -251,6 +260,9 @@ class LookupThenModel:
         proposal = self.model.propose(k, params, key, stop_below)
         self.steps = self.model.steps
         return proposal
+
+    def settle(self) -> None:
+        self.model.settle()
 
     def commit(self, kept):
         self.lookup.commit(kept)
