@@ -180,7 +180,19 @@ def main(args):
         timeout_graceful_shutdown=args.shutdown_timeout + 2,
     )
     server = GracefulServer(config, engine, args.shutdown_timeout)
-    engine.start()
+    try:
+        engine.start()
+    except (SpecError, KeyboardInterrupt) as err:
+        # the engine thread has run MLX: leave through os._exit, as a finished server does
+        # below (a normal interpreter exit may abort: "terminate called without an active
+        # exception", status 134)
+        from ..cli import _one_line
+
+        if isinstance(err, SpecError):
+            print(f"mlx-spec serve: error: {_one_line(err)}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2 if isinstance(err, SpecError) else 130)
     host, bound = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{bound}/v1"
     history = "on" if engine.history is not None else "off"
