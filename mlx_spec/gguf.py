@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import gguf_quants
-from .errors import SpecError
+from .errors import SpecError, one_line
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 TENSOR_NAMES = {
@@ -773,7 +773,7 @@ def write_tokenizer(meta: dict, out: Path) -> None:
         raise
     except Exception as err:  # the tokenizers library raises bare Exceptions on bad vocabularies
         raise SpecError(
-            f"cannot build the tokenizer from the GGUF metadata: {_first_line(err)}"
+            f"cannot build the tokenizer from the GGUF metadata: {one_line(err)}"
         ) from None
 
 
@@ -896,7 +896,7 @@ def convert(gguf: Path, out: Path, dtype: str | None = None, report=None) -> Pat
     try:
         config = _config(info, weights, quantization, rope_freqs)
     except (ValueError, TypeError, SpecError) as err:
-        raise SpecError(f"{gguf}: {_first_line(err)}") from None
+        raise SpecError(f"{gguf}: {one_line(err)}") from None
     out = Path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -936,8 +936,4 @@ def _check_loads(path: Path, gguf: Path) -> None:
     try:
         load_model(path, lazy=True)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as err:
-        raise SpecError(f"{gguf}: the converted model does not load: {_first_line(err)}") from None
-
-
-def _first_line(err: BaseException) -> str:
-    return " ".join(str(err).split())
+        raise SpecError(f"{gguf}: the converted model does not load: {one_line(err)}") from None

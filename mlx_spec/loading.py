@@ -13,7 +13,7 @@ from pathlib import Path
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, load_config, load_model, load_tokenizer
 
 from .caches import make_cache
-from .errors import SpecError
+from .errors import SpecError, one_line
 from .policies import Auto, DraftLength, draft_length
 from .registry import DRAFTERS
 
@@ -261,7 +261,8 @@ def _load_tokenizer(path: Path, config: dict):
     # the tokenizers library raises bare Exceptions on a broken tokenizer.json, and transformers
     # reads config.json here too (dividing by its head count, validating its fields)
     except Exception as err:
-        raise SpecError(f"cannot load the tokenizer in {path}: {_first_line(err)}") from None
+        reason = one_line(err, reason=True)
+        raise SpecError(f"cannot load the tokenizer in {path}: {reason}") from None
 
 
 def _read_config(path: Path) -> dict:
@@ -283,15 +284,10 @@ def _json_object(path: Path, what: str) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise SpecError(f"{path} is not a readable {what}: {_first_line(err)}") from None
+        raise SpecError(f"{path} is not a readable {what}: {one_line(err, reason=True)}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path} must hold a JSON object, not {type(data).__name__}")
     return data
-
-
-def _first_line(err: BaseException) -> str:
-    text = getattr(err, "strerror", None) or str(err)
-    return " ".join(text.split())
 
 
 def check_safetensors(path: Path) -> int:
@@ -451,7 +447,7 @@ def _load_model(path: Path, lazy: bool = False):
     try:
         model, _ = load_model(path, lazy=lazy)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, ArithmeticError) as err:
-        raise SpecError(f"cannot load the model in {path}: {_first_line(err)}") from None
+        raise SpecError(f"cannot load the model in {path}: {one_line(err)}") from None
     return model
 
 
@@ -513,7 +509,7 @@ def apply_draft_adapter(model, adapter: str | Path, draft_bits: int | None = Non
     try:
         load_adapters(model, str(path))
     except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise SpecError(f"cannot apply the adapter in {path}: {_first_line(err)}") from None
+        raise SpecError(f"cannot apply the adapter in {path}: {one_line(err)}") from None
     mx.eval(model.parameters())
     return path
 
