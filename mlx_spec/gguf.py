@@ -26,6 +26,7 @@ import numpy as np
 
 from . import gguf_quants
 from .errors import SpecError, one_line
+from .model_dir import check_model_dir
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 TENSOR_NAMES = {
@@ -464,8 +465,6 @@ def file_digest(path: Path) -> str:
 
 def _usable(out: Path) -> bool:
     """Whether a cached conversion is complete and readable (a damaged one is redone)."""
-    from .loading import check_model_dir
-
     if not out.is_dir() or not (out / "tokenizer.json").is_file():
         return False
     try:

@@ -475,7 +475,7 @@ def test_damaged_cached_conversion_is_redone(good_gguf, cache, damage):
     damage(out)
     assert _cached(good_gguf) == out
     assert (out / "config.json").read_text() == good_config
-    from mlx_spec.loading import check_model_dir
+    from mlx_spec.model_dir import check_model_dir
 
     check_model_dir(out)
 
@@ -529,7 +529,7 @@ def test_two_processes_convert_the_same_file(good_gguf, cache):
     assert [p.returncode for p in procs] == [0, 0], [r[1] for r in results]
     assert results[0][0] == results[1][0]
     out = Path(results[0][0].strip())
-    from mlx_spec.loading import check_model_dir
+    from mlx_spec.model_dir import check_model_dir
 
     check_model_dir(out)
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]
