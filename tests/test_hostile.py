@@ -492,7 +492,7 @@ def test_stale_partial_conversion_is_removed(good_gguf, cache):
 
 
 def test_partial_conversion_of_a_live_run_is_kept(good_gguf, cache):
-    from mlx_spec.gguf import _lock, remove_stale
+    from mlx_spec.gguf.cache import _lock, remove_stale
 
     out = _cached(good_gguf)
     live = out.parent / ".other-q.inprogress"
