@@ -77,7 +77,7 @@ def _check_bpe(meta: dict, where: str) -> None:
     ):
         raise SpecError(f"{where}: tokenizer.ggml.merges is missing or malformed")
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
+    if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
         known = ", ".join(PRE_TOKENIZERS)
         raise SpecError(f"{where}: unsupported pre-tokenizer tokenizer.ggml.pre = {pre!r} "
                         f"(supported: {known})")  # fmt: skip

@@ -22,7 +22,7 @@ SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 def architecture(meta: dict, where: str) -> Architecture:
     """The architecture `general.architecture` names, for this file's metadata."""
     name = meta.get("general.architecture")
-    if name not in ARCHITECTURES:
+    if not isinstance(name, str) or name not in ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise SpecError(f"{where}: unsupported GGUF architecture {name!r} (supported: {supported})")
     return ARCHITECTURES[name](meta)
