@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ..cli import add_pair_args, int_at_least, nonnegative_int, pair_from_args, positive_int
-from ..errors import SpecError
+from ..errors import SpecError, one_line
 
 API_KEY_ENV = "MLX_SPEC_API_KEY"
 DEFAULT_MAX_TOKENS = 512
@@ -186,10 +186,8 @@ def main(args):
         # the engine thread has run MLX: leave through os._exit, as a finished server does
         # below (a normal interpreter exit may abort: "terminate called without an active
         # exception", status 134)
-        from ..cli import _one_line
-
         if isinstance(err, SpecError):
-            print(f"mlx-spec serve: error: {_one_line(err)}", file=sys.stderr)
+            print(f"mlx-spec serve: error: {one_line(err)}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2 if isinstance(err, SpecError) else 130)
