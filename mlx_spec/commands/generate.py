@@ -81,6 +81,7 @@ def main(args):
 
 
 def reply(pair, args, text: str) -> int:
+    from .. import blas
     from ..engine import generate, stream
     from ..stats import Stats
 
@@ -95,7 +96,9 @@ def reply(pair, args, text: str) -> int:
         system=args.system,
     )
     if args.json:
-        print(json.dumps(generate(pair, prompt, **kwargs).to_json()))
+        out = generate(pair, prompt, **kwargs).to_json()
+        out["stats"]["blas_notice"] = blas.notice()  # None unless on the slow reference BLAS
+        print(json.dumps(out))
         return 0
 
     color = sys.stdout.isatty() and not args.no_color and "NO_COLOR" not in os.environ
@@ -112,7 +115,7 @@ def reply(pair, args, text: str) -> int:
         sys.stdout.flush()
     print()
     print(stats.summary(), file=sys.stderr)
-    line = hint(stats)
-    if line:
-        print(line, file=sys.stderr)
+    for line in (hint(stats), blas.notice()):
+        if line:
+            print(line, file=sys.stderr)
     return 0
