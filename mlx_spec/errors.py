@@ -3,3 +3,7 @@
 
 class SpecError(ValueError):
     """Bad input: the CLI prints its message on one line and exits with status 2."""
+
+
+class Aborted(SpecError):
+    """The caller's `abort()` said stop (a client left, a deadline passed) during a prefill."""
