@@ -353,31 +353,62 @@ def test_metrics_count_every_partition(lookup_server):
     assert m["mlx_spec_history_tokens"] > 0 and m["mlx_spec_prompt_cache_entries"] >= 1
 
 
-def test_keepalive_while_queued_and_disconnect_frees_the_slot(tiny_models, tmp_path):
+@pytest.fixture(scope="module")
+def queue_server(tiny_models, tmp_path_factory):
+    """Plain decoding with the end-of-sequence row muted: greedy replies run to max_tokens
+    (seconds), so a request is surely busy while others queue. Two keys, a queue of 4 (2 per
+    key by default)."""
+    root = tmp_path_factory.mktemp("queue")
+    cfg = {**tiny.llama_config(320, layers=4), "max_position_embeddings": 8192}
+    weights = tiny.random_weights(cfg, seed=0)
+    weights["lm_head.weight"][2] = 0
+    path = tiny.write_model(root / "long", cfg, weights, tiny_models.tokenizer)
+    log = open(root / "stderr.log", "w")  # noqa: SIM115
+    args = ["--target", str(path), "--no-draft", "--max-queue", "4"]
+    proc, url = start_server(args + ["--api-key", KEY_A, "--api-key", KEY_B], log)
+    yield url
+    stop_server(proc)
+    log.close()
+
+
+def long_running(url: str, key: str = KEY_A):
+    c = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=30)
+    running = c.completions.create(
+        model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
+    )
+    next(iter(running))  # generating now, for seconds
+    return running
+
+
+def waiting(url: str) -> float:
+    return metrics(url, KEY_A)["mlx_spec_queue_waiting"]
+
+
+def wait_for(condition, what: str, seconds: float = 5) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_keepalive_while_queued_and_disconnect_frees_the_slot(queue_server):
     """A stream queued behind a long job gets its headers and SSE comments before its first
     token; a queued client that leaves is out of the queue at once."""
     import socket
 
-    cfg = {**tiny.llama_config(320, layers=4), "max_position_embeddings": 8192}
-    weights = tiny.random_weights(cfg, seed=0)
-    weights["lm_head.weight"][2] = 0
-    path = tiny.write_model(tmp_path / "long", cfg, weights, tiny_models.tokenizer)
-    log = open(tmp_path / "stderr.log", "w")  # noqa: SIM115
-    proc, url = start_server(["--target", str(path), "--no-draft", "--max-queue", "2"], log)
+    url = queue_server
+    running = long_running(url)
     try:
-        c = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=30)
-        running = c.completions.create(
-            model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
-        )
-        next(iter(running))
         hostport = url.removeprefix("http://").split("/")[0]
         host, _, port = hostport.rpartition(":")
         body = json.dumps({"model": "long", "prompt": "Paris", "max_tokens": 3, "stream": True})
         sock = socket.create_connection((host, int(port)))
-        sock.sendall(
-            f"POST /v1/completions HTTP/1.1\r\nHost: {hostport}\r\nContent-Type: application/json"
-            f"\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {hostport}\r\n"
+            f"Content-Type: application/json\r\nAuthorization: Bearer {KEY_B}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
         )
+        sock.sendall((head + body).encode())
         sock.settimeout(10)
         got = b""
         start = time.monotonic()
@@ -385,14 +416,61 @@ def test_keepalive_while_queued_and_disconnect_frees_the_slot(tiny_models, tmp_p
             got += sock.recv(4096)
         assert got.startswith(b"HTTP/1.1 200") and b"text/event-stream" in got
         assert b": keep-alive" in got and b"data: {" not in got.split(b"\r\n\r\n", 1)[1][:20]
-        assert metrics(url, None)["mlx_spec_queue_waiting"] == 1
+        assert waiting(url) == 1
         sock.close()  # the queued client leaves
-        deadline = time.monotonic() + 3
-        while metrics(url, None)["mlx_spec_queue_waiting"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert metrics(url, None)["mlx_spec_queue_waiting"] == 0  # while the long job runs
-        assert metrics(url, None)["mlx_spec_busy"] == 1
-        running.close()
+        wait_for(lambda: waiting(url) == 0, "the queued request kept its slot")
+        assert metrics(url, KEY_A)["mlx_spec_busy"] == 1  # while the long job still runs
     finally:
-        stop_server(proc)
-        log.close()
+        running.close()
+
+
+def test_round_robin_between_keys_and_a_per_key_limit(queue_server):
+    url = queue_server
+    wait_for(lambda: metrics(url, KEY_A)["mlx_spec_busy"] == 0, "the server stayed busy")
+    running = long_running(url)
+    finished = []
+
+    def ask(key, name):
+        c = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=30)
+        r = c.completions.create(model="long", prompt=f"Paris {name}", max_tokens=3)
+        finished.append(name)
+        return r
+
+    import concurrent.futures
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = []
+            for key, name in [(KEY_A, "a1"), (KEY_A, "a2"), (KEY_B, "b1")]:
+                futures.append(pool.submit(ask, key, name))
+                n = len(futures)
+                wait_for(lambda n=n: waiting(url) >= n, f"{name} never queued")
+            # Alice holds her share of the queue (2 of 4): her next one is refused, Bob's not
+            a = openai.OpenAI(base_url=url, api_key=KEY_A, max_retries=0)
+            with pytest.raises(openai.RateLimitError) as info:
+                a.completions.create(model="long", prompt="Berlin", max_tokens=3)
+            assert "this API key" in info.value.body["message"]
+            futures.append(pool.submit(ask, KEY_B, "b2"))
+            wait_for(lambda: waiting(url) >= 4, "b2 never queued")
+            # the queue is full: refused before the body is read (the client sends only the
+            # headers of an 8 MB body and still gets its 429)
+            hostport = url.removeprefix("http://").split("/")[0]
+            host, _, port = hostport.rpartition(":")
+            conn = http.client.HTTPConnection(host, int(port), timeout=5)
+            conn.putrequest("POST", "/v1/completions")
+            for k, v in {
+                "Content-Type": "application/json",
+                "Authorization": f"Bearer {KEY_B}",
+                "Content-Length": str(8 << 20),
+            }.items():
+                conn.putheader(k, v)
+            conn.endheaders()
+            assert conn.getresponse().status == 429
+            conn.close()
+            running.close()
+            for f in futures:
+                assert f.result().usage.completion_tokens == 3
+        # round robin: Bob's first request ran before Alice's second, though it came later
+        assert finished == ["a1", "b1", "a2", "b2"]
+    finally:
+        running.close()

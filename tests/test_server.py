@@ -284,6 +284,66 @@ def test_history_lookup_drafts_an_earlier_reply(client, pair):
     assert accepted >= 0.7 * n > first.model_extra["speculation"]["accepted"]
 
 
+def plain_events(pair, prompt, **kwargs):
+    from mlx_spec import stream
+
+    return list(stream(pair, prompt, temperature=0.0, use_draft=False, **kwargs))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_chat_logprobs_are_the_targets(client, pair, streaming):
+    """Speculating (k = 4), the server's log-probabilities are the target's own."""
+    expected = plain_events(pair, chat("The quick brown fox"), max_tokens=24, logprobs=2)
+    kwargs = dict(
+        model="target", messages=chat("The quick brown fox"), max_tokens=24, temperature=0,
+        logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    if streaming:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content]  # fmt: skip
+    else:
+        resp = client.chat.completions.create(**kwargs)
+        entries = resp.choices[0].logprobs.content
+        assert resp.model_extra["speculation"]["accepted"] > 0  # drafts were kept
+    assert len(entries) == len(expected)
+    for got, e in zip(entries, expected, strict=True):
+        assert got.logprob == pytest.approx(e.logprob, abs=1e-4)
+        assert got.token == pair.tokenizer.decode([e.token])
+        assert bytes(got.bytes) == got.token.encode()
+        assert [t.token for t in got.top_logprobs] == [
+            pair.tokenizer.decode([t]) for t, _ in e.top_logprobs
+        ]
+
+
+def test_completion_logprobs_legacy_shape(client, pair):
+    expected = plain_events(pair, "Once upon a time", max_tokens=10, logprobs=3)
+    resp = client.completions.create(
+        model="target", prompt="Once upon a time", max_tokens=10, temperature=0, logprobs=3
+    )
+    lp = resp.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected], abs=1e-4)
+    # a dict by token text: ids that decode alike (partial bytes) share an entry
+    assert all(1 <= len(t) <= 3 and w in t for t, w in zip(lp.top_logprobs, lp.tokens, strict=True))
+    assert "".join(lp.tokens) == resp.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+
+def test_penalties_and_logit_bias_equal_the_library(client, pair):
+    from mlx_spec.processors import make_processors
+
+    settings = dict(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={"60": 3.0})
+    prompt = "def add(a, b):\n    return a + b\n"
+    processors = make_processors(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={60: 3.0})
+    expected = generate(pair, prompt, max_tokens=30, temperature=0.0, processors=processors)
+    resp = client.completions.create(
+        model="target", prompt=prompt, max_tokens=30, temperature=0, **settings,
+        extra_body={"repetition_penalty": 1.0},
+    )  # fmt: skip
+    assert resp.choices[0].text == expected.text
+    assert expected.text != generate(pair, prompt, max_tokens=30, temperature=0.0).text
+
+
 def test_follow_up_prefills_only_its_new_tokens(client, pair):
     turn1 = chat("Paris is the capital of France.")
     r1 = client.chat.completions.create(
