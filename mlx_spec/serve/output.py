@@ -136,7 +136,7 @@ class Output:
         self.state, rest, current = TextStateMachine.flush(self.state)
         self._take([(current, rest)], delta)
         if self.current == "tool" and self.tool_text:
-            self._close_call(delta)
+            self._close_call(delta, ended=False)  # cut by max_tokens, or no end marker
         return delta
 
     def _take(self, segments, delta: Delta) -> None:
@@ -151,7 +151,7 @@ class Output:
                 delta.content += text
             self.current = state
 
-    def _close_call(self, delta: Delta) -> None:
+    def _close_call(self, delta: Delta, ended: bool = True) -> None:
         text, self.tool_text = self.tool_text, ""
         try:
             parsed = self.tokenizer.tool_parser(text, self.tools)
@@ -161,7 +161,7 @@ class Output:
             log.warning(
                 "a tool call did not parse (%s: %s); returned as content", type(err).__name__, err
             )
-            end = self.tokenizer.tool_call_end or ""
+            end = (self.tokenizer.tool_call_end or "") if ended else ""
             delta.content += self.tokenizer.tool_call_start + text + end
             return
         for c in calls:
