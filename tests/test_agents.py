@@ -116,7 +116,7 @@ def test_tool_results_fed_back_through_the_template(client):
     first = client.chat.completions.create(model="tool_target", messages=ASK, tools=TOOLS)
     message = first.choices[0].message
     history = ASK + [
-        message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+        message,  # the SDK's own message object, sent back as agents do
         {
             "role": "tool",
             "tool_call_id": message.tool_calls[0].id,

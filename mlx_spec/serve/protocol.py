@@ -342,7 +342,10 @@ def tool_calls_of(calls, i: int) -> list[dict]:
     return out
 
 
-def parse_messages(messages) -> list[dict]:
+def parse_messages(messages, ignored: set | None = None) -> list[dict]:
+    """The messages for the chat template. Fields of a message this server does not know (an
+    SDK's message object sent back carries `audio`, `annotations`, ...) are left out and
+    named in `ignored`."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list", "messages", "invalid_type")
     out = []
@@ -350,14 +353,13 @@ def parse_messages(messages) -> list[dict]:
         if not isinstance(m, dict):
             raise bad("each message must be an object", f"messages[{i}]", "invalid_type")
         role = m.get("role")
-        if "function_call" in m:
+        if m.get("function_call") is not None:
             raise bad("function_call messages are not supported: send tool_calls", f"messages[{i}]")
         if role not in ROLES:
             raise bad(f"unsupported role {role!r}", f"messages[{i}].role")
-        if set(m) - MESSAGE_FIELDS:
-            extra = sorted(set(m) - MESSAGE_FIELDS)[0]
-            raise bad(f"unsupported message field {extra!r}", f"messages[{i}].{extra}")
-        if "tool_calls" in m and role != "assistant":
+        if ignored is not None:
+            ignored.update(f"messages.{k}" for k in set(m) - MESSAGE_FIELDS - {"function_call"})
+        if m.get("tool_calls") and role != "assistant":
             raise bad("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
         # developer is OpenAI's newer name for system; chat templates know only system
         role = "system" if role == "developer" else role
@@ -431,7 +433,8 @@ def chat_logprobs(data: dict) -> int | None:
 
 def parse_chat(data: dict, limits: Limits) -> GenRequest:
     ignored = check_keys(data, CHAT_KEYS)
-    messages = parse_messages(data.get("messages"))
+    in_messages: set[str] = set()
+    messages = parse_messages(data.get("messages"), in_messages)
     max_tokens = data.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = data.get("max_tokens")
@@ -452,7 +455,7 @@ def parse_chat(data: dict, limits: Limits) -> GenRequest:
     req.chat_template_kwargs = kwargs
     req.tools, req.tool_choice = parse_tools(data)
     req.logprobs = chat_logprobs(data)
-    req.ignored = ignored
+    req.ignored = ignored + sorted(n for n in in_messages if isinstance(n, str))
     return req
 
 
