@@ -127,30 +127,26 @@ def call(i: int, name: str, arguments: dict) -> dict:
 
 
 def tool_turns():
-    """Each turn: the ask, the agent's read_file and run_tests calls with their results (the
-    file as the last reply wrote it, a test run naming its lines), then the model's file."""
+    """Each turn: the task, the agent's read_file and run_tests calls with their results (the
+    file as the last reply wrote it, a test run naming its lines), the agent's instruction to
+    apply the change, then the model's file."""
     messages = [{"role": "system", "content": TOOL_SYSTEM}]
     current = FILE
     for i, change in enumerate(CHANGES):
-        messages.append({"role": "user", "content": f"In inventory.py: {change}"})
+        messages.append({"role": "user", "content": "Look at inventory.py and run the tests."})
         calls = [
             call(2 * i, "read_file", {"path": "inventory.py"}),
             call(2 * i + 1, "run_tests", {}),
         ]
         messages.append({"role": "assistant", "content": "", "tool_calls": calls})
-        messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": current})
-        tests = "\n".join(
-            f"inventory.py:{n + 1}: {line}"
-            for n, line in enumerate(current.splitlines())
-            if "def " in line
-        )
-        messages.append(
-            {
-                "role": "tool",
-                "tool_call_id": calls[1]["id"],
-                "content": f"collected:\n{tests}\n3 passed",
-            }
-        )
+        shown_file = f"Here is `inventory.py`:\n```python\n{current}```"
+        messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": shown_file})
+        lines = [
+            f"inventory.py:{n + 1}: {t}" for n, t in enumerate(current.splitlines()) if "def " in t
+        ]
+        report = "collected:\n" + "\n".join(lines) + "\n3 passed"
+        messages.append({"role": "tool", "tool_call_id": calls[1]["id"], "content": report})
+        messages.append({"role": "user", "content": f"Apply this change to inventory.py: {change}"})
         reply = yield list(messages)
         messages.append({"role": "assistant", "content": reply})
         current = code_block(reply) or current
