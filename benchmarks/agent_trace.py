@@ -4,14 +4,22 @@ off, prompt lookup in the request's own context only (--no-history), and lookup 
 searches earlier requests and replies (history, the default for lookup pairs), each lookup
 server with every k of --k (auto: the controller; a fixed k makes tokens/pass deterministic).
 
-Two shapes of agent:
+Three shapes of agent:
 - conversation: every turn resends the whole conversation (the previous replies are in context);
 - fresh: every turn is a new context holding the original file and the list of changes so far,
   as an agent that retries or re-plans from the file on disk; the previous edited versions are
-  only in the server's history.
+  only in the server's history;
+- tools: a tool-calling agent. Requests carry `tools` (read_file, run_tests); each turn the
+  agent's recorded calls (an assistant message with `tool_calls`) and their results (`tool`
+  messages: the file as the last reply left it, the test run's output) are fed back through the
+  chat template before the model writes the file. Lookup drafts from the tool results.
+  (SmolLM2 has no tool-call format, so the calls are the trace's, the replies the model's; the
+  server's parsing of generated calls is tested with a tiny tool-calling model in
+  tests/test_agents.py.)
 
 Run (the machine is shared: one benchmark at a time):
     flock /tmp/bench.lock python benchmarks/agent_trace.py [--pair smollm2-lookup] [--k auto,8]
+        [--shapes conversation,fresh,tools]
 Greedy decoding: every configuration must produce the same text (checked).
 """
 
@@ -80,6 +88,70 @@ def conversation_turns():
         messages.append({"role": "assistant", "content": reply})
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file of the repository",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run the test suite and return its output",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    },
+]
+TOOL_SYSTEM = (
+    "You are a coding agent. Read files with read_file, check your work with run_tests, and"
+    " reply with the complete updated file in one code block."
+)
+
+
+def code_block(reply: str) -> str | None:
+    match = re.search(r"```(?:python)?\n(.*?)```", reply, re.S)
+    return match.group(1) if match else None
+
+
+def call(i: int, name: str, arguments: dict) -> dict:
+    fn = {"name": name, "arguments": json.dumps(arguments)}
+    return {"id": f"call_{i}", "type": "function", "function": fn}
+
+
+def tool_turns():
+    """Each turn: the task, the agent's read_file and run_tests calls with their results (the
+    file as the last reply wrote it, a test run naming its lines), the agent's instruction to
+    apply the change, then the model's file."""
+    messages = [{"role": "system", "content": TOOL_SYSTEM}]
+    current = FILE
+    for i, change in enumerate(CHANGES):
+        messages.append({"role": "user", "content": "Look at inventory.py and run the tests."})
+        calls = [
+            call(2 * i, "read_file", {"path": "inventory.py"}),
+            call(2 * i + 1, "run_tests", {}),
+        ]
+        messages.append({"role": "assistant", "content": "", "tool_calls": calls})
+        shown_file = f"Here is `inventory.py`:\n```python\n{current}```"
+        messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": shown_file})
+        lines = [
+            f"inventory.py:{n + 1}: {t}" for n, t in enumerate(current.splitlines()) if "def " in t
+        ]
+        report = "collected:\n" + "\n".join(lines) + "\n3 passed"
+        messages.append({"role": "tool", "tool_call_id": calls[1]["id"], "content": report})
+        messages.append({"role": "user", "content": f"Apply this change to inventory.py: {change}"})
+        reply = yield list(messages)
+        messages.append({"role": "assistant", "content": reply})
+        current = code_block(reply) or current
+
+
 def fresh_turns():
     """Each turn is a fresh context: the original file and every change asked so far."""
     for i in range(len(CHANGES)):
@@ -131,11 +203,16 @@ def row(shape: str, data: dict, wall: float) -> dict:
         "prompt": data["usage"]["prompt_tokens"],
         "acceptance": data["speculation"]["acceptance_rate"],
         "tokens_per_pass": data["speculation"]["tokens_per_target_pass"],
-        "text": data["choices"][0]["message"]["content"],
+        "text": data["choices"][0]["message"]["content"] or "",
     }
 
 
-def replay(pair: str, configs: dict[str, list[str]], max_tokens: int) -> dict[str, list[dict]]:
+SHAPES = {"conversation": conversation_turns, "fresh": fresh_turns, "tools": tool_turns}
+
+
+def replay(
+    pair: str, configs: dict[str, list[str]], max_tokens: int, shapes=tuple(SHAPES)
+) -> dict[str, list[dict]]:
     """Every configuration's server runs at once (idle but for its own requests); turn by turn
     each gets the same request in turn, so a noisy neighbour slows them all alike."""
     servers = {}
@@ -144,7 +221,8 @@ def replay(pair: str, configs: dict[str, list[str]], max_tokens: int) -> dict[st
             print(f"starting: {name}", file=sys.stderr, flush=True)
             servers[name] = start_server(pair, flags)
         results = {name: [] for name in configs}
-        for shape, make in (("conversation", conversation_turns), ("fresh", fresh_turns)):
+        for shape in shapes:
+            make = SHAPES[shape]
             turns = {name: make() for name in configs}
             replies = dict.fromkeys(configs)
             for _ in CHANGES:
@@ -153,6 +231,8 @@ def replay(pair: str, configs: dict[str, list[str]], max_tokens: int) -> dict[st
                     messages = gen.send(reply) if reply is not None else next(gen)
                     body = {"model": pair, "messages": messages, "max_tokens": max_tokens,
                             "temperature": 0}  # fmt: skip
+                    if shape == "tools":
+                        body["tools"] = TOOLS
                     start = time.perf_counter()
                     data = post(url, body)
                     results[name].append(row(shape, data, time.perf_counter() - start))
@@ -178,8 +258,12 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--k", default="auto,8", help="draft lengths to compare, comma-separated")
     parser.add_argument("--json", help="write every row to this file")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="conversation,fresh,tools")
     args = parser.parse_args()
-    results = replay(args.pair, configurations(args.k.split(",")), args.max_tokens)
+    shapes = args.shapes.split(",")
+    if set(shapes) - set(SHAPES):
+        parser.error(f"--shapes takes {', '.join(SHAPES)}")
+    results = replay(args.pair, configurations(args.k.split(",")), args.max_tokens, shapes)
     texts = {name: [r["text"] for r in rows] for name, rows in results.items()}
     same = len({json.dumps(t) for t in texts.values()}) == 1
     print(f"pair {args.pair}, {len(CHANGES)} turns per shape, max_tokens {args.max_tokens}, "
@@ -188,7 +272,7 @@ def main():
     print("| shape | configuration | median tok/s (end to end) | median decode tok/s | "
           "acceptance | tokens/pass | ratio vs drafting off |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
-    for shape in ("conversation", "fresh"):
+    for shape in shapes:
         for name, rows in results.items():
             mine = [r for r in rows if r["shape"] == shape]
             e2e = statistics.median(r["tokens_per_second"] for r in mine)

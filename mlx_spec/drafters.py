@@ -14,7 +14,8 @@ import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
 from . import caches
-from .errors import SpecError
+from .errors import Aborted, SpecError
+from .processors import apply as apply_processors
 from .sampling import SamplingParams, probabilities, sample
 
 
@@ -28,11 +29,18 @@ class Drafter(Protocol):
         """Forget everything (the next prefill starts from nothing)."""
 
     def propose(
-        self, k: int, params: SamplingParams, key: mx.array, stop_below: float = 0.0
+        self,
+        k: int,
+        params: SamplingParams,
+        key: mx.array,
+        stop_below: float = 0.0,
+        *,
+        processors=(),
     ) -> tuple[mx.array, mx.array | None]:
         """Up to k draft tokens (k,) and, unless greedy or deterministic, their distributions
         q (k, vocab). Lazy. A drafter with its own distribution may stop early after a token
-        whose top probability is below `stop_below`."""
+        whose top probability is below `stop_below`. `processors` (processors.py) transform
+        each draft step's logits as the target's are transformed, before sampling."""
 
     def commit(self, kept: list[int]) -> None:
         """The round emitted `kept`: the accepted draft tokens, then the target's one."""
@@ -44,9 +52,10 @@ class Drafter(Protocol):
 
 
 def prefill_cache(
-    model, cache: list, tokens: list[int], step: int = 2048, timed: bool = False
+    model, cache: list, tokens: list[int], step: int = 2048, timed: bool = False, abort=None
 ) -> float | None:
     """Run `tokens` through `model`, filling `cache`, in chunks that bound peak memory.
+    `abort()`, asked before each chunk, stops it with `engine.Aborted`.
 
     `timed`: the last two tokens go in one at a time, as decoding steps, and the second one's
     wall time is returned (the first pays the one-time costs of that shape: allocation, kernel
@@ -54,6 +63,8 @@ def prefill_cache(
     timed = timed and len(tokens) >= 3
     batched = tokens[:-2] if timed else tokens
     for start in range(0, len(batched), step):
+        if abort is not None and abort():
+            raise Aborted("stopped during the prefill")
         model(mx.array(batched[start : start + step])[None], cache=cache)
         caches.eval_state(cache)
         mx.clear_cache()  # a long prompt's activations would otherwise stay in MLX's pool
@@ -110,17 +121,21 @@ class ModelDrafter:
             self.cached += self.pending[:-1]
             self.pending = self.pending[-1:]
 
-    def propose(self, k, params, key, stop_below=0.0):
+    def propose(self, k, params, key, stop_below=0.0, *, processors=()):
         self.ran, self.fed, self.steps, self.snapshots = k > 0, 0, 0, []
         if k == 0:
             return mx.zeros((0,), mx.uint32), None
         keys = None if params.greedy else mx.random.split(key, k)
         y = mx.array(self.pending)
         tokens, qs, top = [], [], []
+        context = self.cached + self.pending if processors else None
         for i in range(k):
             logits = self.model(y[None], cache=self.cache)[0, -1]  # (vocab,)
             if self.vocab is not None and logits.shape[-1] > self.vocab:
                 logits = logits[: self.vocab]  # padding rows the target cannot embed
+            if processors:  # after context + x1..xi, as the target's row i
+                so_far = mx.concatenate(tokens) if tokens else []
+                logits = apply_processors(processors, context, so_far, logits)
             if self.recurrent:  # the state after pending + x1..xi: commit may return to it
                 self.snapshots.append(caches.snapshot(self.cache))
             self.steps += 1
@@ -218,7 +233,8 @@ class NGramDrafter:
         """Whether a round now would draft anything (a dictionary look-up: free)."""
         return bool(self.lookup(1))
 
-    def propose(self, k, params, key, stop_below=0.0):
+    def propose(self, k, params, key, stop_below=0.0, *, processors=()):
+        # a guess is no sample: processors change nothing here (q is a point mass on it)
         return mx.array(self.lookup(k), mx.uint32), None  # None: a point mass on the guess
 
     def settle(self) -> None:
@@ -252,12 +268,13 @@ class LookupThenModel:
     def catch_up(self) -> None:
         self.model.catch_up()
 
-    def propose(self, k, params, key, stop_below=0.0):
+    def propose(self, k, params, key, stop_below=0.0, *, processors=()):
         guess = self.lookup.lookup(k)
         if guess:
             self.steps = 0
             return mx.array(guess, mx.uint32), None  # a point mass on each guess
-        proposal = self.model.propose(k, params, key, stop_below)
+        kwargs = {"processors": processors} if processors else {}
+        proposal = self.model.propose(k, params, key, stop_below, **kwargs)
         self.steps = self.model.steps
         return proposal
 

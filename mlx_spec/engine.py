@@ -21,8 +21,9 @@ from mlx_lm.utils import common_prefix_len
 from . import caches, distributed
 from .acceptance import verify_greedy, verify_stochastic
 from .drafters import Drafter, LookupThenModel, ModelDrafter, NGramDrafter, prefill_cache
-from .errors import SpecError
+from .errors import Aborted, SpecError
 from .policies import Controller, DraftLength, FixedK, draft_length
+from .processors import apply as apply_processors
 from .sampling import SamplingParams, probabilities, sample
 from .stats import Stats
 
@@ -41,6 +42,36 @@ class Round:
     split: tuple | None = None  # (draft s, draft steps, verify s, verify rows) when timed apart
     proposal: list[int] = field(default_factory=list)  # the draft's guesses, kept or not
     target_token: int | None = None  # the target's own token: correction, bonus or plain step
+    # when asked for: per token of `tokens`, its log-probability under the target's (processed)
+    # distribution and the top (id, log-probability) pairs there
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def target_logprobs(logits: mx.array, tokens: mx.array, top: int):
+    """Lazy: (n,) log-probabilities of `tokens` (one per row) under (n, V) logits, and the
+    rows' top `top` ids and log-probabilities (None when top is 0)."""
+    logits = logits.astype(mx.float32)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, tokens.reshape(-1, 1).astype(mx.int32), axis=-1)[:, 0]
+    if not top:
+        return chosen, None, None
+    top = min(top, lp.shape[-1])
+    ids = mx.argpartition(-lp, kth=top - 1, axis=-1)[:, :top]
+    return chosen, ids, mx.take_along_axis(lp, ids, axis=-1)
+
+
+def read_logprobs(arrays, count: int):
+    """The lists of `target_logprobs`' arrays (evaluated), first `count` rows, best first."""
+    chosen, ids, values = arrays
+    lps = chosen.tolist()[:count]
+    if ids is None:
+        return lps, [[] for _ in lps]
+    tops = [
+        sorted(zip(i, v, strict=True), key=lambda t: -t[1])
+        for i, v in zip(ids.tolist()[:count], values.tolist()[:count], strict=True)
+    ]
+    return lps, tops
 
 
 def point_mass(tokens: mx.array, vocab: int) -> mx.array:
@@ -123,11 +154,15 @@ class Decoder:
     def _new_cache(self) -> list:
         return caches.make_cache(self.target, strict=self.drafter is not None)
 
-    def prefill(self, prompt: list[int], use_draft: bool = True, timed: bool = False) -> int:
+    def prefill(
+        self, prompt: list[int], use_draft: bool = True, timed: bool = False, abort=None
+    ) -> int:
         """Fill the caches for `prompt`; returns how many prompt tokens were reused.
         `timed`: feed the prompt's last tokens one by one, as decoding steps, and keep the
         seconds of a target step and a draft step in `step_seconds` (None where the prompt was
-        too short to time), so a controller knows both costs before the first token."""
+        too short to time), so a controller knows both costs before the first token.
+        `abort()`, asked between prefill chunks, stops it with `Aborted` (the caches are then
+        stale: the next prefill starts over)."""
         cached = self.sequence[: len(self.sequence) - self.unfed]
         reuse = min(common_prefix_len(cached, prompt), len(prompt) - 1)
         if self.stale or not caches.can_rollback(self.cache, len(cached) - reuse):
@@ -137,11 +172,14 @@ class Decoder:
                 self.drafter.reset()
         else:
             caches.rollback(self.cache, len(cached) - reuse)
-        self.stale = False
-        plain = prefill_cache(self.target, self.cache, prompt[reuse:-1], timed=timed)
+        self.stale = True  # until the prefill is done
+        plain = prefill_cache(self.target, self.cache, prompt[reuse:-1], timed=timed, abort=abort)
         draft = None
         if self.drafter is not None and use_draft:
+            if abort is not None and abort():
+                raise Aborted("stopped before the draft's prefill")
             draft = self.drafter.prefill(prompt, timed)
+        self.stale = False
         self.step_seconds = (plain, draft)
         self.sequence, self.unfed = list(prompt), 1
         return reuse
@@ -152,13 +190,22 @@ class Decoder:
         return sample(probabilities(logits, params), self._next_key())
 
     def rounds(
-        self, max_tokens: int, params: SamplingParams, k, use_draft: bool = True
+        self,
+        max_tokens: int,
+        params: SamplingParams,
+        k,
+        use_draft: bool = True,
+        processors=(),
+        logprobs: int | None = None,
     ) -> Iterator[Round]:
         """`k`: a draft length, or a policy (policies.py) that picks it each round from the
         past rounds' outcomes and wall times; k = 0 decodes plainly for `plain_burst()` tokens.
+        `processors` (processors.py) transform the target's and the draft's logits alike;
+        `logprobs` (None: off; N >= 0: with the top N) fills each round's log-probabilities.
         """
+        extra = dict(processors=processors, logprobs=logprobs)
         if self.drafter is None or not use_draft:
-            yield from self._plain_steps(max_tokens, params)
+            yield from self._plain_steps(max_tokens, params, **extra)
             return
         policy = FixedK(k) if isinstance(k, int) else k
         # prompt lookup can tell for free whether it has something to draft now
@@ -175,7 +222,7 @@ class Decoder:
                 n = min(policy.plain_burst(), max_tokens - emitted)
                 # a plain stretch ends where lookup finds a match (after the step already
                 # queued): the policy decides again
-                for r in self._plain_steps(n, params, plain=True, until=peek):
+                for r in self._plain_steps(n, params, plain=True, until=peek, **extra):
                     emitted += len(r.tokens)
                     self.drafter.commit(self.sequence[-1:])
                     now = time.perf_counter()
@@ -192,7 +239,7 @@ class Decoder:
                 caught = time.perf_counter()
                 self.drafter.catch_up()
                 last += time.perf_counter() - caught
-            r = self._speculative_round(k_round, params, policy.stop_below, split)
+            r = self._speculative_round(k_round, params, policy.stop_below, split, **extra)
             emitted += len(r.tokens)
             now = time.perf_counter()  # before the yield: a caller may stop after any round
             policy.update(k_round, r.drafted, r.verified, now - last, r.split, r.replayed)
@@ -202,13 +249,21 @@ class Decoder:
                 return
 
     def _speculative_round(
-        self, k: int, params: SamplingParams, stop_below: float, split: bool = False
+        self,
+        k: int,
+        params: SamplingParams,
+        stop_below: float,
+        split: bool = False,
+        processors=(),
+        logprobs: int | None = None,
     ) -> Round:
         requested, start = k, time.perf_counter()
         # greedy rounds draw nothing: splitting the key anyway would grow its lazy graph by a
         # node per round for the whole conversation
         key = None if params.greedy else self._next_key()
-        draft_tokens, q = self.drafter.propose(k, params, key, stop_below)  # (k,), (k, V)|None
+        kwargs = {"processors": processors} if processors else {}
+        # (k,), (k, V) | None
+        draft_tokens, q = self.drafter.propose(k, params, key, stop_below, **kwargs)
         k = draft_tokens.shape[0]  # a drafter may propose fewer (lookup: 0 on no match)
         if split:  # time the draft apart (an extra host sync, in a few calibration rounds)
             mx.eval([a for a in (draft_tokens, q) if a is not None])
@@ -217,6 +272,8 @@ class Decoder:
         unfed = self.sequence[-self.unfed :]  # replayed tokens, then the last one
         inputs = mx.concatenate([mx.array(unfed, mx.uint32), draft_tokens])
         logits = self.target(inputs[None], cache=self.cache)[0, -(k + 1) :]  # (k+1, vocab)
+        # row i is the distribution after sequence + x1..xi: the same transform the draft saw
+        logits = apply_processors(processors, self.sequence, draft_tokens, logits)
         if params.greedy:
             n, next_token = verify_greedy(draft_tokens, logits)
         else:
@@ -228,9 +285,14 @@ class Decoder:
                 draft_tokens, pad_vocab(p, vocab), pad_vocab(q, vocab), self._next_key()
             )
         out = mx.concatenate([mx.stack([n, next_token]).astype(mx.int32), draft_tokens])
+        lp = None
+        if logprobs is not None:  # row i emits x_(i+1) while i < n, then next_token
+            rows = mx.concatenate([draft_tokens.astype(mx.int32), mx.zeros((1,), mx.int32)])
+            rows = mx.where(mx.arange(k + 1) == n, next_token.astype(mx.int32), rows)
+            lp = target_logprobs(logits, rows, logprobs)
         # the one host sync of the round; the key with it, so no split is left lazy whatever
         # ends the stream next
-        mx.eval(out, self.key)
+        mx.eval(out, self.key, *[a for a in lp or () if a is not None])
         n, next_token, *drafted = out.tolist()
         kept = drafted[:n] + [next_token]
         # cut at the first end-of-sequence token; it stays in `sequence`, not in the output
@@ -251,6 +313,9 @@ class Decoder:
         self.drafter.commit(kept)
         self.sequence += kept
         out_tokens = kept if stop is None else kept[:-1]
+        lps = tops = None
+        if lp is not None:
+            lps, tops = read_logprobs(lp, len(out_tokens))
         timing = None
         if split:
             verify_seconds = time.perf_counter() - drafted_at
@@ -267,42 +332,66 @@ class Decoder:
             split=timing,
             proposal=drafted,
             target_token=next_token,
+            logprobs=lps,
+            top_logprobs=tops,
         )
 
     def _plain_steps(
-        self, max_tokens: int, params: SamplingParams, plain: bool = False, until=None
+        self,
+        max_tokens: int,
+        params: SamplingParams,
+        plain: bool = False,
+        until=None,
+        processors=(),
+        logprobs: int | None = None,
     ) -> Iterator[Round]:
         """Plain decoding, one token per round, pipelined as mlx_lm.generate_step is: the
         next step is queued before the current token is read back (never past max_tokens).
         `until()`, asked after each token, ends the stretch after the step already queued."""
         before = None  # a recurrent state from before the queued step
 
-        def step(tokens: mx.array) -> mx.array:
+        def step(tokens: mx.array, proposed=()):
+            """The next token (lazy) and, when asked for, its log-probability arrays.
+            `proposed`: the token fed now when `sequence` does not hold it yet."""
             nonlocal before
             if self.recurrent:
                 before = caches.snapshot(self.cache)
             logits = self.target(tokens[None], cache=self.cache)[0, -1]
-            return self._target_token(logits, params)
+            if processors:
+                logits = apply_processors(processors, self.sequence, proposed, logits)
+            token = self._target_token(logits, params)
+            if logprobs is None:
+                return token, ()
+            arrays = target_logprobs(logits[None], token.reshape(1), logprobs)
+            return token, tuple(a for a in arrays if a is not None)
+
+        def round_of(tokens, token, arrays):
+            r = Round(tokens, 0, 0, 0, plain=plain, target_token=token)
+            if logprobs is not None and tokens:
+                r.logprobs, r.top_logprobs = read_logprobs(
+                    (arrays[0], *(arrays[1:] if len(arrays) == 3 else (None, None))), 1
+                )
+            return r
 
         epoch = self.epoch
-        queued = step(mx.array(self.sequence[-self.unfed :], mx.uint32))
-        mx.async_eval(queued, self.key)
+        queued, queued_lp = step(mx.array(self.sequence[-self.unfed :], mx.uint32))
+        mx.async_eval(queued, self.key, *queued_lp)
         self.unfed = 1
         lookahead = False  # whether the cache already holds the last token of `sequence`
         last_step = False
         try:
             for emitted in range(1, max_tokens + 1):
-                current = queued
+                current, current_lp = queued, queued_lp
                 lookahead = emitted < max_tokens and not last_step
                 if lookahead:
-                    queued = step(current.reshape(1))
-                    mx.async_eval(queued, self.key)
+                    queued, queued_lp = step(current.reshape(1), current.reshape(1))
+                    mx.async_eval(queued, self.key, *queued_lp)
                 token = current.item()
                 self.sequence.append(token)
                 if token in self.eos:
                     yield Round([], 0, 0, 0, finished=True, plain=plain, target_token=token)
                     return
-                yield Round([token], 0, 0, 0, plain=plain, target_token=token)
+                yield round_of([token], token, current_lp)
                 if not lookahead:
                     return
                 last_step = until is not None and until()
@@ -335,6 +424,8 @@ class Event:
     stats: Stats = field(repr=False)  # live statistics, updated once per round
     kind: str = ACCEPTED  # ACCEPTED, REGENERATED (a correction) or TARGET (bonus, plain)
     rejected: list[int] = field(default_factory=list)  # REGENERATED: the draft's losing guesses
+    logprob: float | None = None  # under the target's distribution, when logprobs were asked for
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # (id, logprob), best first
 
 
 @dataclass
@@ -473,6 +564,9 @@ def stream_rounds(
     use_draft: bool = True,
     decoder: Decoder | None = None,
     stats: Stats | None = None,
+    processors=(),
+    logprobs: int | None = None,
+    abort=None,
 ) -> Iterator[list[Event]]:
     """Generate from `pair`, one list of `Event`s per verify round (see `stream`)."""
     params = SamplingParams(temperature, top_p, top_k, min_p)
@@ -512,7 +606,9 @@ def stream_rounds(
     mx.reset_peak_memory()
     start = time.perf_counter()
     timed = speculative and policy.wants_timing()
-    stats.prompt_tokens_reused = decoder.prefill(tokens, use_draft=speculative, timed=timed)
+    stats.prompt_tokens_reused = decoder.prefill(
+        tokens, use_draft=speculative, timed=timed, abort=abort
+    )
     mx.synchronize()
     stats.prefill_seconds = time.perf_counter() - start
     if timed:
@@ -520,7 +616,14 @@ def stream_rounds(
     stats.watch(pair.link)  # a sharded target: count its collectives from here
     start = time.perf_counter()
 
-    rounds = decoder.rounds(max_tokens, params, policy, use_draft=speculative)
+    rounds = decoder.rounds(
+        max_tokens,
+        params,
+        policy,
+        use_draft=speculative,
+        processors=list(processors or ()),
+        logprobs=logprobs,
+    )
     try:
         # as mlx-lm does: on Metal, keep the weights wired while generating
         with wired_limit(pair.target):
@@ -569,11 +672,12 @@ def _events(rounds, detokenizer, stats, start, max_tokens) -> Iterator[list[Even
         for i, token in enumerate(r.tokens):
             detokenizer.add_token(token)
             kind, rejected = token_kind(r, i)
-            events.append(
-                Event(
-                    detokenizer.last_segment, token, kind == ACCEPTED, index, stats, kind, rejected
-                )
+            event = Event(
+                detokenizer.last_segment, token, kind == ACCEPTED, index, stats, kind, rejected
             )
+            if r.logprobs is not None:
+                event.logprob, event.top_logprobs = r.logprobs[i], r.top_logprobs[i]
+            events.append(event)
         if finished or stats.generated_tokens >= max_tokens:
             detokenizer.finalize()
             tail = detokenizer.last_segment
@@ -602,6 +706,10 @@ def stream(pair, prompt, max_tokens: int = 256, **kwargs) -> Iterator[Event]:
     draft_confidence (a model draft stops after a token whose top probability is below it;
     off by default), seed, system,
     chat_template_kwargs (for the chat template, e.g. {"enable_thinking": False} for Qwen3),
+    processors (processors.py: penalties, logit bias; applied to the target's and the draft's
+    logits alike, so the output follows the processed target distribution exactly), logprobs
+    (None: off; N >= 0: each event's `logprob` and its `top_logprobs`, N of them, from the
+    target's processed distribution before temperature), abort (asked between prefill chunks),
     use_draft (False: plain decoding with the same pair), decoder (from `make_decoder`: keeps
     KV caches across calls, so a prompt that extends the previous conversation only prefills
     its new tokens) and stats (a `Stats` to read the totals from afterwards; every event also

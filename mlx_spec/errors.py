@@ -10,3 +10,7 @@ def one_line(err: BaseException | str, *, reason: bool = False) -> str:
     reason alone (its strerror), where the surrounding message names the file already."""
     text = (reason and getattr(err, "strerror", None)) or str(err)
     return " ".join(text.split())
+
+
+class Aborted(SpecError):
+    """The caller's `abort()` said stop (a client left, a deadline passed) during a prefill."""

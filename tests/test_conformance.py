@@ -305,7 +305,7 @@ def test_serve_swaps_through_every_family(pairs, models_toml, tmp_path):
     llama4 gets one 404 line."""
     log = open(tmp_path / "stderr.log", "w")  # noqa: SIM115
     first = FAMILIES[0]
-    args = ["--pair", first, "--api-key", KEY]
+    args = ["--pair", first, "--api-key", KEY, "--allow-swap"]
     proc, url = start_server(args, log, env={"MLX_SPEC_MODELS": str(models_toml)})
     try:
         client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)

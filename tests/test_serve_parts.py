@@ -146,3 +146,114 @@ def test_prompt_cache_takes_the_conversation_a_prompt_continues(pair):
     assert short_one is not long_one
     generate(pair, prompt, max_tokens=8, decoder=short_one)
     assert cache.take(prompt[:-1] + [7, 8]) is short_one
+
+
+# ----------------------------------------------------------------- reply text on the wire
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer(tmp_path_factory):
+    import tiny
+
+    from mlx_spec import load_pair
+
+    target, _ = tiny.write_tool_model(tmp_path_factory.mktemp("tool"))
+    return load_pair(target=str(target)).tokenizer
+
+
+def chat_request(**kw):
+    from mlx_spec.serve.protocol import GenRequest
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    return GenRequest(kind="chat", model="m", prompt=[], max_tokens=10, tools=tools, **kw)
+
+
+def split_all(out, pieces):
+    deltas = [out.feed(p) for p in pieces] + [out.finish()]
+    return (
+        "".join(d.content for d in deltas),
+        "".join(d.reasoning for d in deltas),
+        [c for d in deltas for c in d.tool_calls],
+    )
+
+
+def test_reasoning_and_a_call_split_across_any_pieces(tool_tokenizer):
+    from mlx_spec.serve.output import Output
+
+    call = '{"name":"get_weather","arguments":{"city":"Oslo"}}'
+    text = f"<think>hmm</think>Sure.<tool_call>{call}</tool_call>"
+    for size in (1, 3, 7, len(text)):  # markers cut anywhere
+        out = Output(tool_tokenizer, chat_request(), prompt=[])
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        content, reasoning, calls = split_all(out, pieces)
+        assert (content, reasoning) == ("Sure.", "hmm")
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("get_weather", '{"city": "Oslo"}')
+        ]
+
+
+def test_a_truncated_call_stays_text_and_raw_reasoning_stays_content(tool_tokenizer):
+    from mlx_spec.serve.output import Output
+
+    out = Output(tool_tokenizer, chat_request(), prompt=[])
+    content, _, calls = split_all(out, ['<tool_call>{"name":"get_we'])  # max_tokens cut it
+    assert not calls and content == '<tool_call>{"name":"get_we'
+    raw = Output(tool_tokenizer, chat_request(), prompt=[], raw_reasoning=True)
+    content, reasoning, _ = split_all(raw, ["<think>hmm</think>ok"])
+    assert content == "<think>hmm</think>ok" and reasoning == ""
+
+
+def test_a_named_tool_choice_parses_what_follows_the_forced_head(tool_tokenizer):
+    from mlx_spec.serve.output import Output, forced_prefix
+
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    head = forced_prefix(tool_tokenizer, choice)
+    assert head.startswith("<tool_call>") and '"get_weather"' in head
+    out = Output(tool_tokenizer, chat_request(tool_choice=choice), prompt=[])
+    _, _, calls = split_all(out, ['{"city": "Rome"}}', "</tool_call>"])
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+
+
+def test_a_template_that_opens_thinking_starts_in_reasoning(tool_tokenizer):
+    from mlx_spec.serve.output import Output
+
+    prompt = tool_tokenizer.encode("<|im_start|>assistant\n<think>", add_special_tokens=False)
+    out = Output(tool_tokenizer, chat_request(), prompt=prompt)
+    content, reasoning, _ = split_all(out, ["let me see</think>It is 4."])
+    assert (content, reasoning) == ("It is 4.", "let me see")
+
+
+def test_prefill_stops_between_chunks_and_the_decoder_recovers(pair):
+    """abort() is asked between prefill chunks; the half-filled caches are not reused."""
+    from mlx_spec.engine import stream_rounds
+    from mlx_spec.errors import Aborted
+
+    prompt = pair.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)[:300]
+    decoder = make_decoder(pair)
+    asked = []
+
+    def abort():
+        asked.append(1)
+        return len(asked) > 1  # the first chunk runs, then stop
+
+    import mlx_spec.drafters as drafters
+
+    chunks = []
+    real = drafters.prefill_cache
+
+    def small_chunks(model, cache, tokens, step=2048, timed=False, abort=None):
+        chunks.append(len(tokens))
+        return real(model, cache, tokens, step=64, timed=timed, abort=abort)
+
+    import mlx_spec.engine as engine
+
+    engine.prefill_cache, saved = small_chunks, engine.prefill_cache
+    try:
+        with pytest.raises(Aborted):
+            next(stream_rounds(pair, prompt, 10, decoder=decoder, abort=abort))
+    finally:
+        engine.prefill_cache = saved
+    assert len(asked) == 2  # stopped after one chunk of 64, not after the whole prompt
+    again = generate(pair, prompt, max_tokens=10, decoder=decoder)
+    assert again.text == generate(pair, prompt, max_tokens=10).text
+    assert again.stats.prompt_tokens_reused == 0

@@ -31,8 +31,9 @@ SLOW_QUEUE = 3
 
 
 class Reply:
-    def __init__(self, status: int, body: bytes):
+    def __init__(self, status: int, body: bytes, headers: dict | None = None):
         self.status_code, self.text = status, body.decode()
+        self.headers = {k.lower(): v for k, v in (headers or {}).items()}
 
     def json(self):
         return json.loads(self.text)
@@ -52,6 +53,19 @@ def request(method: str, url: str, body=None, key: str | None = KEY, timeout=10)
         conn.request(method, "/" + path, body=body, headers=headers)
         r = conn.getresponse()
         return Reply(r.status, r.read())
+    finally:
+        conn.close()
+
+
+def raw_post(url: str, body: bytes, headers: dict, timeout=10) -> Reply:
+    rest = url.removeprefix("http://")
+    hostport, _, path = rest.partition("/")
+    host, _, port = hostport.rpartition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("POST", "/" + path, body=body, headers=headers)
+        r = conn.getresponse()
+        return Reply(r.status, r.read(), dict(r.getheaders()))
     finally:
         conn.close()
 
@@ -107,6 +121,7 @@ def server(tiny_models, tmp_path_factory):
             "--target", str(tiny_models.target), "--draft", str(tiny_models.draft),
             "--drafter", "ngram+model", "--num-draft-tokens", "4", "--api-key", KEY,
             "--max-body", "64K", "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-queue", "32",
+            "--allow-swap",
         ],
         log,
         env={"MLX_SPEC_MODELS": str(models)},
@@ -269,6 +284,66 @@ def test_history_lookup_drafts_an_earlier_reply(client, pair):
     assert accepted >= 0.7 * n > first.model_extra["speculation"]["accepted"]
 
 
+def plain_events(pair, prompt, **kwargs):
+    from mlx_spec import stream
+
+    return list(stream(pair, prompt, temperature=0.0, use_draft=False, **kwargs))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_chat_logprobs_are_the_targets(client, pair, streaming):
+    """Speculating (k = 4), the server's log-probabilities are the target's own."""
+    expected = plain_events(pair, chat("The quick brown fox"), max_tokens=24, logprobs=2)
+    kwargs = dict(
+        model="target", messages=chat("The quick brown fox"), max_tokens=24, temperature=0,
+        logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    if streaming:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content]  # fmt: skip
+    else:
+        resp = client.chat.completions.create(**kwargs)
+        entries = resp.choices[0].logprobs.content
+        assert resp.model_extra["speculation"]["accepted"] > 0  # drafts were kept
+    assert len(entries) == len(expected)
+    for got, e in zip(entries, expected, strict=True):
+        assert got.logprob == pytest.approx(e.logprob, abs=1e-4)
+        assert got.token == pair.tokenizer.decode([e.token])
+        assert bytes(got.bytes) == got.token.encode()
+        assert [t.token for t in got.top_logprobs] == [
+            pair.tokenizer.decode([t]) for t, _ in e.top_logprobs
+        ]
+
+
+def test_completion_logprobs_legacy_shape(client, pair):
+    expected = plain_events(pair, "Once upon a time", max_tokens=10, logprobs=3)
+    resp = client.completions.create(
+        model="target", prompt="Once upon a time", max_tokens=10, temperature=0, logprobs=3
+    )
+    lp = resp.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected], abs=1e-4)
+    # a dict by token text: ids that decode alike (partial bytes) share an entry
+    assert all(1 <= len(t) <= 3 and w in t for t, w in zip(lp.top_logprobs, lp.tokens, strict=True))
+    assert "".join(lp.tokens) == resp.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+
+def test_penalties_and_logit_bias_equal_the_library(client, pair):
+    from mlx_spec.processors import make_processors
+
+    settings = dict(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={"60": 3.0})
+    prompt = "def add(a, b):\n    return a + b\n"
+    processors = make_processors(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={60: 3.0})
+    expected = generate(pair, prompt, max_tokens=30, temperature=0.0, processors=processors)
+    resp = client.completions.create(
+        model="target", prompt=prompt, max_tokens=30, temperature=0, **settings,
+        extra_body={"repetition_penalty": 1.0},
+    )  # fmt: skip
+    assert resp.choices[0].text == expected.text
+    assert expected.text != generate(pair, prompt, max_tokens=30, temperature=0.0).text
+
+
 def test_follow_up_prefills_only_its_new_tokens(client, pair):
     turn1 = chat("Paris is the capital of France.")
     r1 = client.chat.completions.create(
@@ -289,32 +364,63 @@ def test_follow_up_prefills_only_its_new_tokens(client, pair):
     "extra, param",
     [
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0]"),
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": "a lot"}, "frequency_penalty"),
+        ({"repetition_penalty": -1}, "repetition_penalty"),
+        ({"logit_bias": {"not-a-token": 5}}, "logit_bias"),
+        ({"logit_bias": {"7": 101}}, "logit_bias"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": MAX_TOKENS_LIMIT + 1}, "max_tokens"),
-        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"stop": "x" * 257}, "stop"),
+        ({"stop": "x" * 1025}, "stop"),
+        ({"stop": ["x" * 1000] * 17}, "stop"),  # past the total bound
         ({"response_format": {"type": "json_object"}}, "response_format"),
     ],
 )
 def test_unsupported_or_bad_parameters_are_400(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="target", messages=chat("hi"), **extra)
+        client.chat.completions.create(model="target", messages=chat("hi"), extra_body=extra)
     error = info.value.body
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert error["message"]
 
 
-def test_unknown_argument_and_bad_json_are_400(server):
+def test_unknown_fields_are_ignored_and_named_in_a_header(client, pair):
+    """Open WebUI and LiteLLM add fields of their own: answered, not refused."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="target", messages=chat("hi"), max_tokens=5, temperature=0,
+        extra_body={"frobnicate": 1, "metadata_of_some_ui": {"x": 1}},
+    )  # fmt: skip
+    assert raw.headers["x-ignored-fields"] == "frobnicate, metadata_of_some_ui"
+    expected = generate(pair, chat("hi"), max_tokens=5, temperature=0.0).text
+    assert raw.parse().choices[0].message.content == expected
+
+
+def test_many_stop_strings_are_honoured(client, pair):
+    prompt = "Speculative decoding drafts tokens"
+    text, stop = stop_across_tokens(pair, prompt)
+    stops = [f"never-{i}" for i in range(40)] + [stop]
+    resp = client.completions.create(
+        model="target", prompt=prompt, max_tokens=60, temperature=0, stop=stops
+    )
+    assert resp.choices[0].text == text[: text.index(stop)]
+
+
+def test_bad_json_is_400_and_a_non_json_body_415(server):
     url = server + "/chat/completions"
-    body = {"model": "target", "messages": chat("hi"), "frobnicate": 1}
-    r = request("POST", url, body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
     r = request("POST", url, b"{not json")
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    body = json.dumps({"model": "target", "messages": chat("hi")}).encode()
+    # a web page's form or fetch without a preflight sends text/plain: never parsed
+    r = raw_post(url, body, {"Content-Type": "text/plain", "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    r = raw_post(url, body, {"Authorization": f"Bearer {KEY}"})  # no type at all
+    assert r.status_code == 415
 
 
 @pytest.mark.parametrize(

@@ -292,3 +292,120 @@ def write_adapter(path: Path, draft_path: Path, seed: int = 0, size: float = 0.1
     config = {"fine_tune_type": "lora", "num_layers": -1, "lora_parameters": params}
     (path / "adapter_config.json").write_text(json.dumps(config))
     return path
+
+
+# ----------------------------------------------------------------- a model that calls a tool
+# A "bigram" llama: its layers add nothing (zero output projections), so the next token depends
+# on the current one alone, and the head maps each token of a fixed chain to its successor with
+# a margin of ~30 nats: the same reply at any temperature. The chat template is Qwen 2.5's shape
+# (tools in the system turn, <tool_call> JSON, <tool_response>), so mlx-lm infers its
+# `json_tools` parser; `<think>`/`</think>` in the vocabulary make it a thinking model to mlx-lm.
+TOOL_CALL_PIECES = ['{"name":"', "get_weather", '","arguments":{"city":"', "Paris", '"}}']
+THOUGHT = "The user wants the weather in Paris."
+ANSWER = "It is sunny in Paris today."
+TOOL_SPECIALS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<|answer|>"]
+TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
+{% endif %}# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+For each function call, return a json object within <tool_call></tool_call> tags.<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m['role'] == 'system' and tools %}
+{%- elif m['role'] == 'assistant' and m.tool_calls %}<|im_start|>assistant
+{% if m.content %}{{ m.content }}{% endif %}
+{%- for tc in m.tool_calls %}{% set tool_call = tc.function %}<tool_call>
+{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m['role'] == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m['content'] }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m['role'] }}
+{{ m['content'] }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{%- if messages[-1]['role'] == 'tool' %}<|answer|>{% else %}{{ '\n' }}{% endif %}{% endif %}"""
+
+
+def write_tool_tokenizer(path: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TOOL_SPECIALS])
+    pieces = [*TOOL_CALL_PIECES, THOUGHT, ANSWER]
+    tok.add_tokens([AddedToken(t, normalized=False) for t in pieces])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token=None, pad_token="<|endoftext|>"
+    )
+    fast.chat_template = TOOL_TEMPLATE
+    fast.save_pretrained(str(path))
+
+
+def tool_chain(tokenizer) -> dict[int, int]:
+    """Successor of each token in the fixed replies (token id -> token id)."""
+    ids = tokenizer.convert_tokens_to_ids
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    assert len(newline) == 1
+    call = [ids("<tool_call>"), *ids(TOOL_CALL_PIECES), ids("</tool_call>"), ids("<|im_end|>")]
+    thought = [ids("<think>"), ids(THOUGHT), ids("</think>")]
+    chain = [newline[0], *thought, *call]
+    successors = dict(zip(chain, chain[1:], strict=False))
+    successors[ids("<|answer|>")] = ids(ANSWER)
+    successors[ids(ANSWER)] = ids("<|im_end|>")
+    return successors
+
+
+def write_tool_model(root: Path, draft_errors: int = 0) -> tuple[Path, Path]:
+    """The tool-calling target and a draft of the same shape whose chain is wrong at
+    `draft_errors` places (rejections inside the tool call)."""
+    from transformers import AutoTokenizer
+
+    tok_dir = root / "tool_tokenizer"
+    write_tool_tokenizer(tok_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    vocab = len(tokenizer)
+    cfg = llama_config(vocab, layers=1)
+    weights = random_weights(cfg, seed=11)
+    hidden = cfg["hidden_size"]
+    emb = mx.random.normal((vocab, hidden), key=mx.random.key(12))
+    unit = emb / mx.linalg.norm(emb, axis=-1, keepdims=True)
+    weights["model.embed_tokens.weight"] = emb
+    weights["model.norm.weight"] = mx.ones((hidden,))
+    for name in list(weights):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = mx.zeros_like(weights[name])
+
+    def head(successors: dict[int, int]) -> mx.array:
+        w = np.array(0.01 * mx.random.normal((vocab, hidden), key=mx.random.key(13)))
+        u = np.array(unit)
+        for t, nxt in successors.items():
+            w[nxt] += 4.0 * u[t]
+        return mx.array(w)
+
+    chain = tool_chain(tokenizer)
+    target = write_model(
+        root / "tool_target", cfg, {**weights, "lm_head.weight": head(chain)}, tok_dir
+    )
+    wrong = dict(chain)
+    # a few successors inside the call point elsewhere: the draft is rejected there
+    for piece in ["get_weather", "Paris", THOUGHT][:draft_errors]:
+        t = tokenizer.convert_tokens_to_ids(piece)
+        wrong[t] = (wrong[t] + 7) % vocab
+    draft = write_model(
+        root / "tool_draft", cfg, {**weights, "lm_head.weight": head(wrong)}, tok_dir
+    )
+    return target, draft

@@ -47,8 +47,48 @@ def setup_arg_parser(parser):
     g.add_argument("--port", type=port, default=8080, help="port (default 8080; 0: any free one)")
     g.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"clients must send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
+        action="append",
+        help=f"clients must send 'Authorization: Bearer KEY'; repeat for several clients, each"
+        f" with its own history and prompt cache (default: ${API_KEY_ENV})",
+    )
+    g.add_argument(
+        "--shared-history",
+        action="store_true",
+        help="all API keys share one history and prompt cache (a single user with several keys)",
+    )
+    g.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a web origin (https://app.example) whose pages may call the API, CORS answered;"
+        " '*' for any (default: none: browser requests with an Origin are refused)",
+    )
+    g.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name clients use in the Host header (default: the bound address and"
+        " localhost)",
+    )
+    g.add_argument(
+        "--allow-swap",
+        nargs="*",
+        metavar="PAIR",
+        help="requests may load another downloaded pair by name (the named ones only, if given);"
+        " default: only the served pair",
+    )
+    g.add_argument(
+        "--raw-reasoning",
+        action="store_true",
+        help="keep a thinking model's <think> text in content instead of reasoning_content",
+    )
+    g.add_argument(
+        "--max-queue-per-key",
+        type=nonnegative_int,
+        help="requests one API key may have waiting (default: half of --max-queue when there are"
+        " several keys)",
     )
     g.add_argument(
         "--max-queue", type=nonnegative_int, default=16, help="requests that may wait (429 past it)"
@@ -64,7 +104,9 @@ def setup_arg_parser(parser):
     )
     g.add_argument("--max-body", type=size, default=8 << 20, help="request body limit (8M)")
     g.add_argument(
-        "--max-tokens-limit", type=positive_int, default=8192, help="largest max_tokens allowed"
+        "--max-tokens-limit",
+        type=positive_int,
+        help="largest max_tokens a request may ask for (default: no limit but the model's context)",
     )
     g.add_argument(
         "--default-max-tokens",
@@ -120,6 +162,16 @@ def served_name(args) -> str:
     return args.pair or DEFAULT_PAIR
 
 
+def per_key_queue(args, keys: list[str]) -> int | None:
+    """Requests one key may have waiting: by default half the queue when keys are several
+    (and partitioned), so one client cannot fill it."""
+    if args.max_queue_per_key is not None:
+        return args.max_queue_per_key
+    if len(keys) > 1 and not args.shared_history:
+        return max(1, args.max_queue // 2)
+    return None
+
+
 def main(args):
     try:
         import uvicorn
@@ -135,11 +187,13 @@ def main(args):
     from ..loading import load_pair, pair_downloaded
     from ..registry import load_registry
 
+    limit = args.max_tokens_limit
     if args.default_max_tokens is None:
-        args.default_max_tokens = min(DEFAULT_MAX_TOKENS, args.max_tokens_limit)
-    if args.default_max_tokens > args.max_tokens_limit:
+        args.default_max_tokens = min(DEFAULT_MAX_TOKENS, limit or DEFAULT_MAX_TOKENS)
+    if limit is not None and args.default_max_tokens > limit:
         raise SpecError("--default-max-tokens must not exceed --max-tokens-limit")
-    if not args.api_key and not is_loopback(args.host):
+    keys = [k for k in (args.api_key or [os.environ.get(API_KEY_ENV) or ""]) if k]
+    if not keys and not is_loopback(args.host):
         print(
             f"mlx-spec serve: warning: listening on {args.host} without --api-key: anyone who "
             "can reach this port can use the model",
@@ -158,6 +212,13 @@ def main(args):
             raise SpecError("it is not downloaded on this machine")
         return load_pair(model)
 
+    if args.allow_swap is None:  # only the served pair: no client makes the server swap
+        local = set()
+    elif args.allow_swap:
+        unknown = sorted(set(args.allow_swap) - set(registry.pairs))
+        if unknown:
+            raise SpecError(f"--allow-swap names unknown pairs: {', '.join(unknown)}")
+        local &= set(args.allow_swap)
     models = sorted({name, *local})
     engine = Engine(
         None,  # loaded by start(), on the engine thread: the one that generates (threads.py)
@@ -167,12 +228,18 @@ def main(args):
         max_queue=args.max_queue,
         prompt_cache_bytes=args.prompt_cache,
         history_tokens=0 if args.no_history else args.history_tokens,
+        max_queue_per_key=per_key_queue(args, keys),
+        raw_reasoning=args.raw_reasoning,
     )
     settings = Settings(
-        api_key=args.api_key or None,
+        api_keys=keys,
+        shared_history=args.shared_history,
         max_body_bytes=args.max_body,
         request_timeout=args.request_timeout,
-        limits=Limits(args.max_tokens_limit, args.default_max_tokens),
+        limits=Limits(limit, args.default_max_tokens),
+        host=args.host,
+        allowed_hosts=args.allow_host,
+        allowed_origins=args.allow_origin,
     )
     config = uvicorn.Config(
         create_app(engine, settings),

@@ -1,15 +1,20 @@
 """The HTTP side: a Starlette app with OpenAI's endpoints, /health and /metrics.
 
-Requests are validated here (protocol.py), queued on the engine (worker.py) and answered from
-the job's items: streamed as server-sent events or collected into one JSON body. A client
-that disconnects, while queued or mid-stream, cancels its job.
+Requests are checked (Host, Origin, key, content type, queue room) before their body is read,
+validated (protocol.py), queued on the engine (worker.py) and answered from the job's items:
+streamed as server-sent events (headers and keep-alive comments while queued or prefilling) or
+collected into one JSON body. A client that disconnects leaves the queue at once, or cancels
+its job mid-prefill or mid-stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
+import ipaddress
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from .output import completion_logprobs
 from .protocol import (
     ApiError,
     GenRequest,
@@ -33,29 +39,145 @@ from .protocol import (
 from .worker import Engine, Job, timeout_error
 
 DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to this, then cut off
+KEEPALIVE_SECONDS = 2.0  # a queued or prefilling stream gets its headers, then a comment this often
+LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
+log = logging.getLogger("mlx_spec.serve")
 
 
 @dataclass
 class Settings:
-    api_key: str | None = None
+    api_key: str | None = None  # one key (kept for callers that set one)
+    api_keys: list[str] = field(default_factory=list)  # any of these; each its own partition
+    shared_history: bool = False  # every key in one partition (a single user)
     max_body_bytes: int = 8 << 20
     request_timeout: float = 600.0
     limits: Limits = field(default_factory=Limits)
+    host: str = "127.0.0.1"  # the bound address: Host headers must name it (or localhost)
+    allowed_hosts: list[str] = field(default_factory=list)  # more names for the Host header
+    allowed_origins: list[str] = field(default_factory=list)  # browser origins ("*": any)
+    keepalive: float = KEEPALIVE_SECONDS
+
+    def keys(self) -> list[str]:
+        return [
+            k for k in dict.fromkeys([*([self.api_key] if self.api_key else []), *self.api_keys])
+        ]
 
 
 def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def authorize(request: Request, settings: Settings) -> None:
-    if settings.api_key is None:
-        return
+def authorize(request: Request, settings: Settings) -> str:
+    """The request's partition: "" without keys (or with --shared-history), else an id of
+    the key it presented (a digest: the key itself is kept nowhere else)."""
+    keys = settings.keys()
+    if not keys:
+        return ""
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        token.strip().encode(), settings.api_key.encode()
-    ):
+    token = token.strip().encode()
+    match = None
+    for key in keys:  # compare with every key: the time does not tell which one matched
+        if hmac.compare_digest(token, key.encode()) and scheme.lower() == "bearer":
+            match = key
+    if match is None:
         raise ApiError(401, "Incorrect or missing API key", code="invalid_api_key")
+    if settings.shared_history:
+        return ""
+    return hashlib.sha256(match.encode()).hexdigest()[:16]
+
+
+def host_name(value: str) -> str:
+    """The host part of a Host header or an origin's authority, lower case, no brackets."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def host_allowed(host: str, settings: Settings) -> bool:
+    name = host_name(host)
+    bound = settings.host.lower()
+    if name in LOCAL_NAMES or name == bound or name in (h.lower() for h in settings.allowed_hosts):
+        return True
+    try:  # any loopback address (127.0.0.0/8)
+        if ipaddress.ip_address(name).is_loopback:
+            return True
+    except ValueError:
+        pass
+    # bound to every interface: clients name this machine however they reach it
+    return bound in ("0.0.0.0", "::", "")
+
+
+def origin_allowed(origin: str, settings: Settings) -> bool:
+    allowed = settings.allowed_origins
+    return "*" in allowed or origin.rstrip("/").lower() in (o.rstrip("/").lower() for o in allowed)
+
+
+class Guard:
+    """ASGI middleware: refuses a Host that is not this server's (DNS rebinding) and an Origin
+    that --allow-origin does not name (any web page could otherwise drive the model), answers
+    CORS preflights for the allowed origins and adds CORS headers to their responses."""
+
+    def __init__(self, app, settings: Settings):
+        self.app, self.settings = app, settings
+
+    async def refuse(self, scope, send, status: int, message: str, code: str) -> None:
+        await error_response(ApiError(status, message, code=code))(scope, None, send)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        host = headers.get("host", "")
+        if not host_allowed(host, self.settings):
+            message = f"the Host {host!r} is not this server's (--allow-host names more)"
+            return await self.refuse(scope, send, 403, message, "forbidden_host")
+        origin = headers.get("origin")
+        if origin is None:
+            return await self.app(scope, receive, send)
+        if not origin_allowed(origin, self.settings):
+            message = f"requests from the web origin {origin!r} are refused (--allow-origin)"
+            return await self.refuse(scope, send, 403, message, "forbidden_origin")
+        cors = [
+            (b"access-control-allow-origin", origin.encode("latin-1")),
+            (b"vary", b"Origin"),
+            (b"access-control-expose-headers", b"X-Ignored-Fields, Retry-After"),
+        ]
+        if scope["method"] == "OPTIONS":
+            asked = headers.get("access-control-request-headers", "")
+            allow = asked or "Authorization, Content-Type"
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 204,
+                    "headers": cors
+                    + [
+                        (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                        (b"access-control-allow-headers", allow.encode("latin-1")),
+                        (b"access-control-max-age", b"600"),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": b""})
+            return
+
+        async def send_with_cors(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *cors]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+
+def check_json_type(request: Request) -> None:
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind != "application/json":
+        raise ApiError(
+            415,
+            f"the body must be JSON sent as Content-Type: application/json, got {kind or 'none'!r}",
+            code="unsupported_media_type",
+        )
 
 
 async def read_json(request: Request, limit: int) -> dict:
@@ -89,12 +211,17 @@ def sse(data) -> dict:
 class JobResponse:
     """An ASGI response that answers one job: the status is chosen when its first item
     arrives (an error before any text is a plain HTTP error), then SSE chunks or one JSON
-    body. Watches for the client leaving at the same time and cancels the job when it does."""
+    body; a stream that waits longer than `keepalive` (queued, prefilling) gets its headers
+    and SSE comments meanwhile. Watches for the client leaving at the same time: a queued job
+    then leaves the queue at once, a running one is cancelled."""
 
-    def __init__(self, job: Job, on_status):
-        self.job, self.on_status = job, on_status
+    def __init__(self, job: Job, on_status, engine: Engine, keepalive: float, headers=None):
+        self.job, self.on_status, self.engine = job, on_status, engine
+        self.keepalive, self.headers = keepalive, headers or {}
         self.rid = ("chatcmpl-" if job.request.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.started = False  # the stream's headers went out
+        self.offset = 0  # completions logprobs: text offset of the next token
 
     async def __call__(self, scope, receive, send):
         self.scope = scope
@@ -103,7 +230,8 @@ class JobResponse:
         try:
             await asyncio.wait({answer, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            self.job.cancel()  # a no-op when the job is done; frees the engine otherwise
+            if not self.engine.withdraw(self.job):  # still queued: out of the queue now
+                self.job.cancel()  # a no-op when the job is done; frees the engine otherwise
             watch.cancel()
             if not answer.done():
                 answer.cancel()
@@ -113,21 +241,43 @@ class JobResponse:
             except OSError:  # the client went away while we wrote
                 pass
 
-    async def first_item(self):
-        """The job's first item, or a 504 once the deadline passes while queued."""
-        remaining = self.job.deadline - time.monotonic()
-        try:
-            return await asyncio.wait_for(self.job.items.get(), max(remaining, 0.001))
-        except TimeoutError:
-            self.job.cancel()
-            return ("error", timeout_error())
+    def header_list(self, extra) -> list:
+        return [*extra, *((k.lower().encode(), v.encode()) for k, v in self.headers.items())]
+
+    async def first_item(self, send):
+        """The job's first item, or a 504 once the deadline passes while queued. A stream
+        gets its headers after `keepalive` seconds and a comment every `keepalive` seconds."""
+        while True:
+            remaining = self.job.deadline - time.monotonic()
+            if remaining <= 0:
+                self.job.cancel()
+                self.engine.withdraw(self.job)
+                return ("error", timeout_error())
+            wait = min(remaining, self.keepalive) if self.job.request.stream else remaining
+            try:
+                return await asyncio.wait_for(self.job.items.get(), max(wait, 0.001))
+            except TimeoutError:
+                if self.job.request.stream and time.monotonic() < self.job.deadline:
+                    await self.start_stream(send)
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": b": keep-alive\n\n",
+                            "more_body": True,
+                        }
+                    )
 
     async def send_error(self, send, err: ApiError) -> None:
+        if self.started:  # after the headers: OpenAI's way is an error event
+            await send(sse(err.body()))
+            await send(sse("[DONE]"))
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
         self.on_status(err.status)
         await error_response(err)(self.scope, None, send)
 
     async def answer(self, send) -> None:
-        item = await self.first_item()
+        item = await self.first_item(send)
         if item[0] == "error":
             await self.send_error(send, item[1])
             return
@@ -137,48 +287,93 @@ class JobResponse:
             await self.collect(send, item)
 
     async def collect(self, send, item) -> None:
-        req, texts = self.job.request, []
-        while item[0] == "text":
-            texts.append(item[1])
+        req = self.job.request
+        content, reasoning, calls, entries = [], [], [], []
+        while item[0] == "delta":
+            d = item[1]
+            content.append(d.content)
+            reasoning.append(d.reasoning)
+            calls += d.tool_calls
+            entries += d.logprobs
             item = await self.job.items.get()
         if item[0] == "error":
             await self.send_error(send, item[1])
             return
         outcome = item[1]
         body = envelope(req, self.rid, self.created, chunk=False)
-        body["choices"] = [choice(req, "".join(texts), outcome.finish_reason, full=True)]
+        text = "".join(content)
+        out = choice(req, text, outcome.finish_reason, full=True)
+        if req.kind == "chat":
+            message = out["message"]
+            if reasoning := "".join(reasoning):
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [
+                    {k: v for k, v in c.items() if k != "index"} for c in calls
+                ]
+                message["content"] = text or None
+        if req.logprobs is not None:
+            out["logprobs"] = self.logprobs(entries)
+        body["choices"] = [out]
         body["usage"] = outcome.usage
         body["speculation"] = outcome.speculation
         self.on_status(200)
-        await JSONResponse(body)(self.scope, None, send)
+        await JSONResponse(body, headers=self.headers)(self.scope, None, send)
 
-    def chunk(self, text, finish=None, first=False) -> dict:
+    def logprobs(self, entries: list[dict]) -> dict:
+        if self.job.request.kind == "chat":
+            return {"content": entries, "refusal": None}
+        out = completion_logprobs(entries, self.offset)
+        self.offset += sum(len(e["token"]) for e in entries)
+        return out
+
+    def chunk(self, delta=None, finish=None, first=False) -> dict:
         req = self.job.request
         body = envelope(req, self.rid, self.created, chunk=True)
-        body["choices"] = [choice(req, text, finish, first=first)]
+        out = choice(req, delta.content if delta is not None else None, finish, first=first)
+        if delta is not None and req.kind == "chat":
+            if not delta.content:
+                out["delta"].pop("content", None)
+            if delta.reasoning:
+                out["delta"]["reasoning_content"] = delta.reasoning
+            if delta.tool_calls:
+                out["delta"]["tool_calls"] = delta.tool_calls
+        if delta is not None and req.logprobs is not None and delta.logprobs:
+            out["logprobs"] = self.logprobs(delta.logprobs)
+        body["choices"] = [out]
         if req.include_usage:
             body["usage"] = None
         return body
 
-    async def stream(self, send, item) -> None:
-        req = self.job.request
+    async def start_stream(self, send) -> None:
+        if self.started:
+            return
+        self.started = True
         headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
         ]
         self.on_status(200)
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        if req.kind == "chat":
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": self.header_list(headers)}
+        )
+        if self.job.request.kind == "chat":
             await send(sse(self.chunk(None, first=True)))
-        while item[0] == "text":
+
+    async def stream(self, send, item) -> None:
+        req = self.job.request
+        await self.start_stream(send)
+        while item[0] == "delta":
             await send(sse(self.chunk(item[1])))
             item = await self.job.items.get()
         if item[0] == "error":  # after the headers: OpenAI's way is an error event
             await send(sse(item[1].body()))
         else:
             outcome = item[1]
-            last = self.chunk(None if req.kind == "chat" else "", outcome.finish_reason)
+            last = self.chunk(None, outcome.finish_reason)
+            if req.kind != "chat":
+                last["choices"][0]["text"] = ""
             last["speculation"] = outcome.speculation
             await send(sse(last))
             if req.include_usage:
@@ -224,16 +419,16 @@ def metrics_text(engine: Engine) -> str:
     for name, help_text, value in counters:
         metric(name, "counter", help_text, [("", value)])
     rate = m.accepted / m.drafted if m.drafted else 0.0
-    history = engine.history
     gauges = [
         ("acceptance_rate", "Accepted / drafted draft tokens since start.", round(rate, 4)),
         ("queue_waiting", "Requests waiting for the engine.", engine.waiting),
         ("busy", "1 while a request is being generated.", int(engine.busy)),
         ("prompt_cache_entries", "Conversations whose KV caches are kept.",
-         len(engine.cache.entries)),
-        ("prompt_cache_bytes", "Bytes of the kept KV caches.", engine.cache.bytes),
-        ("history_tokens", "Tokens in the history lookup index.",
-         len(history) if history is not None else 0),
+         sum(len(c.entries) for c in engine.all_caches())),
+        ("prompt_cache_bytes", "Bytes of the kept KV caches.",
+         sum(c.bytes for c in engine.all_caches())),
+        ("history_tokens", "Tokens in the history lookup indexes (all partitions).",
+         engine.history_size()),
     ]  # fmt: skip
     for name, help_text, value in gauges:
         metric(name, "gauge", help_text, [("", value)])
@@ -245,17 +440,32 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         key = (endpoint, str(status))
         engine.metrics.requests[key] = engine.metrics.requests.get(key, 0) + 1
 
+    logged: set[str] = set()  # ignored field names already logged
+
     async def generation(request: Request, endpoint: str, parse) -> Response | JobResponse:
         try:
-            authorize(request, settings)
+            partition = authorize(request, settings)
+            check_json_type(request)
+            engine.check_capacity(partition)  # before the body is read
             data = await read_json(request, settings.max_body_bytes)
             req: GenRequest = parse(data, settings.limits)
+            req.partition = partition
             job = Job(req, asyncio.get_running_loop(), time.monotonic() + settings.request_timeout)
             engine.submit(job)
         except ApiError as err:
             count(endpoint, err.status)
             return error_response(err)
-        return JobResponse(job, lambda status: count(endpoint, status))
+        headers = {}
+        if req.ignored:
+            names = [n[:64] for n in req.ignored[:32]]
+            headers["X-Ignored-Fields"] = ", ".join(names).encode("ascii", "replace").decode()
+            new = [n for n in names if n not in logged]
+            if new and len(logged) < 1024:
+                logged.update(new)
+                log.warning("ignoring request fields this server does not know: %s", ", ".join(new))
+        return JobResponse(
+            job, lambda status: count(endpoint, status), engine, settings.keepalive, headers
+        )
 
     async def chat(request: Request) -> Response | JobResponse:
         return await generation(request, "chat", parse_chat)
@@ -265,6 +475,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
 
     async def models(request: Request) -> Response:
         authorize(request, settings)
+        # the served pair, and the pairs requests may swap in (--allow-swap)
         created = int(time.time())
         names = [engine.name] if engine.name else []
         names += [n for n in engine.models if n != engine.name]
@@ -296,9 +507,11 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
-    return Starlette(
+    app = Starlette(
         routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error}
     )
+    app.add_middleware(Guard, settings=settings)
+    return app
 
 
 class GracefulServer(uvicorn.Server):

@@ -1,16 +1,21 @@
 """The OpenAI wire format: request validation, response and chunk bodies, errors.
 
-Every parameter is either honoured or refused with a 400 in OpenAI's error format; none is
-silently ignored (except `user`, an end-user id that never affects generation).
+Every known parameter is honoured or refused with one 400 in OpenAI's error format. Fields this
+server does not know (clients such as Open WebUI and LiteLLM add their own) are ignored and
+named in the response's `X-Ignored-Fields` header; `user` never affects generation.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 SEED_LIMIT = 2**64
-MAX_STOPS = 4  # as OpenAI
-MAX_STOP_CHARS = 256  # a stop string is held back while it may be starting: keep that short
+MAX_STOP_CHARS = 1024  # a stop string is held back while it may be starting: keep that short
+MAX_STOPS_TOTAL = 16384  # characters over all stop strings (any number of them within this)
+MAX_TOP_LOGPROBS = 20  # as OpenAI
+MAX_LOGIT_BIAS = 1024  # entries
+PENALTY_CONTEXT_MAX = 1 << 16
 # apply_chat_template's own parameters: a client must not pass them as template variables
 TEMPLATE_ARGUMENTS = {
     "conversation",
@@ -30,12 +35,22 @@ TEMPLATE_ARGUMENTS = {
 }
 TEMPLATE_VALUE = str | int | float | bool | type(None)
 MAX_TEMPLATE_STRING = 256
-ROLES = {"system", "developer", "user", "assistant"}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+MESSAGE_FIELDS = {
+    "role",
+    "content",
+    "name",
+    "tool_calls",
+    "tool_call_id",
+    "reasoning_content",
+    "reasoning",
+    "refusal",
+}
 
 
 @dataclass
 class Limits:
-    max_tokens: int = 8192  # the most a request may ask for
+    max_tokens: int | None = None  # the most a request may ask for (None: the context bounds it)
     default_max_tokens: int = 512  # when it asks for nothing
 
 
@@ -45,9 +60,11 @@ class ApiError(Exception):
     TYPES = {
         400: "invalid_request_error",
         401: "invalid_request_error",
+        403: "invalid_request_error",
         404: "invalid_request_error",
         405: "invalid_request_error",
         413: "invalid_request_error",
+        415: "invalid_request_error",
         429: "requests",
         503: "server_error",
         504: "timeout",
@@ -80,6 +97,13 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     chat_template_kwargs: dict | None = None
+    # penalties and bias, for processors.make_processors (applied to target and draft alike)
+    penalties: dict = field(default_factory=dict)
+    logprobs: int | None = None  # None: off; N: each token's log-probability and the top N
+    tools: list | None = None  # chat: function tools, for the chat template and the parser
+    tool_choice: object = "auto"  # "none", "auto", "required" or {"type", "function": {name}}
+    ignored: list[str] = field(default_factory=list)  # unknown fields, named in a header
+    partition: str = ""  # whose history and prompt cache (set from the API key by the app)
 
 
 COMMON = {
@@ -97,6 +121,10 @@ COMMON = {
     "n",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
+    "presence_context_size",
+    "frequency_context_size",
+    "repetition_context_size",
     "logit_bias",
     "logprobs",
 }
@@ -117,14 +145,7 @@ COMPLETION_KEYS = COMMON | {"prompt", "echo", "best_of", "suffix"}
 # parameters accepted only at the value that changes nothing: anything else is not implemented
 NO_OP = {
     "n": (1,),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none",),
     "function_call": ("none",),
     "parallel_tool_calls": (True, False),
     "response_format": ({"type": "text"},),
@@ -134,17 +155,10 @@ NO_OP = {
 }
 NOT_IMPLEMENTED = {
     "n": "n > 1 is not supported: one completion per request",
-    "logprobs": "logprobs are not implemented",
-    "top_logprobs": "logprobs are not implemented",
-    "tools": "tools (function calling) are not implemented",
-    "functions": "function calling is not implemented",
-    "tool_choice": "tools (function calling) are not implemented",
-    "function_call": "function calling is not implemented",
+    "functions": "the legacy functions parameter is not supported: send tools",
+    "function_call": "the legacy function_call parameter is not supported: send tool_choice",
     "parallel_tool_calls": "parallel_tool_calls must be a boolean",
     "response_format": "response_format other than text is not implemented",
-    "logit_bias": "logit_bias is not implemented",
-    "presence_penalty": "presence_penalty is not implemented",
-    "frequency_penalty": "frequency_penalty is not implemented",
     "echo": "echo is not implemented",
     "best_of": "best_of > 1 is not supported",
     "suffix": "suffix is not implemented",
@@ -178,15 +192,14 @@ def integer(data: dict, name: str, default, lo: int, hi: int):
     return value
 
 
-def check_keys(data: dict, allowed: set[str]) -> None:
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown")
+def check_keys(data: dict, allowed: set[str]) -> list[str]:
+    """The unknown fields (ignored); a 400 for a known one at a value not implemented."""
     for name, values in NO_OP.items():
         value = data.get(name)
         # types must match too: True == 1, but logprobs=True is not n=1
         if value is not None and not any(value == v and type(value) is type(v) for v in values):
             raise bad(NOT_IMPLEMENTED[name], name, "unsupported_parameter")
+    return sorted(k for k in set(data) - allowed if isinstance(k, str))
 
 
 def stops(data: dict) -> list[str]:
@@ -196,11 +209,49 @@ def stops(data: dict) -> list[str]:
     value = [value] if isinstance(value, str) else value
     if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
         raise bad("stop must be a non-empty string or a list of them", "stop", "invalid_type")
-    if len(value) > MAX_STOPS:
-        raise bad(f"stop takes at most {MAX_STOPS} strings", "stop")
     if any(len(s) > MAX_STOP_CHARS for s in value):
         raise bad(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
-    return value
+    if sum(map(len, value)) > MAX_STOPS_TOTAL:
+        raise bad(f"the stop strings may have at most {MAX_STOPS_TOTAL} characters in all", "stop")
+    return list(dict.fromkeys(value))
+
+
+def penalties(data: dict) -> dict:
+    """Penalties and logit_bias as processors.make_processors' keyword arguments."""
+    out: dict = {}
+    for name, lo in (("presence_penalty", -2.0), ("frequency_penalty", -2.0)):
+        value = number(data, name, 0.0, lo, 2.0)
+        if value:
+            out[name] = value
+    value = number(data, "repetition_penalty", 0.0, 0.0, 10.0)
+    if value and value != 1.0:
+        out["repetition_penalty"] = value
+    for name in ("presence", "frequency", "repetition"):
+        size = integer(data, f"{name}_context_size", None, 0, PENALTY_CONTEXT_MAX)
+        if size is not None:
+            out[f"{name}_context"] = size
+    bias = data.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise bad("logit_bias must map token ids to numbers", "logit_bias", "invalid_type")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise bad(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+        parsed = {}
+        for k, v in bias.items():
+            try:
+                token = int(k)
+            except (TypeError, ValueError):
+                token = -1
+            if token < 0 or str(token) != str(k).strip():
+                raise bad(f"logit_bias keys must be token ids, got {k!r}", "logit_bias")
+            if isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
+                raise bad(
+                    f"logit_bias values must be numbers in [-100, 100], got {v!r}", "logit_bias"
+                )
+            parsed[token] = float(v)
+        if parsed:
+            out["logit_bias"] = parsed
+    return out
 
 
 def common(data: dict, kind: str, prompt, limits: Limits, max_tokens) -> GenRequest:
@@ -223,9 +274,12 @@ def common(data: dict, kind: str, prompt, limits: Limits, max_tokens) -> GenRequ
         max_tokens = limits.default_max_tokens
     elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         raise bad(f"max_tokens must be an integer, got {max_tokens!r}", "max_tokens")
-    elif not 1 <= max_tokens <= limits.max_tokens:
+    elif max_tokens < 1:
+        raise bad(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    elif limits.max_tokens is not None and max_tokens > limits.max_tokens:
         raise bad(
-            f"max_tokens must be in [1, {limits.max_tokens}] on this server, got {max_tokens}",
+            f"max_tokens must be in [1, {limits.max_tokens}] on this server"
+            f" (--max-tokens-limit), got {max_tokens}",
             "max_tokens",
         )
     return GenRequest(
@@ -241,11 +295,15 @@ def common(data: dict, kind: str, prompt, limits: Limits, max_tokens) -> GenRequ
         stop=stops(data),
         stream=bool(stream),
         include_usage=bool(options and options.get("include_usage")),
+        penalties=penalties(data),
     )
 
 
-def message_text(content, i: int) -> str:
-    """A message's content: a string or a list of text parts (images are not supported)."""
+def message_text(content, i: int, optional: bool = False) -> str:
+    """A message's content: a string or a list of text parts (images are not supported).
+    `optional`: null is allowed (an assistant message that only calls tools)."""
+    if content is None and optional:
+        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -260,7 +318,34 @@ def message_text(content, i: int) -> str:
     raise bad("content must be a string or a list of text parts", f"messages[{i}].content")
 
 
-def parse_messages(messages) -> list[dict]:
+def tool_calls_of(calls, i: int) -> list[dict]:
+    """An assistant message's tool_calls, with `arguments` decoded from their JSON string as
+    chat templates expect (mlx-lm's server does the same)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad("tool_calls must be a list", where, "invalid_type")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad("each tool call needs function: {name, arguments}", f"{where}[{j}]")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise bad("function.arguments must be a JSON string", f"{where}[{j}]") from None
+        entry = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def parse_messages(messages, ignored: set | None = None) -> list[dict]:
+    """The messages for the chat template. Fields of a message this server does not know (an
+    SDK's message object sent back carries `audio`, `annotations`, ...) are left out and
+    named in `ignored`."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list", "messages", "invalid_type")
     out = []
@@ -268,22 +353,88 @@ def parse_messages(messages) -> list[dict]:
         if not isinstance(m, dict):
             raise bad("each message must be an object", f"messages[{i}]", "invalid_type")
         role = m.get("role")
-        if role == "tool" or "tool_calls" in m or "function_call" in m:
-            raise bad("tools (function calling) are not implemented", f"messages[{i}]")
+        if m.get("function_call") is not None:
+            raise bad("function_call messages are not supported: send tool_calls", f"messages[{i}]")
         if role not in ROLES:
             raise bad(f"unsupported role {role!r}", f"messages[{i}].role")
-        if set(m) - {"role", "content", "name"}:
-            extra = sorted(set(m) - {"role", "content", "name"})[0]
-            raise bad(f"unsupported message field {extra!r}", f"messages[{i}].{extra}")
+        if ignored is not None:
+            ignored.update(f"messages.{k}" for k in set(m) - MESSAGE_FIELDS - {"function_call"})
+        if m.get("tool_calls") and role != "assistant":
+            raise bad("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
         # developer is OpenAI's newer name for system; chat templates know only system
         role = "system" if role == "developer" else role
-        out.append({"role": role, "content": message_text(m.get("content"), i)})
+        calls = m.get("tool_calls")
+        entry = {"role": role, "content": message_text(m.get("content"), i, role == "assistant")}
+        if calls:
+            entry["tool_calls"] = tool_calls_of(calls, i)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise bad("tool_call_id must be a string", f"messages[{i}].tool_call_id")
+            if call_id is not None:
+                entry["tool_call_id"] = call_id
+        if isinstance(m.get("name"), str):
+            entry["name"] = m["name"]
+        thought = m.get("reasoning_content", m.get("reasoning"))
+        if role == "assistant" and isinstance(thought, str) and thought:
+            entry["reasoning_content"] = thought  # the name Qwen3's and DeepSeek's templates read
+        out.append(entry)
     return out
 
 
+def parse_tools(data: dict) -> tuple[list | None, object]:
+    tools = data.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad("tools must be a list of function tools", "tools", "invalid_type")
+        for j, tool in enumerate(tools):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if (
+                not isinstance(tool, dict)
+                or tool.get("type", "function") != "function"
+                or not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str)
+                or not fn["name"]
+            ):
+                raise bad(
+                    "each tool must be {type: function, function: {name, parameters}}",
+                    f"tools[{j}]",
+                )
+            if "parameters" in fn and not isinstance(fn["parameters"], dict):
+                raise bad("function.parameters must be a JSON schema object", f"tools[{j}]")
+        tools = tools or None
+    choice = data.get("tool_choice")
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+            raise bad("tool_choice must be none, auto, required or a named function", "tool_choice")
+        names = [t["function"]["name"] for t in tools or []]
+        if fn["name"] not in names:
+            raise bad(f"tool_choice names {fn['name']!r}, which is not in tools", "tool_choice")
+        choice = {"type": "function", "function": {"name": fn["name"]}}
+    elif choice not in ("none", "auto", "required"):
+        raise bad("tool_choice must be none, auto, required or a named function", "tool_choice")
+    if choice == "required" and not tools:
+        raise bad("tool_choice required needs tools", "tool_choice")
+    return tools, choice
+
+
+def chat_logprobs(data: dict) -> int | None:
+    want = data.get("logprobs")
+    if want not in (None, True, False):
+        raise bad("logprobs must be a boolean", "logprobs", "invalid_type")
+    top = integer(data, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not want:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if want else None
+
+
 def parse_chat(data: dict, limits: Limits) -> GenRequest:
-    check_keys(data, CHAT_KEYS)
-    messages = parse_messages(data.get("messages"))
+    ignored = check_keys(data, CHAT_KEYS)
+    in_messages: set[str] = set()
+    messages = parse_messages(data.get("messages"), in_messages)
     max_tokens = data.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = data.get("max_tokens")
@@ -302,11 +453,14 @@ def parse_chat(data: dict, limits: Limits) -> GenRequest:
             "chat_template_kwargs",
         )
     req.chat_template_kwargs = kwargs
+    req.tools, req.tool_choice = parse_tools(data)
+    req.logprobs = chat_logprobs(data)
+    req.ignored = ignored + sorted(n for n in in_messages if isinstance(n, str))
     return req
 
 
 def parse_completion(data: dict, limits: Limits) -> GenRequest:
-    check_keys(data, COMPLETION_KEYS)
+    ignored = check_keys(data, COMPLETION_KEYS)
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -317,7 +471,15 @@ def parse_completion(data: dict, limits: Limits) -> GenRequest:
             )
     elif not isinstance(prompt, str) or not prompt:
         raise bad("prompt must be a non-empty string or a list of token ids", "prompt")
-    return common(data, "completion", prompt, limits, data.get("max_tokens"))
+    req = common(data, "completion", prompt, limits, data.get("max_tokens"))
+    want = data.get("logprobs")
+    if want is not None and (isinstance(want, bool) or not isinstance(want, int)):
+        raise bad("logprobs must be an integer (how many top tokens) or null", "logprobs")
+    if want is not None and not 0 <= want <= MAX_TOP_LOGPROBS:
+        raise bad(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {want}", "logprobs")
+    req.logprobs = want
+    req.ignored = ignored
+    return req
 
 
 # ----------------------------------------------------------------------------- responses

@@ -1,10 +1,16 @@
-"""One generation worker: a FIFO queue of jobs, one stream at a time, caches kept across requests.
+"""One generation worker: queued jobs, one stream at a time, caches kept across requests.
 
 Single-stream decoding is the memory-bound regime speculation is for, so requests queue and one
 thread decodes. The HTTP side (app.py) talks to the worker through `Job`: the worker puts
-("text", str), then ("done", Outcome) or ("error", ApiError) on the job's asyncio queue; the
-HTTP side sets `job.cancelled` when its client leaves. The worker checks that flag, the job's
-deadline and shutdown between verify rounds, so a stopped job frees the engine within a round.
+("delta", output.Delta) items, then ("done", Outcome) or ("error", ApiError) on the job's
+asyncio queue; the HTTP side calls `Engine.withdraw` (a queued job leaves the queue at once) or
+sets `job.cancelled` when its client leaves. The worker checks that flag, the job's deadline and
+shutdown between verify rounds and between prefill chunks, so a stopped job frees the engine
+within a round or a chunk.
+
+Partitions: every API key (one partition when there is no key, or with --shared-history) has
+its own prompt cache and history index, so no request drafts from, reuses the KV cache of, or
+can time another key's text. The queue is one per partition, served round robin.
 """
 
 from __future__ import annotations
@@ -12,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
-import queue
 import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -28,9 +34,11 @@ from mlx_lm.utils import common_prefix_len
 
 from ..drafters import LookupThenModel, ModelDrafter, NGramDrafter
 from ..engine import encode_prompt, make_decoder, stream_rounds
-from ..errors import SpecError
+from ..errors import Aborted, SpecError
 from ..history import HistoryIndex
+from ..processors import make_processors
 from ..stats import Stats
+from .output import Output, check_tool_choice, forced_prefix
 from .protocol import ApiError, GenRequest, speculation, usage
 from .stops import StopText
 
@@ -117,6 +125,7 @@ class PromptCache:
             lookup = lookup_of(best.drafter)
             if lookup is not None:
                 lookup.history = self.history
+        best.last_used = time.monotonic()
         self.entries.append(best)
         return best
 
@@ -180,20 +189,27 @@ class Engine:
         max_queue: int = 16,
         prompt_cache_bytes: int = 2 << 30,
         history_tokens: int = 0,
+        max_queue_per_key: int | None = None,
+        raw_reasoning: bool = False,
     ):
         self.loader, self.models = loader, models
         self.max_queue, self.prompt_cache_bytes = max_queue, prompt_cache_bytes
         self.history_tokens = history_tokens  # 0: no history lookup
+        self.max_queue_per_key = max_queue_per_key  # None: the whole queue
+        self.raw_reasoning = raw_reasoning  # think text stays in content
         self.metrics = Metrics()
-        self.pending: queue.Queue = queue.Queue()
+        self.queues: dict[str, deque] = {}  # partition -> its waiting jobs
+        self.turns: deque = deque()  # partitions with waiting jobs, next to serve first
+        self.partitions: dict[str, tuple] = {}  # key -> (PromptCache, HistoryIndex | None)
         self.lock = threading.RLock()  # begin_shutdown may run in a signal handler
+        self.ready = threading.Condition(self.lock)
         self.waiting = 0  # jobs queued, not yet taken
         self.busy = False
         self.closing = False
         self.current: Job | None = None
         self.recent_seconds: list[float] = []  # durations of the last jobs (Retry-After)
         self.thread = threading.Thread(target=self._run, name="mlx-spec-engine", daemon=True)
-        self.ready: Future = Future()  # the start-up pair is resident (or failed to load)
+        self.loaded: Future = Future()  # the start-up pair is resident (or failed to load)
         self._install(pair, name)
 
     # ------------------------------------------------------------------ pair and caches
@@ -209,6 +225,51 @@ class Engine:
         if self.pair is None or not self.pair.speculative:
             return "none"
         return self.pair.drafter
+
+    def _partition(self, key: str) -> tuple:
+        """The prompt cache and history of one partition (the default one is `cache` and
+        `history`, made by `_install`); made again after a swap."""
+        if key == "":
+            return self.cache, self.history
+        entry = self.partitions.get(key)
+        if entry is None or entry[0].pair is not self.pair:
+            lookup = self.pair is not None and self.pair.drafter in LOOKUP_DRAFTERS
+            history = HistoryIndex(self.history_tokens) if lookup and self.history_tokens else None
+            entry = (PromptCache(self.pair, self.prompt_cache_bytes, history), history)
+            self.partitions[key] = entry
+        return entry
+
+    def all_caches(self) -> list:
+        caches = [self.cache]
+        caches += [c for c, _ in self.partitions.values() if c.pair is self.pair]
+        return caches
+
+    def history_size(self) -> int:
+        histories = [self.history] + [h for c, h in self.partitions.values() if c.pair is self.pair]
+        return sum(len(h) for h in histories if h is not None)
+
+    def trim_caches(self) -> None:
+        """Keep all partitions' kept caches within --prompt-cache together, least recently
+        used first (a partition's size says how much was kept, never what)."""
+        caches = self.all_caches()
+        for c in caches:
+            c.entries = [d for d in c.entries if d.sequence]
+        kept = sorted(
+            (
+                (getattr(d, "last_used", 0.0), decoder_bytes(d), c, d)
+                for c in caches
+                for d in c.entries
+            ),
+            key=lambda t: t[0],
+        )
+        total = sum(t[1] for t in kept)
+        for _, size, c, d in kept:
+            if total <= self.prompt_cache_bytes:
+                break
+            c.entries.remove(d)
+            total -= size
+        for c in caches:
+            c.bytes = sum(decoder_bytes(d) for d in c.entries)
 
     def _pair_for(self, model: str):
         if model == self.name and self.pair is not None:
@@ -235,7 +296,7 @@ class Engine:
     def start(self) -> None:
         self.thread.start()
         try:
-            self.ready.result()  # the loader's error, if any, is raised here (before serving)
+            self.loaded.result()  # the loader's error, if any, is raised here (before serving)
         except Exception:
             self.thread.join()  # it ends right after a failed load
             raise
@@ -245,7 +306,8 @@ class Engine:
         mean = sum(self.recent_seconds) / len(self.recent_seconds) if self.recent_seconds else 1
         return max(1, min(60, math.ceil(mean)))
 
-    def submit(self, job: Job) -> None:
+    def check_capacity(self, partition: str = "") -> None:
+        """A 503 or 429 now, before a request's body is read, when it could not be queued."""
         with self.lock:
             if self.closing:
                 raise ApiError(503, "the server is shutting down", code="shutting_down")
@@ -258,25 +320,75 @@ class Engine:
                     code="rate_limit_exceeded",
                     headers={"Retry-After": str(self.retry_after())},
                 )
+            mine = len(self.queues.get(partition, ()))
+            if self.max_queue_per_key is not None and mine >= max(self.max_queue_per_key, 1):
+                raise ApiError(
+                    429,
+                    f"this API key already has {mine} requests queued"
+                    f" (--max-queue-per-key {self.max_queue_per_key}); retry later",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": str(self.retry_after())},
+                )
+
+    def submit(self, job: Job) -> None:
+        key = job.request.partition
+        with self.lock:
+            self.check_capacity(key)
             self.waiting += 1
-        self.pending.put(job)
+            if key not in self.queues or not self.queues[key]:
+                self.queues[key] = deque()
+                self.turns.append(key)
+            self.queues[key].append(job)
+            self.ready.notify()
+
+    def withdraw(self, job: Job) -> bool:
+        """A queued job whose client left: out of the queue now (True), not when its turn
+        would have come. False when the worker already took it."""
+        key = job.request.partition
+        with self.lock:
+            waiting = self.queues.get(key)
+            if not waiting or job not in waiting:
+                return False
+            waiting.remove(job)
+            self.waiting -= 1
+            if not waiting:
+                self.turns.remove(key)
+                del self.queues[key]
+            self.metrics.cancelled += 1
+            return True
+
+    def _next_job(self) -> Job | None:
+        """The next job, round robin over partitions; None once shutting down and empty."""
+        with self.ready:
+            while not self.turns:
+                if self.closing:
+                    return None
+                self.ready.wait()
+            key = self.turns.popleft()
+            waiting = self.queues[key]
+            job = waiting.popleft()
+            if waiting:
+                self.turns.append(key)  # its next job after the other partitions' next ones
+            else:
+                del self.queues[key]
+            self.waiting -= 1
+            self.busy, self.current = True, job
+            return job
 
     def begin_shutdown(self, grace: float) -> None:
         """Refuse new jobs, answer queued ones 503, give the running one `grace` seconds."""
         with self.lock:
             self.closing = True
-            while True:
-                try:
-                    job = self.pending.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    self.waiting -= 1
+            for waiting in self.queues.values():
+                for job in waiting:
                     job.put("error", ApiError(503, "the server is shutting down"))
+            self.queues.clear()
+            self.turns.clear()
+            self.waiting = 0
             current = self.current
             if current is not None:
                 current.deadline = min(current.deadline, time.monotonic() + grace)
-        self.pending.put(None)
+            self.ready.notify_all()
 
     def stop(self, grace: float = 0.0, timeout: float | None = None) -> None:
         self.begin_shutdown(grace)
@@ -288,16 +400,13 @@ class Engine:
             if self.pair is None and self.name:
                 self._install(self.loader(self.name), self.name)
         except BaseException as err:
-            self.ready.set_exception(err)
+            self.loaded.set_exception(err)
             return
-        self.ready.set_result(None)
+        self.loaded.set_result(None)
         while True:
-            job = self.pending.get()
+            job = self._next_job()
             if job is None:
                 return
-            with self.lock:
-                self.waiting -= 1
-                self.busy, self.current = True, job
             start = time.monotonic()
             try:
                 self._serve(job)
@@ -318,6 +427,12 @@ class Engine:
             return
         try:
             self._generate(job)
+        except Aborted:  # before the prefill: the client left or the deadline passed
+            if job.cancelled.is_set():
+                self.metrics.cancelled += 1
+            else:
+                self.metrics.timeouts += 1
+                job.put("error", timeout_error())
         except ApiError as err:
             job.put("error", err)
         except SpecError as err:  # bad input found by the engine: a prompt too long, ...
@@ -326,19 +441,41 @@ class Engine:
             traceback.print_exc(file=sys.stderr)
             job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
 
-    def _generate(self, job: Job) -> None:
-        req = job.request
-        pair = self._pair_for(req.model)
+    def _prompt(self, pair, req: GenRequest) -> list[int]:
+        """The request's tokens: the chat template with the tools (and a forced tool-call
+        start for tool_choice required / named), raw text or token ids."""
+        kwargs = dict(req.chat_template_kwargs or {})
+        use_tools = req.kind == "chat" and req.tools and req.tool_choice != "none"
+        if use_tools:
+            kwargs["tools"] = req.tools
         try:
-            tokens = encode_prompt(
-                pair.tokenizer, req.prompt, template_kwargs=req.chat_template_kwargs
-            )
+            tokens = encode_prompt(pair.tokenizer, req.prompt, template_kwargs=kwargs or None)
         except TemplateError as err:  # e.g. "roles must alternate": the messages, not a bug
             raise ApiError(
                 400, f"the chat template rejected the messages: {err}", "messages"
             ) from None
-        decoder = self.cache.take(tokens)
+        if use_tools and req.tool_choice not in ("auto", "none"):
+            check_tool_choice(pair.tokenizer, req)
+            forced = forced_prefix(pair.tokenizer, req.tool_choice)
+            tokens += pair.tokenizer.encode(forced, add_special_tokens=False)
+        return tokens
+
+    def _generate(self, job: Job) -> None:
+        req = job.request
+        pair = self._pair_for(req.model)
+        if req.kind == "chat" and req.tools and req.tool_choice not in ("auto", "none"):
+            check_tool_choice(pair.tokenizer, req)
+        cache, history = self._partition(req.partition)
+        tokens = self._prompt(pair, req)
+
+        def abort() -> bool:  # asked between prefill chunks
+            return job.cancelled.is_set() or time.monotonic() > job.deadline
+
+        if abort():  # the client left (or time ran out) while the template was rendered
+            raise Aborted("stopped before the prefill")
+        decoder = cache.take(tokens)
         stats, stops = Stats(), StopText(req.stop)
+        output = Output(pair.tokenizer, req, tokens, self.raw_reasoning)
         rounds = stream_rounds(
             pair,
             tokens,
@@ -350,13 +487,31 @@ class Engine:
             seed=req.seed,
             decoder=decoder,
             stats=stats,
+            processors=make_processors(**req.penalties),
+            logprobs=req.logprobs,
+            abort=abort,
         )
         ended = None  # why generation stopped early: "stop", "cancelled", "timeout"
+        held: list = []  # (start offset in the raw text, logprob entry) not yet released
+        produced = released = 0  # characters generated / let through the stop strings
         try:
             for batch in rounds:
                 text = stops.feed("".join(e.text for e in batch))
-                if text:
-                    job.put("text", text)
+                entries = None
+                if req.logprobs is not None:
+                    for e in batch:
+                        held.append((produced, output.entry(e.token, e.logprob, e.top_logprobs)))
+                        produced += len(e.text)
+                    released += len(text)
+                    nothing_held = not stops.pending and not stops.stopped
+                    ready = [
+                        x for x in held if x[0] < released or (nothing_held and x[0] <= released)
+                    ]
+                    held = held[len(ready) :]
+                    entries = [x[1] for x in ready]
+                delta = output.feed(text, entries)
+                if delta:
+                    job.put("delta", delta)
                 if stops.stopped:
                     ended = "stop"
                 elif job.cancelled.is_set():
@@ -365,12 +520,14 @@ class Engine:
                     ended = "timeout"
                 if ended:
                     break
+        except Aborted:
+            ended = "cancelled" if job.cancelled.is_set() else "timeout"
         finally:
             rounds.close()  # between rounds: the decoder stays consistent for the next job
-            self.cache.trim()
+            self.trim_caches()
         self.metrics.add(stats)
-        if self.history is not None:
-            self.history.add(decoder.sequence)
+        if history is not None:
+            history.add(decoder.sequence)
         if ended == "cancelled":
             self.metrics.cancelled += 1
             return
@@ -379,11 +536,17 @@ class Engine:
             job.put("error", timeout_error())
             return
         if ended is None:
-            tail = stops.flush()
+            tail = output.feed(stops.flush(), [x[1] for x in held] if held else None)
             if tail:
-                job.put("text", tail)
-        spec = speculation(stats, self.drafter, self.history is not None)
-        job.put("done", Outcome(ended or stats.finish_reason, usage(stats), spec))
+                job.put("delta", tail)
+        last = output.finish()
+        if last:
+            job.put("delta", last)
+        finish = ended or stats.finish_reason
+        if output.calls and finish == "stop":
+            finish = "tool_calls"
+        spec = speculation(stats, self.drafter, history is not None)
+        job.put("done", Outcome(finish, usage(stats), spec))
 
 
 def timeout_error() -> ApiError:
