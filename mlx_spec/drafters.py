@@ -15,6 +15,7 @@ from mlx_lm.utils import common_prefix_len
 
 from . import caches
 from .errors import SpecError
+from .processors import LogitsProcessor, apply
 from .sampling import SamplingParams, probabilities, sample
 
 
@@ -28,11 +29,18 @@ class Drafter(Protocol):
         """Forget everything (the next prefill starts from nothing)."""
 
     def propose(
-        self, k: int, params: SamplingParams, key: mx.array, stop_below: float = 0.0
+        self,
+        k: int,
+        params: SamplingParams,
+        key: mx.array,
+        stop_below: float = 0.0,
+        *,
+        processors: list[LogitsProcessor] = (),
     ) -> tuple[mx.array, mx.array | None]:
         """Up to k draft tokens (k,) and, unless greedy or deterministic, their distributions
         q (k, vocab). Lazy. A drafter with its own distribution may stop early after a token
-        whose top probability is below `stop_below`."""
+        whose top probability is below `stop_below`, and applies `processors` (processors.py)
+        to each step's logits, as the engine does to the target's."""
 
     def commit(self, kept: list[int]) -> None:
         """The round emitted `kept`: the accepted draft tokens, then the target's one."""
@@ -107,17 +115,21 @@ class ModelDrafter:
             self.cached += self.pending[:-1]
             self.pending = self.pending[-1:]
 
-    def propose(self, k, params, key, stop_below=0.0):
+    def propose(self, k, params, key, stop_below=0.0, *, processors=()):
         self.ran, self.fed, self.steps, self.snapshots = k > 0, 0, 0, []
         if k == 0:
             return mx.zeros((0,), mx.uint32), None
         keys = mx.random.split(key, k)
         y = mx.array(self.pending)
         tokens, qs, top = [], [], []
+        context = self.cached + self.pending if processors else None  # the sequence so far
         for i in range(k):
             logits = self.model(y[None], cache=self.cache)[0, -1]  # (vocab,)
             if self.vocab is not None and logits.shape[-1] > self.vocab:
                 logits = logits[: self.vocab]  # padding rows the target cannot embed
+            if processors:  # the step's row depends on the tokens drafted so far: read them
+                drafted = [int(t.item()) for t in tokens]
+                logits = apply(processors, context, drafted, logits[None])[0]
             if self.recurrent:  # the state after pending + x1..xi: commit may return to it
                 self.snapshots.append(caches.snapshot(self.cache))
             self.steps += 1
@@ -212,7 +224,9 @@ class NGramDrafter:
         """Whether a round now would draft anything (a dictionary look-up: free)."""
         return bool(self.lookup(1))
 
-    def propose(self, k, params, key, stop_below=0.0):
+    def propose(self, k, params, key, stop_below=0.0, *, processors=()):
+        # the guess is not masked: a token a processor forbids gets probability 0 from the
+        # target's row, so verification rejects it
         return mx.array(self.lookup(k), mx.uint32), None  # None: a point mass on the guess
 
     def commit(self, kept):
@@ -243,12 +257,12 @@ class LookupThenModel:
     def catch_up(self) -> None:
         self.model.catch_up()
 
-    def propose(self, k, params, key, stop_below=0.0):
+    def propose(self, k, params, key, stop_below=0.0, *, processors=()):
         guess = self.lookup.lookup(k)
         if guess:
             self.steps = 0
             return mx.array(guess, mx.uint32), None  # a point mass on each guess
-        proposal = self.model.propose(k, params, key, stop_below)
+        proposal = self.model.propose(k, params, key, stop_below, processors=processors)
         self.steps = self.model.steps
         return proposal
 
