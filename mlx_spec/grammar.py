@@ -231,13 +231,17 @@ class GrammarProcessor:
     def __call__(self, context: list[int], proposed: list[int], logits: mx.array) -> mx.array:
         n, width = logits.shape
         self._sync(context[self.start :])
-        rows = [self.allowed_now(width)]
-        for token in proposed[: n - 1]:
-            if not self._try(int(token)):
-                break  # rows after a token the grammar refuses are never reached
+        offset = len(proposed) + 1 - n  # rows align to the end of `proposed` (processors.py)
+        rows = []
+        if all(self._try(int(t)) for t in proposed[:offset]):
             rows.append(self.allowed_now(width))
+            for token in proposed[offset : offset + n - 1]:
+                if not self._try(int(token)):
+                    break  # rows after a token the grammar refuses are never reached
+                rows.append(self.allowed_now(width))
         mask = np.ones((n, width), bool)
-        mask[: len(rows)] = np.stack(rows)
+        if rows:
+            mask[: len(rows)] = np.stack(rows)
         return mx.where(mx.array(mask), logits, mx.array(-mx.inf, logits.dtype))
 
     # ------------------------------------------------------------------ forced tokens

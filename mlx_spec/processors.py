@@ -13,7 +13,10 @@ The engine calls each processor, in order:
 - in a model drafter, on each draft step: `proposed` = the tokens drafted so far this round,
   logits (1, V), before `sampling.probabilities` / argmax.
 
-Row i of `logits` is the distribution after `context + proposed[:i]`. A processor may leave
+Rows align to the end of `proposed`: in a verify pass (n = len(proposed) + 1) row i is the
+distribution after `context + proposed[:i]`; in a draft step (n = 1) the one row is the
+distribution after `context + proposed`. In general row i follows
+`context + proposed[:len(proposed) + 1 - n + i]`. A processor may leave
 rows after a proposed token it rejects (a lookup guess outside a grammar) in any finite state:
 verification never reaches them, since that token gets probability 0 at its own row.
 """

@@ -80,6 +80,7 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     chat_template_kwargs: dict | None = None
+    constraint: dict | None = None  # response_format as engine keywords: {"schema": {...}}
 
 
 COMMON = {
@@ -99,6 +100,7 @@ COMMON = {
     "frequency_penalty",
     "logit_bias",
     "logprobs",
+    "response_format",
 }
 CHAT_KEYS = COMMON | {
     "messages",
@@ -109,7 +111,6 @@ CHAT_KEYS = COMMON | {
     "parallel_tool_calls",
     "functions",
     "function_call",
-    "response_format",
     "chat_template_kwargs",
 }
 COMPLETION_KEYS = COMMON | {"prompt", "echo", "best_of", "suffix"}
@@ -127,7 +128,6 @@ NO_OP = {
     "tool_choice": ("none",),
     "function_call": ("none",),
     "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},),
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
@@ -141,7 +141,6 @@ NOT_IMPLEMENTED = {
     "tool_choice": "tools (function calling) are not implemented",
     "function_call": "function calling is not implemented",
     "parallel_tool_calls": "parallel_tool_calls must be a boolean",
-    "response_format": "response_format other than text is not implemented",
     "logit_bias": "logit_bias is not implemented",
     "presence_penalty": "presence_penalty is not implemented",
     "frequency_penalty": "frequency_penalty is not implemented",
@@ -203,6 +202,54 @@ def stops(data: dict) -> list[str]:
     return value
 
 
+JSON_OBJECT_SCHEMA = {"type": "object"}  # json_object: any JSON object
+
+
+def response_format(data: dict) -> dict | None:
+    """OpenAI's response_format -> {"schema": ...} for the engine (None: plain text).
+    json_object: any JSON object; json_schema: {"name", "schema", "strict", "description"},
+    the schema enforced exactly whether strict is true or not."""
+    value = data.get("response_format")
+    if value is None:
+        return None
+    param = "response_format"
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad("response_format must be an object with a type", param, "invalid_type")
+    kind = value["type"]
+    if kind == "text":
+        extra = sorted(set(value) - {"type"})
+    elif kind == "json_object":
+        extra = sorted(set(value) - {"type"})
+    elif kind == "json_schema":
+        extra = sorted(set(value) - {"type", "json_schema"})
+    else:
+        raise bad(
+            f"response_format type must be text, json_object or json_schema, got {kind!r}",
+            f"{param}.type",
+        )
+    if extra:
+        raise bad(f"unsupported response_format field {extra[0]!r}", f"{param}.{extra[0]}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"schema": JSON_OBJECT_SCHEMA}
+    spec = value.get("json_schema")
+    param = f"{param}.json_schema"
+    if not isinstance(spec, dict):
+        raise bad("json_schema must be an object with a schema", param, "invalid_type")
+    extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if extra:
+        raise bad(f"unsupported json_schema field {extra[0]!r}", f"{param}.{extra[0]}")
+    if spec.get("name") is not None and not isinstance(spec["name"], str):
+        raise bad("json_schema.name must be a string", f"{param}.name", "invalid_type")
+    if spec.get("strict") not in (None, True, False):
+        raise bad("json_schema.strict must be a boolean", f"{param}.strict", "invalid_type")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad("json_schema.schema must be a JSON Schema object", f"{param}.schema")
+    return {"schema": schema}
+
+
 def common(data: dict, kind: str, prompt, limits: Limits, max_tokens) -> GenRequest:
     model = data.get("model")
     if not isinstance(model, str) or not model:
@@ -228,6 +275,13 @@ def common(data: dict, kind: str, prompt, limits: Limits, max_tokens) -> GenRequ
             f"max_tokens must be in [1, {limits.max_tokens}] on this server, got {max_tokens}",
             "max_tokens",
         )
+    constraint = response_format(data)
+    if constraint is not None and data.get("stop"):
+        raise bad(
+            "stop cannot be combined with a JSON response_format: a stop string could cut the "
+            "JSON short",
+            "stop",
+        )
     return GenRequest(
         kind=kind,
         model=model,
@@ -241,6 +295,7 @@ def common(data: dict, kind: str, prompt, limits: Limits, max_tokens) -> GenRequ
         stop=stops(data),
         stream=bool(stream),
         include_usage=bool(options and options.get("include_usage")),
+        constraint=constraint,
     )
 
 
@@ -347,6 +402,7 @@ def speculation(stats, drafter: str, history: bool) -> dict:
         "target_passes": stats.target_passes,
         "prompt_tokens_reused": stats.prompt_tokens_reused,
         "tokens_per_second": round(stats.tokens_per_second, 2),
+        "forced_tokens": stats.forced_tokens,  # drafted by the response_format's grammar
     }
 
 

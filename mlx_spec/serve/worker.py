@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import common_prefix_len
 
 from ..drafters import LookupThenModel, ModelDrafter, NGramDrafter
-from ..engine import encode_prompt, make_decoder, stream_rounds
+from ..engine import constraint_for, encode_prompt, make_decoder, stream_rounds
 from ..errors import SpecError
 from ..history import HistoryIndex
 from ..stats import Stats
@@ -321,6 +321,12 @@ class Engine:
             raise ApiError(
                 400, f"the chat template rejected the messages: {err}", "messages"
             ) from None
+        constraint = None
+        if req.constraint is not None:  # before the decoder is taken: a bad schema is a 400
+            try:
+                constraint = constraint_for(pair, **req.constraint)
+            except SpecError as err:
+                raise ApiError(400, str(err), "response_format", "invalid_value") from None
         decoder = self.cache.take(tokens)
         stats, stops = Stats(), StopText(req.stop)
         rounds = stream_rounds(
@@ -334,6 +340,7 @@ class Engine:
             seed=req.seed,
             decoder=decoder,
             stats=stats,
+            grammar=constraint,
         )
         ended = None  # why generation stopped early: "stop", "cancelled", "timeout"
         try:
