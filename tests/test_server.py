@@ -297,7 +297,7 @@ def test_follow_up_prefills_only_its_new_tokens(client, pair):
         ({"max_tokens": MAX_TOKENS_LIMIT + 1}, "max_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": "x" * 257}, "stop"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
     ],
 )
 def test_unsupported_or_bad_parameters_are_400(client, extra, param):
