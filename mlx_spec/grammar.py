@@ -171,6 +171,7 @@ class GrammarProcessor:
             raise SpecError(f"the grammar cannot be compiled: {one_line(self.matcher.get_error())}")
         self.consumed: list[int] = []  # the tokens the matcher has consumed
         self.eos = np.array(constraint.eos_ids, dtype=np.int64)
+        self._words = np.zeros(((self.tokenizer.vocab_size + 31) // 32,), np.int32)
         self.mask_seconds = 0.0  # computing allowed sets (llguidance + unpacking)
         self.masks = 0
 
@@ -207,8 +208,9 @@ class GrammarProcessor:
     def allowed_now(self, width: int | None = None) -> np.ndarray:
         """(width,) bool: the tokens the grammar allows after what the matcher consumed."""
         start = time.perf_counter()
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little").astype(bool)
+        words = self._words
+        self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little").view(bool)
         width = width or self.constraint.vocab or allowed.shape[0]
         if allowed.shape[0] >= width:
             allowed = allowed[:width]
