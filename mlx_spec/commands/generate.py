@@ -143,7 +143,7 @@ def reply(pair, args, text: str) -> int:
     )
     if getattr(args, "constraint", None) is not None:
         kwargs["grammar"] = args.constraint
-        kwargs["forced_tokens"] = not args.no_forced_tokens
+        kwargs["forced_tokens"] = not (args.no_forced_tokens or args.no_draft)  # baseline
     if args.json:
         print(json.dumps(generate(pair, prompt, **kwargs).to_json()))
         return 0
