@@ -232,6 +232,8 @@ class GrammarProcessor:
 
     def __call__(self, context: list[int], proposed: list[int], logits: mx.array) -> mx.array:
         n, width = logits.shape
+        if isinstance(proposed, mx.array):  # ids the engine has not read back yet: read them
+            proposed = proposed.tolist()
         self._sync(context[self.start :])
         offset = len(proposed) + 1 - n  # rows align to the end of `proposed` (processors.py)
         rows = []

@@ -36,9 +36,14 @@ class LogitsProcessor(Protocol):
 
 
 def apply(
-    processors: Sequence[LogitsProcessor], context: list[int], proposed: list[int], logits
+    processors: Sequence[LogitsProcessor], context: list[int], proposed, logits: mx.array
 ) -> mx.array:
-    """Run `processors` in order over (n, V) logits."""
+    """Run `processors` in order over (n, V) or (V,) logits. `proposed`: a list of ids or a
+    1-D `mx.array` of them (a processor that needs them on the host reads it)."""
+    if not processors:
+        return logits
+    squeeze = logits.ndim == 1
+    out = logits[None] if squeeze else logits
     for process in processors:
-        logits = process(context, proposed, logits)
-    return logits
+        out = process(context, proposed, out)
+    return out[0] if squeeze else out
