@@ -70,8 +70,12 @@ def allowed(m: llguidance.LLMatcher, width: int) -> np.ndarray:
 
 
 def reference(pair, prompt: str, kind: str, value, max_tokens: int):
-    """Plain constrained greedy decoding: (tokens, finish_reason)."""
-    ids = pair.tokenizer.encode(prompt, add_special_tokens=False)
+    """Plain constrained greedy decoding: (tokens, finish_reason). `prompt`: text or ids."""
+    ids = (
+        prompt
+        if isinstance(prompt, list)
+        else pair.tokenizer.encode(prompt, add_special_tokens=False)
+    )
     m = matcher(pair, kind, value)
     cache = make_prompt_cache(pair.target)
     logits = pair.target(mx.array(ids)[None], cache=cache)[0, -1]
