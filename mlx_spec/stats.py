@@ -188,7 +188,7 @@ class Stats:
         if self.constrained:
             line += f" · {self.constrained}"
             if self.forced_drafted:
-                line += f", {self.forced_tokens} forced tokens"
+                line += f", {self.forced_tokens} forced token{'s' * (self.forced_tokens != 1)}"
         if self.group_size > 1:
             line += (
                 f" · {self.group_size} ranks: {self.collectives_per_token:.1f} collectives/token"

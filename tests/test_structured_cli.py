@@ -58,7 +58,7 @@ def test_the_stats_line_names_the_forced_tokens(tiny_models, capsys):
     ]  # fmt: skip
     assert main(argv) == 0
     captured = capsys.readouterr()
-    assert "regex" in captured.err and "forced tokens" in captured.err
+    assert "regex" in captured.err and "forced token" in captured.err
     assert captured.out.startswith(("the ", "a "))
 
 
