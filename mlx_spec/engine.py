@@ -183,7 +183,10 @@ class Decoder:
         last = time.perf_counter()  # wall time between round starts: the consumer's share too
         while emitted < max_tokens:
             if forced is not None:
-                guess = forced.forced(self.sequence, min(FORCED_MAX, max_tokens - emitted - 1))
+                limit = min(FORCED_MAX, max_tokens - emitted - 1)
+                # a recurrent target replaying rejected rounds needs a round that cannot be
+                # rejected (as below): no forced draft then
+                guess = forced.forced(self.sequence, limit) if self.unfed <= REPLAY_LIMIT else []
                 if guess:
                     r = self._speculative_round(len(guess), params, 0.0, proposal=guess)
                     emitted += len(r.tokens)
