@@ -151,11 +151,24 @@ def run_mlx_spec(pair, prompt_ids, max_tokens, temperature, k, seed) -> Run:
     )
 
 
+def mlx_lm_speculates(pair) -> bool:
+    """Whether mlx-lm's speculative path takes this pair: a draft model, and caches it can
+    trim (it raises for a recurrent state: Qwen3.5, Mamba)."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+    if pair.draft is None:
+        return False
+    return all(can_trim_prompt_cache(make_prompt_cache(m)) for m in (pair.target, pair.draft))
+
+
 def run_bench(pair, prompts: dict[str, str], temps, ks, runs: int, max_tokens: int, progress=None):
     configs = [(run_mlx_lm, 0), (run_mlx_spec, 0)]
+    peer = pair.speculative and mlx_lm_speculates(pair)
+    if pair.speculative and pair.draft is not None and not peer and progress:
+        progress("mlx-lm's speculative path refuses this pair (a cache it cannot trim): no rows")
     if pair.speculative:
         for k in ks:
-            if pair.draft is not None and k != "auto":  # mlx-lm: a model and a fixed k only
+            if peer and k != "auto":  # mlx-lm: a model and a fixed k only
                 configs.append((run_mlx_lm, k))
             configs.append((run_mlx_spec, k))
     results: list[Run] = []

@@ -45,6 +45,9 @@ class Drafter(Protocol):
     def commit(self, kept: list[int]) -> None:
         """The round emitted `kept`: the accepted draft tokens, then the target's one."""
 
+    def settle(self) -> None:
+        """Evaluate any state kept between replies (see Decoder.settle)."""
+
     steps: int  # draft-model forward passes the last `propose` queued (0 without a model)
 
 
@@ -119,7 +122,7 @@ class ModelDrafter:
         self.ran, self.fed, self.steps, self.snapshots = k > 0, 0, 0, []
         if k == 0:
             return mx.zeros((0,), mx.uint32), None
-        keys = mx.random.split(key, k)
+        keys = None if params.greedy else mx.random.split(key, k)
         y = mx.array(self.pending)
         tokens, qs, top = [], [], []
         context = self.cached + self.pending if processors else None  # the sequence so far
@@ -152,6 +155,9 @@ class ModelDrafter:
             if not params.greedy:
                 qs.append(q)
         return mx.concatenate(tokens), (mx.stack(qs) if qs else None)
+
+    def settle(self) -> None:
+        caches.eval_state(self.cache)
 
     def commit(self, kept):
         if not self.ran:  # nothing drafted (k = 0, or another drafter proposed)
@@ -229,6 +235,9 @@ class NGramDrafter:
         # target's row, so verification rejects it
         return mx.array(self.lookup(k), mx.uint32), None  # None: a point mass on the guess
 
+    def settle(self) -> None:
+        pass  # token ids only
+
     def commit(self, kept):
         start = len(self.tokens)
         self.tokens += kept
@@ -265,6 +274,9 @@ class LookupThenModel:
         proposal = self.model.propose(k, params, key, stop_below, processors=processors)
         self.steps = self.model.steps
         return proposal
+
+    def settle(self) -> None:
+        self.model.settle()
 
     def commit(self, kept):
         self.lookup.commit(kept)

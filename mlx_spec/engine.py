@@ -89,6 +89,7 @@ class Decoder:
         self.unfed = 1
         self.stale = False  # the caches may not match `sequence`: the next prefill starts over
         self.key = mx.random.key(check_seed(seed) if seed is not None else time.time_ns() % 2**63)
+        mx.eval(self.key)  # nothing lazy may cross to the thread that generates (threads.py)
         self.pair = None  # the pair `make_decoder` made it for
         self.epoch = 0  # incremented by each stream that takes the decoder
         self.active = False  # a stream took it and has not finished cleanly
@@ -113,6 +114,14 @@ class Decoder:
         self.active = True
         self.epoch += 1
         return self.epoch
+
+    def settle(self) -> None:
+        """Evaluate everything the decoder keeps between replies (key, caches, drafter
+        state): the next reply may run on another thread, where a lazy array cannot be
+        evaluated (threads.py), and a graph kept across replies would only grow."""
+        caches.eval_state(self.cache, self.key)
+        if self.drafter is not None:
+            self.drafter.settle()
 
     def _next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -247,7 +256,9 @@ class Decoder:
     ) -> Round:
         """One round; `proposal`: draft these tokens (forced by a grammar), not the drafter's."""
         requested, start = k, time.perf_counter()
-        key = self._next_key()
+        # greedy rounds draw nothing: splitting the key anyway would grow its lazy graph by a
+        # node per round for the whole conversation
+        key = None if params.greedy else self._next_key()
         drafter = self.drafter if proposal is None else None
         if drafter is not None:  # (k,), (k, V) | None
             draft_tokens, q = drafter.propose(
@@ -637,8 +648,10 @@ def stream_rounds(
         rounds.close()  # plain decoding rolls back its look-ahead step here
         if decoder.epoch == epoch:
             decoder.active = decoder.stale
+            decoder.settle()
         raise
     decoder.active = False
+    decoder.settle()
 
 
 def token_kind(r: Round, i: int) -> tuple[str, list[int]]:

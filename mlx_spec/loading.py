@@ -16,6 +16,7 @@ from .caches import make_cache
 from .errors import SpecError
 from .policies import Auto, DraftLength, draft_length
 from .registry import DRAFTERS
+from .threads import materialize
 
 DEFAULT_NUM_DRAFT_TOKENS = Auto()  # the controller: k from measured costs and acceptance
 DEMO_INSTALL_HINT = (
@@ -533,6 +534,7 @@ def load_draft_model(pair: Pair):
     model = _draft_model(pair.target_path, pair.draft_path, pair.draft_bits, pair.draft_group_size)
     if model is None:
         raise SpecError("this pair has no draft model")
+    materialize(model)
     return model
 
 
@@ -647,6 +649,7 @@ def load_pair(
     if draft_model is not None:  # refused now, not at the first round
         make_cache(target_model, "target")
         make_cache(draft_model, "draft")
+    materialize(target_model, draft_model)  # usable from any thread (threads.py)
 
     if num_draft_tokens is None:
         # a pair's fixed k was chosen for its own drafter; another drafter gets the controller

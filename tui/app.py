@@ -1,7 +1,9 @@
 """`mlx-spec chat`: chat with a model pair and watch speculation happen, token by token.
 
-Generation runs in a thread worker that posts one message per verify round; a ~30 Hz timer
-re-renders only what changed, so the UI never waits on the model and vice versa.
+Loading and generation run on one dedicated thread (`ModelThread`: MLX's streams are per
+thread, so the models stay on the thread that loaded them); the reply posts one message per
+verify round, and a ~30 Hz timer re-renders only what changed, so the UI never waits on the
+model and vice versa.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
+from textual.reactive import var
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Input, OptionList, ProgressBar, Static
 from textual.widgets.option_list import Option
@@ -22,11 +25,12 @@ from textual.worker import get_current_worker
 from mlx_spec import SpecError, Stats, make_decoder, stream_rounds
 from mlx_spec.loading import DownloadProgress
 from mlx_spec.policies import Auto, Fixed, draft_length
+from mlx_spec.threads import ModelThread
 
 from .widgets import ReplyView, StatsPanel
 
 REFRESH_HZ = 30
-K_MAX = 16
+FIXED_K_MAX = 16  # f4 steps a fixed k up to here (`auto` keeps to policies.K_MAX)
 
 
 class RoundMessage(Message):
@@ -142,6 +146,12 @@ class ChatApp(App):
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
+    # the settings the panel shows: each change re-renders it (watch_ below)
+    stats_panel: StatsPanel | None = None  # found in on_mount
+    k = var(None)  # policies.Fixed / Auto; None until a pair gives its own default
+    temperature = var(0.0)
+    speculation = var(True)
+
     def __init__(
         self,
         pair=None,
@@ -163,11 +173,13 @@ class ChatApp(App):
         self.pair = None
         self.loader = loader
         self.pair_name = pair_name
-        self.k = None if num_draft_tokens is None else draft_length(num_draft_tokens)
-        self.temperature = temperature
+        # reactives, set without their watchers: the panel they refresh is not mounted yet
+        self.set_reactive(
+            ChatApp.k, None if num_draft_tokens is None else draft_length(num_draft_tokens)
+        )
+        self.set_reactive(ChatApp.temperature, temperature)
         self.max_tokens = max_tokens
         self.seed = seed
-        self.speculation = True
         self.show_rejected = False  # f8: the draft's losing guesses, struck through
         self.compare = compare
         self.fold_thinking = False  # f10: <think> blocks folded
@@ -178,7 +190,9 @@ class ChatApp(App):
         self.history: list[dict] = list(saved["messages"]) if saved else []
         if saved and system is None:
             self.system = saved.get("system")
-        self.decoder = None
+        self.decoder = None  # made on the model thread, by the first reply with a pair
+        # every load and every reply runs here, in order (not on Textual's shared pool)
+        self.models = ModelThread("mlx-spec-chat")
         self.reply: ReplyView | None = None  # the reply being generated
         # set by escape / quit; the worker checks it between rounds. A flag of our own rather
         # than Worker.cancel(): a cancelled thread worker may never start (and never report),
@@ -226,7 +240,18 @@ class ChatApp(App):
     def set_status(self, text: str) -> None:
         self.status_line.update(text)
 
+    def watch_k(self) -> None:
+        self.show_settings()
+
+    def watch_temperature(self) -> None:
+        self.show_settings()
+
+    def watch_speculation(self) -> None:
+        self.show_settings()
+
     def show_settings(self) -> None:
+        if self.stats_panel is None:  # a setting changed before the app was mounted
+            return
         self.stats_panel.show(
             pair=self.pair_name or "custom",
             speculation=self.speculation and self.pair is not None and self.pair.speculative,
@@ -237,15 +262,18 @@ class ChatApp(App):
     # ------------------------------------------------------------------ pair loading
     def use_pair(self, pair, name: str | None) -> None:
         self.pair, self.pair_name = pair, name
-        self.decoder = make_decoder(pair, self.seed)
+        self.decoder = None
         if self.k is None:
             self.k = pair.num_draft_tokens
         self.show_settings()
         draft = f"{pair.drafter} drafter, k={self.k}" if pair.speculative else "no draft"
         self.set_status(f"ready: {name or 'custom pair'} ({draft})")
 
-    @work(thread=True, exclusive=True, group="load")
-    def load_pair(self, name: str | None) -> None:
+    @work(exclusive=True, group="load")
+    async def load_pair(self, name: str | None) -> None:
+        await self.models.run(self._load_pair, name)
+
+    def _load_pair(self, name: str | None) -> None:
         try:
             pair = self.loader(name, lambda text: self.post_message(LoadProgress(text)))
         except SpecError as err:
@@ -322,16 +350,23 @@ class ChatApp(App):
 
     # not exclusive: the next reply (a --compare race) starts when this one has posted
     # ReplyDone, maybe before its thread has returned; exclusive would cancel it there
-    @work(thread=True, group="generate")
-    def generate_reply(self, reply: ReplyView, messages: list[dict], race: bool = False) -> None:
+    @work(group="generate")
+    async def generate_reply(
+        self, reply: ReplyView, messages: list[dict], race: bool = False
+    ) -> None:
         """One reply, posted round by round. `race`: the same turn again with the draft off,
         to compare (it is not added to the conversation)."""
         worker = get_current_worker()
+        await self.models.run(self._generate_reply, worker, reply, messages, race)
+
+    def _generate_reply(self, worker, reply: ReplyView, messages: list[dict], race: bool) -> None:
         stats = Stats()
         note = ""
         seen, clock = 0, (0, 0.0)  # records posted; (tokens, seconds) at the last message
         so_far, plain_turns = "", not self.pair.tokenizer.has_chat_template
         try:
+            if self.decoder is None or self.decoder.pair is not self.pair:
+                self.decoder = make_decoder(self.pair, self.seed)
             for batch in stream_rounds(
                 self.pair,
                 conversation(messages, self.pair.tokenizer, self.system),
@@ -439,7 +474,6 @@ class ChatApp(App):
     def action_toggle_speculation(self) -> None:
         if self.reply is None:
             self.speculation = not self.speculation
-            self.show_settings()
 
     def action_fold_thinking(self) -> None:
         """Fold (or unfold) every reply's <think>…</think> block."""
@@ -504,18 +538,20 @@ class ChatApp(App):
             self.set_status("rejected guesses shown" if self.show_rejected else "ready")
 
     def action_change_k(self, delta: int) -> None:
-        """f3 / f4 step through auto, 1, 2, ..., K_MAX."""
+        """f3 / f4 step through auto, 1, 2, ..., FIXED_K_MAX."""
         if self.reply is None and self.k is not None:
             k = self.k.k if isinstance(self.k, Fixed) else 0  # 0: auto
-            k = max(0, min(K_MAX, k + delta))
+            k = max(0, min(FIXED_K_MAX, k + delta))
             self.k = Fixed(k) if k else Auto()
-            self.show_settings()
 
     def action_change_temperature(self, delta: float) -> None:
         if self.reply is None:
             self.temperature = round(max(0.0, min(2.0, self.temperature + delta)), 1)
-            self.show_settings()
 
     async def action_quit(self) -> None:
         self.stop_requested.set()
         self.exit(0)
+
+    def on_unmount(self) -> None:
+        self.stop_requested.set()
+        self.models.close()  # the thread ends after the reply it runs stops

@@ -123,9 +123,9 @@ def base_of(args, pair) -> dict:
 class Bar:
     """One status line on stderr: redrawn in place on a terminal, a line per check elsewhere."""
 
-    def __init__(self, stream=sys.stderr):
-        self.stream = stream
-        self.tty = stream.isatty()
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr  # the one in place now, not at import
+        self.tty = self.stream.isatty()
 
     def message(self, text: str) -> None:
         self.stream.write(("\r\x1b[2K" if self.tty else "") + text + ("" if self.tty else "\n"))

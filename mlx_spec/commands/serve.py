@@ -160,7 +160,7 @@ def main(args):
 
     models = sorted({name, *local})
     engine = Engine(
-        pair_from_args(args),  # not kept here: after a swap the engine holds the only pair
+        None,  # loaded by start(), on the engine thread: the one that generates (threads.py)
         name,
         loader,
         models,
@@ -180,12 +180,12 @@ def main(args):
         timeout_graceful_shutdown=args.shutdown_timeout + 2,
     )
     server = GracefulServer(config, engine, args.shutdown_timeout)
+    engine.start()
     host, bound = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{bound}/v1"
     history = "on" if engine.history is not None else "off"
     print(f"mlx-spec serve: {name} (drafter {engine.drafter}, history lookup {history}) on {url}")
     sys.stdout.flush()
-    engine.start()
     # uvicorn re-raises the signal that stopped it once it is done; after a graceful
     # shutdown that must not kill the process before the engine thread is joined
     signal.signal(signal.SIGTERM, lambda *_: None)

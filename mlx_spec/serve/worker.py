@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -164,7 +165,9 @@ class Engine:
     """Holds the resident pair and serves jobs one at a time on its own thread.
 
     `loader(name)` loads a pair by name (the startup pair or one from models.toml): a request
-    for another model than the resident one swaps it (one pair resident at a time).
+    for another model than the resident one swaps it (one pair resident at a time). Pairs are
+    loaded on the engine thread, the one that generates (threads.py): with `pair=None`,
+    `start()` loads `name` there and returns once it is resident (or raises the loader's error).
     """
 
     def __init__(
@@ -190,6 +193,7 @@ class Engine:
         self.current: Job | None = None
         self.recent_seconds: list[float] = []  # durations of the last jobs (Retry-After)
         self.thread = threading.Thread(target=self._run, name="mlx-spec-engine", daemon=True)
+        self.ready: Future = Future()  # the start-up pair is resident (or failed to load)
         self._install(pair, name)
 
     # ------------------------------------------------------------------ pair and caches
@@ -230,6 +234,7 @@ class Engine:
 
     def start(self) -> None:
         self.thread.start()
+        self.ready.result()  # the loader's error, if any, is raised here (before serving)
 
     def retry_after(self) -> int:
         """Seconds until a queue slot is likely free: the mean recent job time, at least 1."""
@@ -275,6 +280,13 @@ class Engine:
             self.thread.join(timeout)
 
     def _run(self) -> None:
+        try:
+            if self.pair is None and self.name:
+                self._install(self.loader(self.name), self.name)
+        except BaseException as err:
+            self.ready.set_exception(err)
+            return
+        self.ready.set_result(None)
         while True:
             job = self.pending.get()
             if job is None:

@@ -1,0 +1,308 @@
+"""The conformance matrix: real model configurations through every surface, from any thread.
+
+Each family of tests/real_configs.py (a published checkpoint's config, shrunk) runs through the
+Python API on the loading thread and on another thread, `mlx-spec generate`, the chat app under
+`App.run_test()` (temperature 0 and 0.7, with the race), `serve` (a real process: every family
+swapped in by request, two requests each), `distill` (two steps), `probe` and `bench`. Greedy
+output equals mlx-lm's target alone on every row. Llama 4 (chunked attention) is the family the
+engine cannot speculate on: refused with one line before any token, on every surface.
+
+Why a matrix: since MLX 0.31/0.32 an unevaluated array can only be evaluated on the thread
+that built it, and the rope scaling classes real checkpoints use hold such arrays after
+`mlx_lm.load` (threads.py). Tiny models with plain RoPE never showed it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import mlx.core as mx
+import openai
+import pytest
+import real_configs
+import tiny
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+from test_server import KEY, start_server, stop_server
+
+from mlx_spec import SpecError, generate, load_pair, make_decoder
+from mlx_spec.cli import main
+from tui.app import ChatApp
+
+VOCAB = 320
+CONFIGS = real_configs.real_configs(VOCAB)
+FAMILIES = list(CONFIGS)
+TEXT = "Paris is the capital of France. The quick brown fox jumps over the lazy dog."
+REPLY = 24
+K = 3  # a fixed draft length: every row drafts, whatever this machine's timings
+# the draft is the target plus noise: enough to reject often, not always, on each family
+NOISE = {"gemma3": 0.01, "qwen3.5": 0.02, "phi3.5": 0.15}
+
+
+@pytest.fixture(scope="module")
+def models_toml(tiny_models, tmp_path_factory):
+    """Each family written as target + noisy draft, and a models.toml naming them."""
+    root = tmp_path_factory.mktemp("conformance")
+    lines = []
+    for name, config in CONFIGS.items():
+        weights = real_configs.real_weights(config, seed=0)
+        target = tiny.write_model(root / name, config, weights, tiny_models.tokenizer)
+        noisy = tiny.noisy(weights, NOISE.get(name, 0.03))
+        draft = tiny.write_model(root / f"{name}-draft", config, noisy, tiny_models.tokenizer)
+        lines += [f'[pairs."{name}"]', f'target = "{target}"', f'draft = "{draft}"']
+        lines += [f"num_draft_tokens = {K}", ""]
+    l4 = tiny.llama4_config(VOCAB)
+    chunked = tiny.write_model(
+        root / "llama4", l4, tiny.family_weights(l4, seed=0), tiny_models.tokenizer
+    )
+    lines += ['[pairs."llama4"]', f'target = "{chunked}"', f'draft = "{chunked}"', ""]
+    path = root / "models.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+@pytest.fixture
+def registry(models_toml, monkeypatch):
+    monkeypatch.setenv("MLX_SPEC_MODELS", str(models_toml))
+    return models_toml
+
+
+@pytest.fixture(scope="module")
+def pairs(models_toml):
+    import os
+
+    os.environ["MLX_SPEC_MODELS"] = str(models_toml)
+    loaded = {}
+
+    def get(name):
+        if name not in loaded:
+            loaded[name] = load_pair(name)
+        return loaded[name]
+
+    yield get
+    os.environ.pop("MLX_SPEC_MODELS", None)
+
+
+def prompt_ids(pair) -> list[int]:
+    return pair.tokenizer.encode(TEXT, add_special_tokens=False)
+
+
+def reference(pair, prompt, max_tokens: int = REPLY) -> list[int]:
+    """Greedy tokens of mlx-lm on the target alone (its own caches)."""
+    out = stream_generate(pair.target, pair.tokenizer, prompt, max_tokens, sampler=make_sampler(0))
+    return [r.token for r in out if r.token not in pair.tokenizer.eos_token_ids]
+
+
+def reference_text(pair, prompt, max_tokens: int = REPLY) -> str:
+    """The same, as mlx-lm's streaming detokenizer writes it."""
+    out = stream_generate(pair.target, pair.tokenizer, prompt, max_tokens, sampler=make_sampler(0))
+    return "".join(r.text for r in out)
+
+
+def on_thread(fn):
+    """Run fn() on a new thread; its result, or its exception raised here."""
+    box = {}
+
+    def run():
+        try:
+            box["result"] = fn()
+        except BaseException as err:  # handed back to the test
+            box["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_api_on_the_loading_thread_and_another(registry, family):
+    pair = load_pair(family)  # fresh: nothing has run it yet (a run evaluates what it used)
+    prompt = prompt_ids(pair)
+    there = on_thread(lambda: generate(pair, prompt, max_tokens=REPLY, num_draft_tokens=K))
+    here = generate(pair, prompt, max_tokens=REPLY, num_draft_tokens=K)
+    ref = reference(pair, prompt)
+    assert len(set(ref)) >= 3  # the model says something, not one token forever
+    assert there.tokens == here.tokens == ref
+    assert here.stats.drafted > 0 and 0 < here.stats.acceptance_rate < 1
+    # a kept decoder: a sampled reply on one thread, the next turn on another (its key, caches
+    # and drafter state cross threads between replies)
+    decoder = on_thread(lambda: make_decoder(pair, seed=1))
+    on_thread(lambda: generate(pair, prompt, max_tokens=8, temperature=0.7, decoder=decoder))
+    # nothing lazy is left: every array the decoder keeps evaluates on yet another thread
+    # (an array still lazy there raises "There is no Stream(cpu, 0) in current thread")
+    on_thread(lambda: mx.eval(kept_arrays(decoder)))
+    key = decoder.key
+    follow = on_thread(lambda: generate(pair, prompt, max_tokens=REPLY, decoder=decoder))
+    assert follow.tokens == ref
+    assert decoder.key is key  # greedy rounds draw nothing: the key is not split
+    on_thread(lambda: mx.eval(kept_arrays(decoder)))
+
+
+def kept_arrays(decoder) -> list:
+    """The key and every cache array of the target and of a draft model."""
+    from mlx.utils import tree_flatten
+
+    layers = list(decoder.cache)
+    model = getattr(decoder.drafter, "model", None)
+    if model is not None and hasattr(decoder.drafter, "cache"):
+        layers += list(decoder.drafter.cache)
+    arrays = [a for c in layers for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
+    return [decoder.key, *arrays]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_command(pairs, registry, family, capsys):
+    pair = pairs(family)
+    ref = reference(pair, prompt_ids(pair))
+    argv = ["generate", "--pair", family, "--raw", "--max-tokens", str(REPLY), "--json", TEXT]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == ref
+    assert out["stats"]["drafted"] > 0
+
+
+def chat_reference(pair, text: str) -> str:
+    ids = pair.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+    return reference_text(pair, ids)
+
+
+async def finish(app, pilot):
+    await app.workers.wait_for_complete()
+    await pilot.pause(0.1)
+
+
+async def ask(app, pilot, text: str) -> None:
+    await pilot.click("#prompt")
+    await pilot.press(*text)
+    await pilot.press("enter")
+    await finish(app, pilot)
+    if app.compare:  # the race starts when the reply is done
+        await finish(app, pilot)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_chat_app_at_two_temperatures_with_the_race(pairs, family):
+    from tui.widgets import ReplyView
+
+    pair = load_pair(family)  # loaded on this thread, never run; the app runs it on its own
+    expected = chat_reference(pairs(family), "Tell me a story")
+    app = ChatApp(pair, pair_name=family, max_tokens=REPLY, compare=True, seed=0)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        await ask(app, pilot, "Tell me a story")
+        replies = list(app.query(ReplyView))
+        assert len(replies) == 2  # the reply and its race against plain decoding
+        assert [r.text for r in replies] == [expected, expected]
+        assert "race: speculation" in str(app.status_line.render())
+        app.temperature = 0.7
+        await ask(app, pilot, "And then?")
+        replies = list(app.query(ReplyView))
+        assert len(replies) == 4
+        assert all("[error" not in r.text and r.text for r in replies)
+        assert app.history[-1]["role"] == "assistant"
+
+
+async def test_chat_app_loads_on_its_model_thread(registry):
+    """The app's own loader (`--pair`): loading and every reply on one thread."""
+    from tui.widgets import ReplyView
+
+    seen = set()
+
+    def loader(name, progress):
+        seen.add(threading.current_thread().name)
+        return load_pair(name, progress=progress)
+
+    app = ChatApp(loader=loader, pair_name="llama3.1", max_tokens=REPLY, compare=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await finish(app, pilot)
+        assert app.pair is not None
+        await ask(app, pilot, "Tell me a story")
+        replies = list(app.query(ReplyView))
+        expected = chat_reference(app.pair, "Tell me a story")
+        assert [r.text for r in replies] == [expected, expected]
+        assert seen == {app.models.thread.name}
+
+
+def test_serve_swaps_through_every_family(pairs, models_toml, tmp_path):
+    """One server process; its start-up pair asked first, then each family swapped in by a
+    request and asked again (its kept caches). Greedy text equals mlx-lm's target alone;
+    llama4 gets one 404 line."""
+    log = open(tmp_path / "stderr.log", "w")  # noqa: SIM115
+    first = FAMILIES[0]
+    args = ["--pair", first, "--api-key", KEY]
+    proc, url = start_server(args, log, env={"MLX_SPEC_MODELS": str(models_toml)})
+    try:
+        client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
+        served = {m.id for m in client.models.list().data}
+        assert set(FAMILIES) <= served
+        for family in FAMILIES:  # the start-up pair first: loaded at start, not by a swap
+            pair = pairs(family)
+            expected = reference_text(pair, prompt_ids(pair))
+            for _ in range(2):
+                reply = client.completions.create(
+                    model=family, prompt=TEXT, max_tokens=REPLY, temperature=0
+                )
+                assert reply.choices[0].text == expected, family
+        with pytest.raises(openai.NotFoundError) as refused:
+            client.completions.create(model="llama4", prompt=TEXT, max_tokens=4)
+        message = refused.value.body["message"]
+        assert "ChunkedKVCache" in message and "\n" not in message
+        # the refused swap left no pair resident; the next request loads its own
+        reply = client.completions.create(model=first, prompt=TEXT, max_tokens=4, temperature=0)
+        assert reply.choices[0].text
+    finally:
+        stop_server(proc)
+        log.close()
+    errors = (tmp_path / "stderr.log").read_text()
+    assert "Traceback" not in errors and "internal error" not in errors
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_distill_two_steps(pairs, registry, family, tmp_path, capsys):
+    out = tmp_path / "adapter"
+    argv = ["--debug", "distill", "--pair", family, "--out", str(out), "--steps", "2"]
+    argv += ["--max-prompts", "4", "--reply-tokens", "8", "--eval-prompts", "1", "--json"]
+    assert main(argv) == 0, capsys.readouterr().err
+    report = json.loads(capsys.readouterr().out)
+    assert report["history"][-1]["step"] == 2
+    # the trained adapter on the draft: still exactly the target's greedy output
+    pair = pairs(family)
+    adapted = load_pair(family, draft_adapter=out)
+    res = generate(adapted, prompt_ids(pair), max_tokens=REPLY, num_draft_tokens=K)
+    assert res.tokens == reference(pair, prompt_ids(pair))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_probe_and_bench(registry, family, capsys):
+    probe = ["probe", "--pair", family, "--context", "32", "--sample-tokens", "8", "--json"]
+    assert main(probe) == 0, capsys.readouterr().err
+    result = json.loads(capsys.readouterr().out)
+    assert result["verify_cost_curve"]["1"] == 1.0 and 0 <= result["alpha"] <= 1
+    bench = ["bench", "--pair", family, "--k", str(K), "--temps", "0", "--runs", "1"]
+    bench += ["--max-tokens", "8", "--only", "chat", "--json"]
+    assert main(bench) == 0, capsys.readouterr().err
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {"mlx-lm", "mlx-spec"} <= {r["config"] for r in rows}
+
+
+def test_llama4_is_refused_with_one_line_everywhere(registry, tmp_path, capsys):
+    with pytest.raises(SpecError, match="ChunkedKVCache.*cannot be rolled back"):
+        load_pair("llama4")
+    for argv in (
+        ["generate", "--pair", "llama4", "--raw", "Hello"],
+        ["probe", "--pair", "llama4"],
+        ["bench", "--pair", "llama4", "--runs", "1"],
+        ["distill", "--pair", "llama4", "--steps", "1", "--out", str(tmp_path / "a")],
+    ):
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        # after any progress lines ("Finding …"), the error: one line, and the last
+        *progress, error = captured.err.splitlines()
+        assert captured.out == "" and "error" not in "".join(progress), (argv, captured.err)
+        assert error.startswith(f"mlx-spec {argv[0]}: error: ") and "ChunkedKVCache" in error
