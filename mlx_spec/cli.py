@@ -14,7 +14,7 @@ import os
 import sys
 import traceback
 
-from .errors import SpecError
+from .errors import SpecError, one_line
 from .registry import DRAFTERS
 
 COMMANDS = {
@@ -234,10 +234,6 @@ def _not_utf8(args) -> str | None:
     return None
 
 
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
 def _silence_stdout() -> None:
     """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
     try:
@@ -265,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         _flush_stdout()  # a full disk or a closed pipe shows here, inside the handlers
         return status
     except SpecError as err:
-        print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)
@@ -274,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return 0
     except UnicodeDecodeError as err:  # stdin or a file the user named held other bytes
-        print(f"{prog}: error: the input is not valid UTF-8 ({_one_line(err)})", file=sys.stderr)
+        print(f"{prog}: error: the input is not valid UTF-8 ({one_line(err)})", file=sys.stderr)
         return 2
     except OSError as err:
         # `> /dev/full`, a full disk, a closed stdout: the machine's state, not a bug
@@ -294,7 +290,7 @@ def _internal_error(prog: str, err: BaseException, args) -> int:
         traceback.print_exception(err)
     hint = "please report it" if debug else "run with --debug for the traceback; please report it"
     print(
-        f"{prog}: internal error: {type(err).__name__}: {_one_line(err)} ({hint})",
+        f"{prog}: internal error: {type(err).__name__}: {one_line(err)} ({hint})",
         file=sys.stderr,
     )
     return 1

@@ -288,7 +288,10 @@ class Decoder:
                 draft_tokens, pad_vocab(p, vocab), pad_vocab(q, vocab), self._next_key()
             )
         out = mx.concatenate([mx.stack([n, next_token]).astype(mx.int32), draft_tokens])
-        n, next_token, *drafted = out.tolist()  # the one host sync of the round
+        # the one host sync of the round; the key with it, so no split is left lazy whatever
+        # ends the stream next
+        mx.eval(out, self.key)
+        n, next_token, *drafted = out.tolist()
         kept = drafted[:n] + [next_token]
         # cut at the first end-of-sequence token; it stays in `sequence`, not in the output
         stop = next((i for i, t in enumerate(kept) if t in self.eos), None)
@@ -348,7 +351,7 @@ class Decoder:
 
         epoch = self.epoch
         queued = step(mx.array(self.sequence[-self.unfed :], mx.uint32))
-        mx.async_eval(queued)
+        mx.async_eval(queued, self.key)
         self.unfed = 1
         lookahead = False  # whether the cache already holds the last token of `sequence`
         last_step = False
@@ -358,7 +361,7 @@ class Decoder:
                 lookahead = emitted < max_tokens and not last_step
                 if lookahead:
                     queued = step(current.reshape(1))
-                    mx.async_eval(queued)
+                    mx.async_eval(queued, self.key)
                 token = current.item()
                 self.sequence.append(token)
                 if token in self.eos:
@@ -649,6 +652,13 @@ def stream_rounds(
         if decoder.epoch == epoch:
             decoder.active = decoder.stale
             decoder.settle()
+        raise
+    except BaseException:  # an error, Ctrl-C: the next stream starts over (begin); leave
+        if decoder.epoch == epoch:  # nothing lazy for it either, if that can still be done
+            try:
+                decoder.settle()
+            except Exception:  # the error at hand is the one to report
+                pass
         raise
     decoder.active = False
     decoder.settle()

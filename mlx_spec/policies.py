@@ -170,6 +170,8 @@ class Controller:
     chosen: int = 0
     reason: str = "warming up"
     given: bool | None = None  # the drafter's word on this round (see next)
+    drafted_total: int = 0  # draft tokens proposed in all rounds so far (measured, no prior)
+    accepted_total: int = 0  # ... and accepted by the target
 
     def __post_init__(self):
         self.accept = [Estimate(ACCEPT_MEMORY) for _ in range(self.k_max)]
@@ -308,12 +310,24 @@ class Controller:
         return speed * plain if plain and speed else 0.0
 
     def _paused_reason(self) -> str:
+        """Why k = 0, citing only what was measured: the draft's timed cost, the acceptance of
+        tokens actually drafted. The priors a decision may rest on (PRIOR_ACCEPTANCE before
+        anything was drafted) are never quoted as if measured."""
+        c = self.draft_cost()
+        cost = f"draft costs {c:.2f} steps" if c is not None else None
         if self.best(optimistic=True)[0] == 0:  # even a draft that is always right loses
-            c = self.draft_cost()
-            if c is not None:
-                return f"drafting paused: draft costs {c:.2f} steps"
-            return "drafting paused: a round costs more than a perfect draft saves"
-        return f"drafting paused: acceptance {self.acceptance(0):.0%} is too low to pay"
+            if cost:
+                return f"drafting paused: {cost}"
+            if self.fit[0] > 0 and self.plain.value is not None:  # timed rounds say so
+                return "drafting paused: a round costs more than a perfect draft saves"
+            return "drafting paused: costs not measured yet"
+        if self.drafted_total:
+            rate = self.accepted_total / self.drafted_total
+            return (
+                f"drafting paused: acceptance {rate:.0%} of {self.drafted_total} drafted "
+                "tokens is too low to pay" + (f" ({cost})" if cost else "")
+            )
+        return f"drafting paused: {cost + ', ' if cost else ''}acceptance not measured yet"
 
     def draft_cost(self) -> float | None:
         """One draft step in plain target steps (the `c` of the speed-up formula)."""
@@ -335,6 +349,8 @@ class Controller:
         if requested == 0:
             return
         self.plain_since_probe = 0
+        self.drafted_total += drafted
+        self.accepted_total += min(verified, drafted)
         if self.calibrated or split is None:  # the very first round pays one-time costs
             x = drafted + replayed
             self.fit = [ROUND_MEMORY * v for v in self.fit]

@@ -57,7 +57,7 @@ class ModelThread:
     def __init__(self, name: str = "mlx-spec-models"):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
+        self.closed = False
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -70,6 +70,10 @@ class ModelThread:
                 future.set_exception(err)
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future:
+        if self.closed:  # its future would never resolve
+            raise RuntimeError("this ModelThread is closed")
+        if not self.thread.is_alive():  # started by the first call: an unused one costs nothing
+            self.thread.start()
         future: Future = Future()
         self._jobs.put((future, fn, args, kwargs))
         return future
@@ -84,4 +88,5 @@ class ModelThread:
 
     def close(self) -> None:
         """End the thread after the calls already given to it."""
+        self.closed = True
         self._jobs.put(None)

@@ -137,7 +137,8 @@ def real_configs(vocab: int) -> dict[str, dict]:
                 "rms_norm_eps": 1e-6,
                 "rope_parameters": {
                     "mrope_interleaved": True,
-                    "mrope_section": [3, 3, 2],
+                    # 32 x 0.25 = 8 rotary dims, 4 pairs (the real 256 x 0.25: 11 + 11 + 10)
+                    "mrope_section": [2, 1, 1],
                     "rope_type": "default",
                     "rope_theta": 10000000,
                     "partial_rotary_factor": 0.25,

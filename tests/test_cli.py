@@ -193,3 +193,30 @@ def test_no_acceptance_verdict_when_nothing_was_drafted():
     poor = Stats(num_draft_tokens=4, generated_tokens=7, target_passes=6, drafted=20, accepted=1)
     poor.drafted_at, poor.accepted_at = [5, 5, 5, 5], [1, 0, 0, 0]
     assert "poor match" in hint(poor) and "acceptance 5%" in poor.summary()
+
+
+@pytest.mark.parametrize("no_openblas", [True, False])
+def test_the_reference_blas_is_named_once_with_the_stats(tiny_models, no_openblas):
+    """On Linux without OpenBLAS loaded, one line after the stats says so and how to fix it
+    (it triples decode time silently otherwise); `--json` carries it as `blas_notice`. With
+    OpenBLAS loaded: no line, and `blas_notice` is null."""
+    from mlx_spec import blas
+
+    env = {"MLX_SPEC_NO_OPENBLAS": "1"} if no_openblas else {}
+    pair = ["--target", str(tiny_models.target), "--draft", str(tiny_models.draft)]
+    text = run_cli("generate", *pair, "--max-tokens", "6", "Hello", env=env)
+    js = run_cli("generate", *pair, "--max-tokens", "6", "--json", "Hello", env=env)
+    assert text.returncode == js.returncode == 0, text.stderr + js.stderr
+    notice = json.loads(js.stdout)["stats"]["blas_notice"]
+    lines = text.stderr.splitlines()
+    reference = sys.platform.startswith("linux") and (no_openblas or not blas.installed())
+    if not reference:
+        assert notice is None and not any("BLAS" in line for line in lines)
+        return
+    assert sum("reference BLAS" in line for line in lines) == 1 and js.stderr == ""
+    # the last line, after the stats line (and a hint on the acceptance, if any)
+    assert lines[-1] == notice and any("tokens/pass" in line for line in lines[-3:-1])
+    if no_openblas and blas.installed():
+        assert "MLX_SPEC_NO_OPENBLAS is set; unset it" in notice
+    else:
+        assert notice.endswith(f"install OpenBLAS: {blas.INSTALL_HINT}")

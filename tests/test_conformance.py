@@ -15,6 +15,7 @@ that built it, and the rope scaling classes real checkpoints use hold such array
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import mlx.core as mx
@@ -26,7 +27,8 @@ from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from test_server import KEY, start_server, stop_server
 
-from mlx_spec import SpecError, generate, load_pair, make_decoder
+import tui.app
+from mlx_spec import SpecError, Stats, generate, load_pair, make_decoder, stream_rounds
 from mlx_spec.cli import main
 from tui.app import ChatApp
 
@@ -70,8 +72,6 @@ def registry(models_toml, monkeypatch):
 
 @pytest.fixture(scope="module")
 def pairs(models_toml):
-    import os
-
     os.environ["MLX_SPEC_MODELS"] = str(models_toml)
     loaded = {}
 
@@ -142,6 +142,70 @@ def test_api_on_the_loading_thread_and_another(registry, family):
     on_thread(lambda: mx.eval(kept_arrays(decoder)))
 
 
+class StopAfter(Stats):
+    """Stats that raise inside the stream after a few rounds, as Ctrl-C or an error would."""
+
+    def __init__(self, rounds: int):
+        super().__init__()
+        self.left = rounds
+
+    def add_round(self, *args):
+        self.left -= 1
+        if self.left < 0:
+            raise KeyboardInterrupt
+        super().add_round(*args)
+
+
+@pytest.mark.parametrize("family", ["llama3.1", "qwen3.5"])
+def test_a_stream_stopped_by_an_error_leaves_nothing_lazy(pairs, family):
+    pair = pairs(family)
+    prompt = prompt_ids(pair)
+    decoder = make_decoder(pair, seed=3)
+    stream = stream_rounds(pair, prompt, temperature=0.7, decoder=decoder, stats=StopAfter(2))
+    with pytest.raises(KeyboardInterrupt):
+        on_thread(lambda: list(stream))
+    on_thread(lambda: mx.eval(kept_arrays(decoder)))
+    after = on_thread(lambda: generate(pair, prompt, max_tokens=REPLY, decoder=decoder))
+    assert after.tokens == reference(pair, prompt)
+
+
+def test_the_server_engine_loads_on_its_own_thread():
+    from mlx_spec.serve.worker import Engine
+
+    threads = []
+
+    def loader(name):
+        threads.append(threading.current_thread())
+        if name == "broken":
+            raise SpecError("no such model")
+        return None
+
+    engine = Engine(None, "broken", loader, ["broken"])
+    with pytest.raises(SpecError, match="no such model"):
+        engine.start()
+    assert threads == [engine.thread] and not engine.thread.is_alive()
+
+
+def test_serve_start_up_failure_exits_2_with_one_line(models_toml):
+    """The engine thread loads (and refuses) the pair; the process still exits 2, never an
+    abort at interpreter exit (status 134, "terminate called without an active exception")."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLX_SPEC_MODELS": str(models_toml)}
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-m", "mlx_spec", "serve", "--pair", "llama4", "--port", "0"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and "ChunkedKVCache" in proc.stderr
+        assert proc.stdout == ""
+
+
 def kept_arrays(decoder) -> list:
     """The key and every cache array of the target and of a draft model."""
     from mlx.utils import tree_flatten
@@ -208,7 +272,7 @@ async def test_chat_app_at_two_temperatures_with_the_race(pairs, family):
         assert app.history[-1]["role"] == "assistant"
 
 
-async def test_chat_app_loads_on_its_model_thread(registry):
+async def test_chat_app_loads_on_its_model_thread(registry, monkeypatch):
     """The app's own loader (`--pair`): loading and every reply on one thread."""
     from tui.widgets import ReplyView
 
@@ -218,15 +282,21 @@ async def test_chat_app_loads_on_its_model_thread(registry):
         seen.add(threading.current_thread().name)
         return load_pair(name, progress=progress)
 
+    def stream_rounds(*args, **kwargs):  # the engine's, noting the thread each reply runs on
+        seen.add(threading.current_thread().name)
+        yield from tui.app.stream_rounds.__wrapped__(*args, **kwargs)
+
+    stream_rounds.__wrapped__ = tui.app.stream_rounds
+    monkeypatch.setattr(tui.app, "stream_rounds", stream_rounds)
     app = ChatApp(loader=loader, pair_name="llama3.1", max_tokens=REPLY, compare=True)
     async with app.run_test(size=(120, 40)) as pilot:
         await finish(app, pilot)
         assert app.pair is not None
-        await ask(app, pilot, "Tell me a story")
+        await ask(app, pilot, "Tell me a story")  # the reply, then its race
         replies = list(app.query(ReplyView))
         expected = chat_reference(app.pair, "Tell me a story")
         assert [r.text for r in replies] == [expected, expected]
-        assert seen == {app.models.thread.name}
+        assert seen == {app.models.thread.name}  # the load and both replies
 
 
 def test_serve_swaps_through_every_family(pairs, models_toml, tmp_path):
@@ -288,7 +358,10 @@ def test_probe_and_bench(registry, family, capsys):
     bench += ["--max-tokens", "8", "--only", "chat", "--json"]
     assert main(bench) == 0, capsys.readouterr().err
     rows = json.loads(capsys.readouterr().out)["rows"]
-    assert {"mlx-lm", "mlx-spec"} <= {r["config"] for r in rows}
+    configs = {r["config"] for r in rows}
+    assert {"mlx-lm", "mlx-spec"} <= configs
+    # mlx-lm's own speculative path refuses a recurrent state (it raised before)
+    assert ("mlx-lm speculative" in configs) == (family != "qwen3.5")
 
 
 def test_llama4_is_refused_with_one_line_everywhere(registry, tmp_path, capsys):

@@ -13,7 +13,14 @@ from test_greedy_equality import PROMPTS, reference
 
 from mlx_spec import SamplingParams, generate, load_pair, make_decoder
 from mlx_spec.drafters import LookupThenModel, ModelDrafter, NGramDrafter
-from mlx_spec.policies import PROBE_MAX_INTERVAL, Auto, Controller, Fixed, draft_length
+from mlx_spec.policies import (
+    PRIOR_ACCEPTANCE,
+    PROBE_MAX_INTERVAL,
+    Auto,
+    Controller,
+    Fixed,
+    draft_length,
+)
 
 # ------------------------------------------------------------- the controller on its own
 
@@ -61,6 +68,40 @@ def test_a_draft_dearer_than_the_target_is_paused_for_good():
     assert sum(k > 0 for k in chosen) <= 2 + 600 // PROBE_MAX_INTERVAL + 1
     assert c.view()["state"] == "drafting paused: draft costs 2.40 steps"
     assert c.round_time(0) == pytest.approx(1.0)
+
+
+def test_a_pause_before_anything_was_drafted_quotes_no_prior():
+    """A draft step timed at 0.8 target steps: a perfect draft would pay, the prior acceptance
+    would not, so nothing is drafted. The reason names the measured cost and says acceptance
+    was not measured — never the prior's 60 % as if it had been (the demo printed that)."""
+    c = Controller()
+    c.calibrate(1.0, 0.8)
+    assert c.next() == 0 and c.best(optimistic=True)[0] > 0
+    state = c.view()["state"]
+    assert state == "drafting paused: draft costs 0.80 steps, acceptance not measured yet"
+    assert f"{PRIOR_ACCEPTANCE:.0%}" not in state and c.reason == state
+    untimed = Controller(warmed=True)  # no warm-up plan either
+    assert untimed.next() == 0  # nothing timed at all: nothing to cite
+    assert untimed.view()["state"] == "drafting paused: costs not measured yet"
+
+
+def test_a_pause_after_drafting_quotes_the_measured_acceptance():
+    """Rounds whose drafts are rejected: the reason cites the acceptance of the tokens
+    actually drafted (here 1 of 12), not the prior-weighted estimate the decision uses."""
+    c = Controller()
+    c.calibrate(1.0, 0.3)
+    drafted = accepted = 0
+    while (k := c.next()) > 0:
+        verified = 1 if drafted == 0 else 0
+        c.update(k, k, verified, 1.0 + 0.37 * k)
+        drafted, accepted = drafted + k, accepted + verified
+        assert drafted < 200
+    rate = f"{accepted / drafted:.0%}"
+    assert c.view()["state"] == (
+        f"drafting paused: acceptance {rate} of {drafted} drafted tokens is too low to pay "
+        "(draft costs 0.30 steps)"
+    )
+    assert c.acceptance(0) != accepted / drafted  # the estimate is not what is quoted
 
 
 def test_costs_timed_in_prefill_skip_the_warm_up():

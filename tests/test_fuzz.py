@@ -141,7 +141,7 @@ def check(results, crashes, count):
 
 def clean_cache(cache: Path):
     """Nothing half-written is left: no hidden partial directories, every conversion usable."""
-    from mlx_spec.loading import check_model_dir
+    from mlx_spec.model_dir import check_model_dir
 
     root = cache / "gguf"
     if not root.exists():

@@ -88,12 +88,12 @@ def test_conversion_is_cached_and_idempotent(demo, gguf_cache, monkeypatch):
     assert len(dirs) == 1 and dirs[0].endswith("-float32")
     stamp = (gguf_cache / dirs[0] / "model.safetensors").stat().st_mtime_ns
 
-    import mlx_spec.gguf as gguf
+    from mlx_spec.gguf import cache
 
     def no_conversion(*_):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(gguf, "convert", no_conversion)
+    monkeypatch.setattr(cache, "convert", no_conversion)
     load_pair(target=GGUF, dtype="float32")
     assert (gguf_cache / dirs[0] / "model.safetensors").stat().st_mtime_ns == stamp
 

@@ -17,8 +17,10 @@ from mlx_lm.utils import load_model
 
 import mlx_spec.gguf as mg
 from mlx_spec import generate, load_pair
-from mlx_spec import gguf_quants as gq
 from mlx_spec.cli import main
+from mlx_spec.errors import SpecError
+from mlx_spec.gguf import quants as gq
+from mlx_spec.gguf.architectures import architecture, llama
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 84, 104, 101, 32,
           113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110]  # fmt: skip
@@ -57,7 +59,8 @@ def test_decoder_equals_gguf_dequantize(name):
     assert affine.q.max() < 2**affine.bits
     got = affine.dequantize()
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
-    assert GGML_QUANT_SIZES[qt] == gq.DECODERS[name][:2]
+    ggml = gq.BY_NAME[name]  # the one block table: the gguf package's ids and sizes
+    assert GGML_QUANT_SIZES[qt] == (ggml.block, ggml.nbytes) and gq.GGML_TYPES[qt.value] == ggml
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
@@ -158,7 +161,7 @@ def test_rotary_layout_is_checked(tmp_path, monkeypatch):
     NEOX family as permuted) changes the logits far beyond the tolerance."""
     tiny = write_tiny(tmp_path, "llama", "F32")
     ref, _ = load_model(tiny.ref)
-    monkeypatch.setattr(mg, "_unpermute_rows", lambda rows, heads: np.arange(rows))
+    monkeypatch.setattr(llama, "unpermute_rows", lambda rows, heads: np.arange(rows))
     model, _ = load_model(convert(tiny, tmp_path)[0])
     assert np.abs(logits(model, PROMPT) - logits(ref, PROMPT)).max() > 1e-2
 
@@ -222,10 +225,10 @@ def test_gemma3_27b_query_scale():
             "gemma3.feed_forward_length": 21504, "gemma3.context_length": 131072,
             "gemma3.attention.key_length": 128, "gemma3.attention.sliding_window": 1024,
             "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.token_type": [1]}  # fmt: skip
-    info = mg.GGUFInfo(meta, {})
-    assert mg._config(info, {}, None, None)["query_pre_attn_scalar"] == 168
+    gemma3 = architecture(meta, "x")
+    assert gemma3.config(None, tied=True)["query_pre_attn_scalar"] == 168
     meta["gemma3.block_count"] = 34  # 4B: head size
-    assert mg._config(info, {}, None, None)["query_pre_attn_scalar"] == 128
+    assert gemma3.config(None, tied=True)["query_pre_attn_scalar"] == 128
 
 
 # --- through load_pair and the engine: plain, self-draft, prompt lookup -----------------------
@@ -285,12 +288,12 @@ def test_qwen3_without_qk_norm_is_refused(tmp_path, capsys):
     assert "blk.1.attn_k_norm.weight" in names
     info = mg.read_gguf_info(tiny.gguf)
     del info.tensors["blk.1.attn_k_norm.weight"]
-    with pytest.raises(mg.SpecError, match="attn_k_norm.weight is missing"):
+    with pytest.raises(SpecError, match="attn_k_norm.weight is missing"):
         mg.check_model_metadata(info, "x")
     info.meta["general.architecture"] = "llama"
     for key in [k for k in info.meta if k.startswith("qwen3.")]:
         info.meta["llama." + key.removeprefix("qwen3.")] = info.meta.pop(key)
-    with pytest.raises(mg.SpecError, match="unsupported GGUF tensor"):
+    with pytest.raises(SpecError, match="unsupported GGUF tensor"):
         mg.check_model_metadata(info, "x")
 
 

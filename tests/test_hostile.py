@@ -365,12 +365,14 @@ GGUF_CASES = {
     "no-tokenizer-model": (_rewrite(tokenizer__ggml__model=None), "tokenizer"),
     "bad-merges": (_rewrite(tokenizer__ggml__merges=("strs", ["nospace"])), "merges"),
     "architecture-gpt9": (_rewrite(general__architecture=("str", "gpt9")), "architecture"),
+    "architecture-array": (_rewrite(general__architecture=("i32s", [1, 2])), "architecture"),
     "missing-layer-tensor": (_drop_tensor("blk.0.ffn_up.weight"), "missing"),
     "more-layers-than-tensors": (_rewrite(llama__block_count=("u32", 2)), "block_count"),
     "absurd-layer-count": (_rewrite(llama__block_count=("u32", 2**30 + 1)), "block_count"),
     "embedding-rows-differ": (_tensors(vocab=300), "token_embd"),
     "extra-layer-tensors": (_tensors(layers=2), "unsupported GGUF tensor"),
     "unknown-pre-tokenizer": (_rewrite(tokenizer__ggml__pre=("str", "made-up")), "pre-tokenizer"),
+    "pre-tokenizer-array": (_rewrite(tokenizer__ggml__pre=("i32s", [1])), "pre-tokenizer"),
     "sentencepiece-without-scores": (_rewrite(tokenizer__ggml__model=("str", "llama")), "scores"),
     "unknown-rope-scaling": (_rewrite(llama__rope__scaling__type=("str", "su")), "scaling.type"),
     "qwen3-without-qk-norm": (lambda p, g: _as_qwen3(p), "norm.weight is missing"),
@@ -475,7 +477,7 @@ def test_damaged_cached_conversion_is_redone(good_gguf, cache, damage):
     damage(out)
     assert _cached(good_gguf) == out
     assert (out / "config.json").read_text() == good_config
-    from mlx_spec.loading import check_model_dir
+    from mlx_spec.model_dir import check_model_dir
 
     check_model_dir(out)
 
@@ -492,7 +494,7 @@ def test_stale_partial_conversion_is_removed(good_gguf, cache):
 
 
 def test_partial_conversion_of_a_live_run_is_kept(good_gguf, cache):
-    from mlx_spec.gguf import _lock, remove_stale
+    from mlx_spec.gguf.cache import _lock, remove_stale
 
     out = _cached(good_gguf)
     live = out.parent / ".other-q.inprogress"
@@ -529,7 +531,7 @@ def test_two_processes_convert_the_same_file(good_gguf, cache):
     assert [p.returncode for p in procs] == [0, 0], [r[1] for r in results]
     assert results[0][0] == results[1][0]
     out = Path(results[0][0].strip())
-    from mlx_spec.loading import check_model_dir
+    from mlx_spec.model_dir import check_model_dir
 
     check_model_dir(out)
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]

@@ -128,6 +128,7 @@ def main(args):
 
 
 def reply(pair, args, text: str) -> int:
+    from .. import blas
     from ..engine import generate, stream
     from ..stats import Stats
 
@@ -145,7 +146,9 @@ def reply(pair, args, text: str) -> int:
         kwargs["grammar"] = args.constraint
         kwargs["forced_tokens"] = not (args.no_forced_tokens or args.no_draft)  # baseline
     if args.json:
-        print(json.dumps(generate(pair, prompt, **kwargs).to_json()))
+        out = generate(pair, prompt, **kwargs).to_json()
+        out["stats"]["blas_notice"] = blas.notice()  # None unless on the slow reference BLAS
+        print(json.dumps(out))
         return 0
 
     color = sys.stdout.isatty() and not args.no_color and "NO_COLOR" not in os.environ
@@ -162,7 +165,7 @@ def reply(pair, args, text: str) -> int:
         sys.stdout.flush()
     print()
     print(stats.summary(), file=sys.stderr)
-    line = hint(stats)
-    if line:
-        print(line, file=sys.stderr)
+    for line in (hint(stats), blas.notice()):
+        if line:
+            print(line, file=sys.stderr)
     return 0

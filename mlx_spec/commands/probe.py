@@ -12,6 +12,12 @@ SAMPLE_K = 4
 PREDICT_KS = range(1, 11)
 
 
+BUDGET = 45.0  # seconds the measurements may take after loading, by default
+CURVE_SHARE = 0.45  # of what the prefills leave: the target's verify curve (the rest: draft, α)
+DRAFT_SHARE = 0.1
+MIN_SAMPLE_ROUNDS = 4  # the sample for α runs at least this many rounds, past the budget too
+
+
 def setup_arg_parser(parser):
     add_pair_args(parser)
     parser.add_argument(
@@ -19,50 +25,116 @@ def setup_arg_parser(parser):
     )
     parser.add_argument("--temp", type=float, default=0.0, help="temperature of the sample run")
     parser.add_argument(
-        "--sample-tokens", type=positive_int, default=48, help="tokens to sample for α"
+        "--sample-tokens", type=positive_int, default=48, help="most tokens to sample for α"
+    )
+    parser.add_argument(
+        "--budget",
+        type=positive_float,
+        default=BUDGET,
+        metavar="SECONDS",
+        help=f"time the measurements may take after loading (default {BUDGET:.0f})",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the curve and the predictions")
 
 
-def run_probe(pair, context: int, temperature: float, sample_tokens: int, progress=print):
+def positive_float(text: str) -> float:
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def sample_acceptance(pair, temperature: float, max_tokens: int, deadline: float, clock):
+    """Sample from `pair` at k=SAMPLE_K until `max_tokens` or the deadline (after at least
+    MIN_SAMPLE_ROUNDS rounds); the run's stats."""
+    from ..engine import stream_rounds
+    from ..stats import Stats
+
+    stats = Stats()
+    rounds = stream_rounds(
+        pair,
+        [{"role": "user", "content": SAMPLE_PROMPT}],
+        max_tokens=max_tokens,
+        temperature=temperature,
+        num_draft_tokens=SAMPLE_K,
+        seed=0,
+        stats=stats,
+    )
+    for _ in rounds:
+        if clock() > deadline and stats.target_passes >= MIN_SAMPLE_ROUNDS:
+            rounds.close()
+            break
+    return stats
+
+
+def run_probe(
+    pair,
+    context: int,
+    temperature: float,
+    sample_tokens: int,
+    progress=print,
+    budget: float = BUDGET,
+    clock=None,
+):
+    """Measure the verify curve, the draft's cost and α within about `budget` seconds: each
+    model's context is built once (probe.PassTimer), the repetitions scale to the measured pass
+    times, and the sample for α stops at the deadline (after MIN_SAMPLE_ROUNDS rounds)."""
+    import time
+
     from .. import blas
-    from ..engine import generate
     from ..probe import (
+        PassTimer,
         ProbeResult,
         classify_regime,
         estimate_alpha,
+        fill_curve,
         predict,
-        step_seconds,
+        time_passes,
         verdict,
     )
 
+    clock = clock or time.perf_counter
+    begin = clock()
+    deadline = begin + budget
     sizes = sorted({*range(1, max(PREDICT_KS) + 2), 16})
     progress(f"BLAS: {blas.describe()}")
-    progress(
-        f"timing the target's verify pass for n = 1..{sizes[-1]} at {context} tokens of context…"
-    )
-    t1 = step_seconds(pair.target, 1, context)
-    curve = [1.0] + [step_seconds(pair.target, n, context) / t1 for n in sizes[1:]]
+    progress(f"building {context} tokens of context…")
+    vocab = pair.vocab_size
+    target = PassTimer(pair.target, context, sizes[-1], vocab, clock)
+    # prompt lookup costs a few dictionary operations: nothing next to a model step
+    draft = None
+    if pair.speculative and pair.draft is not None:
+        draft = PassTimer(pair.draft, context, 1, vocab, clock)
+    left = deadline - clock()
+    share = CURVE_SHARE if pair.speculative else 1.0
+    progress(f"timing the target's verify pass for n = 1..{sizes[-1]}…")
+    seconds, reps = time_passes(target, sizes, share * left)
+    t1 = seconds[1]
+    curve = [t / t1 for t in fill_curve(sizes, seconds)]
     regime = classify_regime(sizes, curve)
     result = ProbeResult(blas.describe(), context, sizes, curve, regime, t1, None, None)
+    result.timed_sizes, result.repetitions = sorted(seconds), reps
+    result.passes = target.passes
     if pair.speculative:
         progress("timing the draft…")
-        # prompt lookup costs a few dictionary operations: nothing next to a model step
-        draft_seconds = step_seconds(pair.draft, 1, context) if pair.draft is not None else 0.0
+        draft_seconds = 0.0
+        if draft is not None:
+            draft_seconds = time_passes(draft, [1], DRAFT_SHARE * left, min_sizes=1)[0][1]
+            result.passes += draft.passes
         result.draft_cost = draft_seconds / t1
-        progress(f"sampling {sample_tokens} tokens at k={SAMPLE_K} to estimate acceptance…")
-        res = generate(
-            pair,
-            [{"role": "user", "content": SAMPLE_PROMPT}],
-            max_tokens=sample_tokens,
-            temperature=temperature,
-            num_draft_tokens=SAMPLE_K,
-            seed=0,
-        )
-        hist = res.stats.accepted_lengths + [0] * (SAMPLE_K + 1 - len(res.stats.accepted_lengths))
+        progress(f"sampling up to {sample_tokens} tokens at k={SAMPLE_K} to estimate acceptance…")
+        stats = sample_acceptance(pair, temperature, sample_tokens, deadline, clock)
+        hist = stats.accepted_lengths + [0] * (SAMPLE_K + 1 - len(stats.accepted_lengths))
         accepted = sum(i * h for i, h in enumerate(hist))
-        result.alpha = estimate_alpha(accepted, res.stats.drafted, hist[SAMPLE_K], sum(hist))
+        result.alpha = estimate_alpha(accepted, stats.drafted, hist[SAMPLE_K], sum(hist))
+        result.sample_tokens, result.sample_rounds = stats.generated_tokens, stats.target_passes
         by_n = dict(zip(sizes, curve, strict=True))
         result.predictions = predict(result.alpha, result.draft_cost, by_n, t1, PREDICT_KS)
         best = max(result.predictions, key=lambda p: p.tokens_per_second)
@@ -70,6 +142,7 @@ def run_probe(pair, context: int, temperature: float, sample_tokens: int, progre
         result.verdict = verdict(regime, result.draft_cost, result.alpha, best)
     else:
         result.verdict = verdict(regime, None, None, None)
+    result.seconds = clock() - begin
     return result
 
 
@@ -82,12 +155,16 @@ def format_table(r) -> str:
         + "  ".join(
             f"{n}:{t:.2f}" for n, t in zip(r.sizes, r.curve, strict=True) if n in (2, 4, 8, 16)
         ),
+        f"                medians of {r.repetitions} passes (after a warm-up) at n = "
+        + ",".join(map(str, r.timed_sizes))
+        + ("" if len(r.timed_sizes) == len(r.sizes) else "; the others interpolated"),
         f"regime          {r.regime}",
     ]
     if r.draft_cost is not None:
         lines += [
             f"draft cost c    {r.draft_cost:.2f} x a target step",
-            f"acceptance α    {r.alpha:.2f} per token",
+            f"acceptance α    {r.alpha:.2f} per token "
+            f"({r.sample_tokens} tokens sampled in {r.sample_rounds} rounds)",
             "",
             " k  tokens/round  predicted tok/s  speedup",
         ]
@@ -97,7 +174,7 @@ def format_table(r) -> str:
                 f"{p.k:>2}  {p.tokens_per_round:>12.2f}  {p.tokens_per_second:>15.1f}  "
                 f"{p.speedup:>6.2f}x{mark}"
             )
-    lines += ["", r.verdict]
+    lines += ["", r.verdict, f"(measured in {r.seconds:.0f} s after loading)"]
     return "\n".join(lines)
 
 
@@ -148,6 +225,7 @@ def main(args):
         args.temp,
         args.sample_tokens,
         progress=quiet if args.json else (lambda m: print(m, file=sys.stderr)),
+        budget=args.budget,
     )
     if args.plot:
         plot(result, args.plot)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ..cli import add_pair_args, int_at_least, nonnegative_int, pair_from_args, positive_int
-from ..errors import SpecError
+from ..errors import SpecError, one_line
 
 API_KEY_ENV = "MLX_SPEC_API_KEY"
 DEFAULT_MAX_TOKENS = 512
@@ -180,7 +180,17 @@ def main(args):
         timeout_graceful_shutdown=args.shutdown_timeout + 2,
     )
     server = GracefulServer(config, engine, args.shutdown_timeout)
-    engine.start()
+    try:
+        engine.start()
+    except (SpecError, KeyboardInterrupt) as err:
+        # the engine thread has run MLX: leave through os._exit, as a finished server does
+        # below (a normal interpreter exit may abort: "terminate called without an active
+        # exception", status 134)
+        if isinstance(err, SpecError):
+            print(f"mlx-spec serve: error: {one_line(err)}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2 if isinstance(err, SpecError) else 130)
     host, bound = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{bound}/v1"
     history = "on" if engine.history is not None else "off"

@@ -234,7 +234,11 @@ class Engine:
 
     def start(self) -> None:
         self.thread.start()
-        self.ready.result()  # the loader's error, if any, is raised here (before serving)
+        try:
+            self.ready.result()  # the loader's error, if any, is raised here (before serving)
+        except Exception:
+            self.thread.join()  # it ends right after a failed load
+            raise
 
     def retry_after(self) -> int:
         """Seconds until a queue slot is likely free: the mean recent job time, at least 1."""

@@ -15,8 +15,11 @@ the `gguf` package's independent numpy implementation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import mlx.core as mx
 import numpy as np
 
 QK_K = 256  # weights in a K-quant super-block
@@ -175,26 +178,37 @@ def _q2_k(blocks):
     return q, d * (s & 0x0F).astype(np.float32), -(dmin * (s >> 4).astype(np.float32)), 16, 2
 
 
-# ggml type name -> (weights per block, bytes per block, decoder)
-DECODERS = {
-    "Q4_0": (32, 18, _q4_0),
-    "Q4_1": (32, 20, _q4_1),
-    "Q5_0": (32, 22, _q5_0),
-    "Q5_1": (32, 24, _q5_1),
-    "Q8_0": (32, 34, _q8_0),
-    "Q2_K": (QK_K, 84, _q2_k),
-    "Q3_K": (QK_K, 110, _q3_k),
-    "Q4_K": (QK_K, 144, _q4_k),
-    "Q5_K": (QK_K, 176, _q5_k),
-    "Q6_K": (QK_K, 210, _q6_k),
+class GGMLType(NamedTuple):
+    name: str
+    block: int  # weights per block
+    nbytes: int  # bytes per block
+    decoder: Callable | None = None  # None: a float type, read as it is
+
+
+# the ggml tensor types read here, by the type id a GGUF tensor table gives
+GGML_TYPES = {
+    0: GGMLType("F32", 1, 4),
+    1: GGMLType("F16", 1, 2),
+    2: GGMLType("Q4_0", 32, 18, _q4_0),
+    3: GGMLType("Q4_1", 32, 20, _q4_1),
+    6: GGMLType("Q5_0", 32, 22, _q5_0),
+    7: GGMLType("Q5_1", 32, 24, _q5_1),
+    8: GGMLType("Q8_0", 32, 34, _q8_0),
+    10: GGMLType("Q2_K", QK_K, 84, _q2_k),
+    11: GGMLType("Q3_K", QK_K, 110, _q3_k),
+    12: GGMLType("Q4_K", QK_K, 144, _q4_k),
+    13: GGMLType("Q5_K", QK_K, 176, _q5_k),
+    14: GGMLType("Q6_K", QK_K, 210, _q6_k),
+    30: GGMLType("BF16", 1, 2),
 }
+BY_NAME = {t.name: t for t in GGML_TYPES.values()}
 FLOATS = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
 
 def decode(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> Affine:
     """The exact affine form of a quantized tensor: `data` is its raw bytes (uint8), `shape`
     as MLX sees it (rows..., cols), cols a multiple of the block size."""
-    block, nbytes, fn = DECODERS[type_name]
+    _, block, nbytes, fn = BY_NAME[type_name]
     cols = shape[-1]
     rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
     blocks = np.ascontiguousarray(data).reshape(-1, nbytes)
@@ -233,3 +247,57 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
 def float_array(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """F32 / F16 as numpy arrays; BF16 as its uint16 bit patterns (numpy has no bfloat16)."""
     return np.ascontiguousarray(data).view(FLOATS[type_name]).reshape(shape)
+
+
+def dequantize(type_name: str, raw: np.ndarray, shape) -> np.ndarray:
+    """Any tensor type as float32 numpy."""
+    if type_name == "BF16":
+        bits = float_array(type_name, raw, shape).astype(np.uint32) << 16
+        return bits.view(np.float32)
+    if type_name in FLOATS:
+        return float_array(type_name, raw, shape).astype(np.float32)
+    return decode(type_name, raw, shape).dequantize().reshape(shape)
+
+
+def mlx_float(type_name: str, raw: np.ndarray, shape) -> mx.array:
+    """A tensor as an MLX float array: float types in their own precision, the others
+    dequantized to float32."""
+    if type_name not in FLOATS:
+        return mx.array(dequantize(type_name, raw, shape))
+    value = mx.array(float_array(type_name, raw, shape))
+    return value.view(mx.bfloat16) if type_name == "BF16" else value
+
+
+class MLXQuantized(NamedTuple):
+    arrays: tuple[mx.array, mx.array, mx.array]  # packed uint32 codes, float16 scales, biases
+    group: int
+    bits: int
+    what: str  # for the conversion's one line: "4-bit group 32", "(re-quantized)"
+
+
+def mlx_quantized(type_name: str, raw: np.ndarray, shape: tuple[int, ...]) -> MLXQuantized:
+    """A quantized matrix in MLX's affine format (packed uint32 codes, float16 scales and
+    biases), decoded a few million weights at a time so the temporaries stay small."""
+    rows, cols = shape
+    ggml = BY_NAME[type_name]
+    row_bytes = cols // ggml.block * ggml.nbytes
+    step = max(1, (1 << 22) // cols)
+    parts = []
+    for r in range(0, rows, step):
+        n = min(step, rows - r)
+        affine = decode(type_name, raw[r * row_bytes : (r + n) * row_bytes], (n, cols))
+        if affine.group in (32, 64, 128):
+            group, bits = affine.group, affine.bits
+            packed = pack(affine.q, bits)
+            scales, biases = affine.scale.astype(np.float16), affine.bias.astype(np.float16)
+        else:  # 16-weight sub-blocks: re-quantize to groups of 32, with more bits
+            group, bits = MLX_GROUP, REQUANT_BITS[type_name]
+            w, s, b = mx.quantize(mx.array(affine.dequantize()), group_size=group, bits=bits)
+            packed = np.array(w)
+            scales = np.array(s.astype(mx.float16))
+            biases = np.array(b.astype(mx.float16))
+        parts.append((packed, scales, biases))
+    arrays = tuple(mx.array(np.concatenate(p)) for p in zip(*parts, strict=True))
+    exact = type_name not in REQUANT_BITS
+    what = f"{bits}-bit group {group}" + ("" if exact else " (re-quantized)")
+    return MLXQuantized(arrays, group, bits, what)
