@@ -234,7 +234,8 @@ class NGramDrafter:
         return bool(self.lookup(1))
 
     def propose(self, k, params, key, stop_below=0.0, *, processors=()):
-        # a guess is no sample: processors change nothing here (q is a point mass on it)
+        # the guess is not masked: a token a processor forbids gets probability 0 from the
+        # target's row, so verification rejects it
         return mx.array(self.lookup(k), mx.uint32), None  # None: a point mass on the guess
 
     def settle(self) -> None:

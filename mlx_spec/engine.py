@@ -23,6 +23,7 @@ from .acceptance import verify_greedy, verify_stochastic
 from .drafters import Drafter, LookupThenModel, ModelDrafter, NGramDrafter, prefill_cache
 from .errors import Aborted, SpecError
 from .policies import Controller, DraftLength, FixedK, draft_length
+from .processors import LogitsProcessor
 from .processors import apply as apply_processors
 from .sampling import SamplingParams, probabilities, sample
 from .stats import Stats
@@ -42,6 +43,7 @@ class Round:
     split: tuple | None = None  # (draft s, draft steps, verify s, verify rows) when timed apart
     proposal: list[int] = field(default_factory=list)  # the draft's guesses, kept or not
     target_token: int | None = None  # the target's own token: correction, bonus or plain step
+    forced: bool = False  # the grammar's forced tokens were the draft (no model, no lookup)
     # when asked for: per token of `tokens`, its log-probability under the target's (processed)
     # distribution and the top (id, log-probability) pairs there
     logprobs: list[float] | None = None
@@ -91,6 +93,9 @@ def pad_vocab(a: mx.array, size: int) -> mx.array:
 # next round drafts nothing, so its pass cannot be rejected and the replay ends. Measured
 # (benchmarks/hybrid_round_cost.py): limits 4, 8, 16 gave 10.6, 10.3, 12.2 ms per token.
 REPLAY_LIMIT = 8
+# The most forced tokens (grammar.py) one round drafts: they cost no model, and the target
+# accepts nearly all of them, so the limit is the verify pass's width, not the policy's k.
+FORCED_MAX = 8
 
 
 class Decoder:
@@ -121,6 +126,7 @@ class Decoder:
         self.active = False  # a stream took it and has not finished cleanly
         self._policy, self._policy_key = None, None
         self.step_seconds = (None, None)  # a target and a draft step, timed in prefill
+        self._drafting = False
 
     def policy_for(self, length: DraftLength, stop_below: float | None):
         """The draft-length policy; a controller is kept across calls with the same choice,
@@ -195,24 +201,55 @@ class Decoder:
         params: SamplingParams,
         k,
         use_draft: bool = True,
-        processors=(),
+        processors: list[LogitsProcessor] = (),
         logprobs: int | None = None,
+        forced=None,
     ) -> Iterator[Round]:
         """`k`: a draft length, or a policy (policies.py) that picks it each round from the
         past rounds' outcomes and wall times; k = 0 decodes plainly for `plain_burst()` tokens.
         `processors` (processors.py) transform the target's and the draft's logits alike;
         `logprobs` (None: off; N >= 0: with the top N) fills each round's log-probabilities.
+        `forced`: a grammar.GrammarProcessor; where its grammar forces the next tokens, a
+        round drafts them, with no model and outside the policy (they cost nothing to draft).
         """
-        extra = dict(processors=processors, logprobs=logprobs)
-        if self.drafter is None or not use_draft:
+        extra = dict(processors=list(processors), logprobs=logprobs)
+        drafting = self.drafter is not None and use_draft
+        self._drafting = drafting  # forced rounds tell the drafter what they emitted
+        if not drafting and forced is None:
             yield from self._plain_steps(max_tokens, params, **extra)
             return
         policy = FixedK(k) if isinstance(k, int) else k
         # prompt lookup can tell for free whether it has something to draft now
-        peek = getattr(self.drafter, "has_proposal", None)
+        peek = getattr(self.drafter, "has_proposal", None) if drafting else None
+        if forced is not None:  # a plain stretch also ends where the grammar forces tokens
+            lookup = peek
+
+            def peek():
+                return bool(forced.forced(self.sequence, 1)) or (lookup is not None and lookup())
+
         emitted = 0
         last = time.perf_counter()  # wall time between round starts: the consumer's share too
         while emitted < max_tokens:
+            if forced is not None:
+                limit = min(FORCED_MAX, max_tokens - emitted - 1)
+                # a recurrent target replaying rejected rounds needs a round that cannot be
+                # rejected (as below): no forced draft then
+                guess = forced.forced(self.sequence, limit) if self.unfed <= REPLAY_LIMIT else []
+                if guess:
+                    r = self._speculative_round(len(guess), params, 0.0, proposal=guess, **extra)
+                    emitted += len(r.tokens)
+                    last = time.perf_counter()  # not the policy's round: kept out of its times
+                    yield r
+                    if r.finished:
+                        return
+                    continue
+                if not drafting:  # the target alone until the grammar forces tokens again
+                    for r in self._plain_steps(max_tokens - emitted, params, until=peek, **extra):
+                        emitted += len(r.tokens)
+                        yield r
+                        if r.finished:
+                            return
+                    continue
             # the round adds at most k+1 tokens; never draft past max_tokens
             available = peek() if peek is not None else None
             k_round = min(policy.next(available), max_tokens - emitted - 1)
@@ -256,14 +293,19 @@ class Decoder:
         split: bool = False,
         processors=(),
         logprobs: int | None = None,
+        proposal: list[int] | None = None,
     ) -> Round:
+        """One round; `proposal`: draft these tokens (forced by a grammar), not the drafter's."""
         requested, start = k, time.perf_counter()
         # greedy rounds draw nothing: splitting the key anyway would grow its lazy graph by a
         # node per round for the whole conversation
         key = None if params.greedy else self._next_key()
-        kwargs = {"processors": processors} if processors else {}
-        # (k,), (k, V) | None
-        draft_tokens, q = self.drafter.propose(k, params, key, stop_below, **kwargs)
+        drafter = self.drafter if proposal is None else None
+        if drafter is not None:  # (k,), (k, V) | None
+            kwargs = {"processors": processors} if processors else {}
+            draft_tokens, q = drafter.propose(k, params, key, stop_below, **kwargs)
+        else:  # a point mass on each forced token, verified like any guess
+            draft_tokens, q = mx.array(proposal, mx.uint32), None
         k = draft_tokens.shape[0]  # a drafter may propose fewer (lookup: 0 on no match)
         if split:  # time the draft apart (an extra host sync, in a few calibration rounds)
             mx.eval([a for a in (draft_tokens, q) if a is not None])
@@ -273,7 +315,8 @@ class Decoder:
         inputs = mx.concatenate([mx.array(unfed, mx.uint32), draft_tokens])
         logits = self.target(inputs[None], cache=self.cache)[0, -(k + 1) :]  # (k+1, vocab)
         # row i is the distribution after sequence + x1..xi: the same transform the draft saw
-        logits = apply_processors(processors, self.sequence, draft_tokens, logits)
+        path = proposal if proposal is not None else draft_tokens
+        logits = apply_processors(processors, self.sequence, path, logits)
         if params.greedy:
             n, next_token = verify_greedy(draft_tokens, logits)
         else:
@@ -310,7 +353,8 @@ class Decoder:
         else:
             caches.rollback(self.cache, rejected)
             self.unfed = 1
-        self.drafter.commit(kept)
+        if self.drafter is not None and (proposal is None or self._drafting):
+            self.drafter.commit(kept)
         self.sequence += kept
         out_tokens = kept if stop is None else kept[:-1]
         lps = tops = None
@@ -319,14 +363,14 @@ class Decoder:
         timing = None
         if split:
             verify_seconds = time.perf_counter() - drafted_at
-            timing = (drafted_at - start, self.drafter.steps, verify_seconds, replayed + 1 + k)
+            timing = (drafted_at - start, drafter.steps, verify_seconds, replayed + 1 + k)
         return Round(
             tokens=out_tokens,
             accepted=min(n, len(out_tokens)),
             drafted=k,
             verified=n,
             finished=stop is not None,
-            draft_steps=self.drafter.steps,
+            draft_steps=drafter.steps if drafter is not None else 0,
             replayed=replayed,
             requested=requested,
             split=timing,
@@ -334,6 +378,7 @@ class Decoder:
             target_token=next_token,
             logprobs=lps,
             top_logprobs=tops,
+            forced=proposal is not None,
         )
 
     def _plain_steps(
@@ -348,6 +393,9 @@ class Decoder:
         """Plain decoding, one token per round, pipelined as mlx_lm.generate_step is: the
         next step is queued before the current token is read back (never past max_tokens).
         `until()`, asked after each token, ends the stretch after the step already queued."""
+        if not all(getattr(p, "pipelines", True) for p in processors):
+            yield from self._processed_steps(max_tokens, params, plain, until, processors)
+            return
         before = None  # a recurrent state from before the queued step
 
         def step(tokens: mx.array, proposed=()):
@@ -405,6 +453,26 @@ class Decoder:
                     caches.rollback(self.cache, 1, skip_recurrent=True)
                 except caches.CacheRollbackError:  # e.g. chunked attention at a chunk edge
                     self.stale = True
+
+    def _processed_steps(
+        self, max_tokens: int, params: SamplingParams, plain: bool, until, processors
+    ) -> Iterator[Round]:
+        """Plain decoding under a processor that must see each token first (`pipelines =
+        False`: a grammar, which cannot step past the end of its grammar): nothing is queued
+        ahead; `until()` ends the stretch at once. No log-probabilities here."""
+        for _ in range(max_tokens):
+            inputs = mx.array(self.sequence[-self.unfed :], mx.uint32)
+            logits = self.target(inputs[None], cache=self.cache)[0, -1:]
+            logits = apply_processors(processors, self.sequence, [], logits)[0]
+            token = self._target_token(logits, params).item()
+            self.unfed = 1
+            self.sequence.append(token)
+            if token in self.eos:
+                yield Round([], 0, 0, 0, finished=True, plain=plain, target_token=token)
+                return
+            yield Round([token], 0, 0, 0, plain=plain, target_token=token)
+            if until is not None and until():
+                return
 
 
 # ----------------------------------------------------------------------------- stream layer
@@ -529,6 +597,22 @@ def encode_prompt(
     raise SpecError(f"unsupported prompt type {type(prompt).__name__}")
 
 
+def constraint_for(pair, schema=None, grammar=None, regex=None):
+    """schema= / grammar= / regex= -> a grammar.Constraint for the pair's tokenizer (None
+    without any). `grammar` may be Lark text or a Constraint compiled before."""
+    if schema is None and grammar is None and regex is None:
+        return None
+    from .grammar import Constraint
+
+    if isinstance(grammar, Constraint):
+        if schema is not None or regex is not None:
+            raise SpecError("give one of schema, grammar or regex")
+        return grammar
+    return Constraint.compile(
+        pair.tokenizer, pair.vocab_size, schema=schema, grammar=grammar, regex=regex
+    )
+
+
 def make_drafter(pair) -> Drafter | None:
     if pair.drafter == "ngram":
         return NGramDrafter(pair.ngram_max, pair.ngram_min)
@@ -567,9 +651,14 @@ def stream_rounds(
     processors=(),
     logprobs: int | None = None,
     abort=None,
+    schema: dict | str | None = None,
+    grammar=None,
+    regex: str | None = None,
+    forced_tokens: bool = True,
 ) -> Iterator[list[Event]]:
     """Generate from `pair`, one list of `Event`s per verify round (see `stream`)."""
     params = SamplingParams(temperature, top_p, top_k, min_p)
+    constraint = constraint_for(pair, schema, grammar, regex)
     length = draft_length(pair.num_draft_tokens if num_draft_tokens is None else num_draft_tokens)
     length = distributed.agreed_length(pair, length)  # a sharded target: `auto` follows rank 0
     stop_below = pair.draft_confidence if draft_confidence is None else draft_confidence
@@ -587,6 +676,13 @@ def stream_rounds(
     if context is not None:
         max_tokens = min(max_tokens, context - len(tokens))
     speculative = use_draft and pair.speculative
+    processors = list(processors or [])
+    forced = None
+    if constraint is not None:
+        grammar_state = constraint.processor(len(tokens))
+        processors.insert(0, grammar_state)  # the mask first: others see allowed tokens only
+        if use_draft and forced_tokens:
+            forced = grammar_state
     if decoder is None:
         decoder = make_decoder(pair, seed)
     elif decoder.pair is not None and decoder.pair is not pair:
@@ -621,13 +717,18 @@ def stream_rounds(
         params,
         policy,
         use_draft=speculative,
-        processors=list(processors or ()),
+        processors=processors,
         logprobs=logprobs,
+        forced=forced,
     )
     try:
         # as mlx-lm does: on Metal, keep the weights wired while generating
         with wired_limit(pair.target):
             for batch in _events(rounds, detokenizer, stats, start, max_tokens):
+                if constraint is not None:
+                    stats.mask_seconds = grammar_state.mask_seconds
+                    stats.masks = grammar_state.masks
+                    stats.constrained = constraint.kind
                 yield batch
                 if decoder.epoch != epoch:  # checked before the next round touches the caches
                     raise SpecError("another stream took over this decoder; this one cannot go on")
@@ -710,7 +811,11 @@ def stream(pair, prompt, max_tokens: int = 256, **kwargs) -> Iterator[Event]:
     logits alike, so the output follows the processed target distribution exactly), logprobs
     (None: off; N >= 0: each event's `logprob` and its `top_logprobs`, N of them, from the
     target's processed distribution before temperature), abort (asked between prefill chunks),
-    use_draft (False: plain decoding with the same pair), decoder (from `make_decoder`: keeps
+    schema (a JSON Schema, dict or JSON text), grammar (a Lark grammar, as llguidance reads it)
+    or regex: the reply is constrained to it exactly, target and draft masked alike
+    (grammar.py); forced_tokens (default True: where the grammar forces the next tokens they
+    are drafted for free; with use_draft=False nothing is drafted), use_draft (False: plain
+    decoding with the same pair), decoder (from `make_decoder`: keeps
     KV caches across calls, so a prompt that extends the previous conversation only prefills
     its new tokens) and stats (a `Stats` to read the totals from afterwards; every event also
     carries them, live).

@@ -16,7 +16,7 @@ rule samples exactly `p` whatever `q` is. Applying the same transform to the dra
 `proposed` is a list of ids or a 1-D `mx.array` of ids that may still be lazy (the engine does
 not wait for the draft to finish before building the verify pass); `token_ids` turns either
 into a list (a host sync for an array). The penalties here stay on the device: one scatter-add
-per call, no host sync.
+per call, no host sync. A grammar mask (grammar.py) is a processor too.
 """
 
 from __future__ import annotations

@@ -24,6 +24,12 @@ class Stats:
     draft_steps: int = 0  # draft-model forward passes (prompt lookup: none)
     replayed_tokens: int = 0  # recurrent targets: tokens re-fed after a restored state
     plain_tokens: int = 0  # decoded plainly while speculating (`auto` chose k = 0)
+    # structured output (grammar.py): forced tokens drafted by the grammar, and accepted
+    constrained: str | None = None  # "json_schema", "lark" or "regex"
+    forced_drafted: int = 0
+    forced_tokens: int = 0
+    mask_seconds: float = 0.0  # computing the grammar's allowed sets
+    masks: int = 0
     # chosen-k histogram: rounds for which the policy asked k drafts (plain tokens at 0)
     chosen_lengths: list[int] = field(default_factory=list)
     policy: object = field(default=None, repr=False, compare=False)  # the k policy (its view)
@@ -70,6 +76,9 @@ class Stats:
         count(self.chosen_lengths, r.requested)
         if r.plain:
             self.plain_tokens += len(r.tokens)
+        if getattr(r, "forced", False):
+            self.forced_drafted += r.drafted
+            self.forced_tokens += r.accepted
         if r.drafted:
             for i in range(r.drafted):
                 count(self.drafted_at, i)
@@ -134,6 +143,11 @@ class Stats:
             "draft_steps": self.draft_steps,
             "replayed_tokens": self.replayed_tokens,
             "plain_tokens": self.plain_tokens,
+            "constrained": self.constrained,
+            "forced_drafted": self.forced_drafted,
+            "forced_tokens": self.forced_tokens,
+            "mask_seconds": round(self.mask_seconds, 5),
+            "masks": self.masks,
             "chosen_k_histogram": self.chosen_lengths,
             "controller": self.controller,
             "num_draft_tokens": self.num_draft_tokens,
@@ -171,6 +185,10 @@ class Stats:
             )
         else:
             line += " · no draft"
+        if self.constrained:
+            line += f" · {self.constrained}"
+            if self.forced_drafted:
+                line += f", {self.forced_tokens} forced token{'s' * (self.forced_tokens != 1)}"
         if self.group_size > 1:
             line += (
                 f" · {self.group_size} ranks: {self.collectives_per_token:.1f} collectives/token"

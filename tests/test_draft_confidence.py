@@ -113,9 +113,9 @@ def test_lookup_then_model_is_lossless_greedy(tiny_models):
         uses["lookup"] += bool(found)
         return found
 
-    def counted_model(*args):
+    def counted_model(*args, **kwargs):
         uses["model"] += 1
-        return model(*args)
+        return model(*args, **kwargs)
 
     decoder.drafter.lookup.lookup = counted_lookup
     decoder.drafter.model.propose = counted_model

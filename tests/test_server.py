@@ -379,7 +379,7 @@ def test_follow_up_prefills_only_its_new_tokens(client, pair):
         ({"max_tokens": MAX_TOKENS_LIMIT + 1}, "max_tokens"),
         ({"stop": "x" * 1025}, "stop"),
         ({"stop": ["x" * 1000] * 17}, "stop"),  # past the total bound
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
     ],
 )
 def test_unsupported_or_bad_parameters_are_400(client, extra, param):

@@ -31,6 +31,15 @@ def setup_arg_parser(parser):
     parser.add_argument(
         "--raw", action="store_true", help="use the prompt as raw text, no chat template"
     )
+    g = parser.add_argument_group("structured output (the reply is constrained exactly)")
+    g.add_argument("--json-schema", metavar="FILE", help="a JSON Schema file: reply valid JSON")
+    g.add_argument("--grammar", metavar="FILE", help="a Lark grammar file (llguidance's dialect)")
+    g.add_argument("--regex", metavar="RE", help="the reply matches this regular expression")
+    g.add_argument(
+        "--no-forced-tokens",
+        action="store_true",
+        help="do not draft the tokens the grammar forces (they are drafted for free by default)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.add_argument("--no-color", action="store_true", help="no colours (also: NO_COLOR)")
     parser.add_argument("prompt", help="the prompt, or - to read it from stdin")
@@ -71,11 +80,49 @@ def hint(stats) -> str | None:
     )
 
 
+def read_constraint(args) -> dict:
+    """--json-schema / --grammar / --regex -> keyword arguments for the engine; files are read
+    (and a schema parsed) before any model loads, so bad input fails fast."""
+    given = [f for f in ("json_schema", "grammar", "regex") if getattr(args, f) is not None]
+    if len(given) > 1:
+        raise SpecError("give one of --json-schema, --grammar or --regex")
+    if not given:
+        return {}
+    if args.regex is not None:
+        if not args.regex:
+            raise SpecError("--regex is empty")
+        return {"regex": args.regex}
+    path = args.json_schema if args.json_schema is not None else args.grammar
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise SpecError(f"no such file: {path}") from None
+    except IsADirectoryError:
+        raise SpecError(f"{path} is a directory, not a file") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{path} is not valid UTF-8") from None
+    except OSError as err:
+        raise SpecError(f"cannot read {path}: {err.strerror}") from None
+    if args.grammar is not None:
+        if not text.strip():
+            raise SpecError(f"the grammar file {path} is empty")
+        return {"grammar": text}
+    from ..grammar import read_schema
+
+    return {"schema": read_schema(text, f"the schema file {path}")}
+
+
 def main(args):
     from ..distributed import rank_zero_prints
 
     text = read_prompt(args)
+    constraint = read_constraint(args)
     pair = pair_from_args(args)
+    if constraint:  # compiled once, against the loaded tokenizer: errors before generating
+        from ..engine import constraint_for
+
+        args.constraint = constraint_for(pair, **constraint)
     with rank_zero_prints(pair):  # a target sharded over mlx.launch's ranks: rank 0 prints
         return reply(pair, args, text)
 
@@ -95,6 +142,9 @@ def reply(pair, args, text: str) -> int:
         seed=args.seed,
         system=args.system,
     )
+    if getattr(args, "constraint", None) is not None:
+        kwargs["grammar"] = args.constraint
+        kwargs["forced_tokens"] = not (args.no_forced_tokens or args.no_draft)  # baseline
     if args.json:
         out = generate(pair, prompt, **kwargs).to_json()
         out["stats"]["blas_notice"] = blas.notice()  # None unless on the slow reference BLAS

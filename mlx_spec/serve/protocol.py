@@ -104,6 +104,7 @@ class GenRequest:
     tool_choice: object = "auto"  # "none", "auto", "required" or {"type", "function": {name}}
     ignored: list[str] = field(default_factory=list)  # unknown fields, named in a header
     partition: str = ""  # whose history and prompt cache (set from the API key by the app)
+    constraint: dict | None = None  # response_format as engine keywords: {"schema": {...}}
 
 
 COMMON = {
@@ -127,6 +128,7 @@ COMMON = {
     "repetition_context_size",
     "logit_bias",
     "logprobs",
+    "response_format",
 }
 CHAT_KEYS = COMMON | {
     "messages",
@@ -137,7 +139,6 @@ CHAT_KEYS = COMMON | {
     "parallel_tool_calls",
     "functions",
     "function_call",
-    "response_format",
     "chat_template_kwargs",
 }
 COMPLETION_KEYS = COMMON | {"prompt", "echo", "best_of", "suffix"}
@@ -148,7 +149,6 @@ NO_OP = {
     "functions": ([],),
     "function_call": ("none",),
     "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},),
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
@@ -158,7 +158,6 @@ NOT_IMPLEMENTED = {
     "functions": "the legacy functions parameter is not supported: send tools",
     "function_call": "the legacy function_call parameter is not supported: send tool_choice",
     "parallel_tool_calls": "parallel_tool_calls must be a boolean",
-    "response_format": "response_format other than text is not implemented",
     "echo": "echo is not implemented",
     "best_of": "best_of > 1 is not supported",
     "suffix": "suffix is not implemented",
@@ -254,6 +253,54 @@ def penalties(data: dict) -> dict:
     return out
 
 
+JSON_OBJECT_SCHEMA = {"type": "object"}  # json_object: any JSON object
+
+
+def response_format(data: dict) -> dict | None:
+    """OpenAI's response_format -> {"schema": ...} for the engine (None: plain text).
+    json_object: any JSON object; json_schema: {"name", "schema", "strict", "description"},
+    the schema enforced exactly whether strict is true or not."""
+    value = data.get("response_format")
+    if value is None:
+        return None
+    param = "response_format"
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad("response_format must be an object with a type", param, "invalid_type")
+    kind = value["type"]
+    if kind == "text":
+        extra = sorted(set(value) - {"type"})
+    elif kind == "json_object":
+        extra = sorted(set(value) - {"type"})
+    elif kind == "json_schema":
+        extra = sorted(set(value) - {"type", "json_schema"})
+    else:
+        raise bad(
+            f"response_format type must be text, json_object or json_schema, got {kind!r}",
+            f"{param}.type",
+        )
+    if extra:
+        raise bad(f"unsupported response_format field {extra[0]!r}", f"{param}.{extra[0]}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"schema": JSON_OBJECT_SCHEMA}
+    spec = value.get("json_schema")
+    param = f"{param}.json_schema"
+    if not isinstance(spec, dict):
+        raise bad("json_schema must be an object with a schema", param, "invalid_type")
+    extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if extra:
+        raise bad(f"unsupported json_schema field {extra[0]!r}", f"{param}.{extra[0]}")
+    if spec.get("name") is not None and not isinstance(spec["name"], str):
+        raise bad("json_schema.name must be a string", f"{param}.name", "invalid_type")
+    if spec.get("strict") not in (None, True, False):
+        raise bad("json_schema.strict must be a boolean", f"{param}.strict", "invalid_type")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad("json_schema.schema must be a JSON Schema object", f"{param}.schema")
+    return {"schema": schema}
+
+
 def common(data: dict, kind: str, prompt, limits: Limits, max_tokens) -> GenRequest:
     model = data.get("model")
     if not isinstance(model, str) or not model:
@@ -282,6 +329,13 @@ def common(data: dict, kind: str, prompt, limits: Limits, max_tokens) -> GenRequ
             f" (--max-tokens-limit), got {max_tokens}",
             "max_tokens",
         )
+    constraint = response_format(data)
+    if constraint is not None and data.get("stop"):
+        raise bad(
+            "stop cannot be combined with a JSON response_format: a stop string could cut the "
+            "JSON short",
+            "stop",
+        )
     return GenRequest(
         kind=kind,
         model=model,
@@ -296,6 +350,7 @@ def common(data: dict, kind: str, prompt, limits: Limits, max_tokens) -> GenRequ
         stream=bool(stream),
         include_usage=bool(options and options.get("include_usage")),
         penalties=penalties(data),
+        constraint=constraint,
     )
 
 
@@ -509,6 +564,7 @@ def speculation(stats, drafter: str, history: bool) -> dict:
         "target_passes": stats.target_passes,
         "prompt_tokens_reused": stats.prompt_tokens_reused,
         "tokens_per_second": round(stats.tokens_per_second, 2),
+        "forced_tokens": stats.forced_tokens,  # drafted by the response_format's grammar
     }
 
 

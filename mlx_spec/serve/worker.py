@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import common_prefix_len
 
 from ..drafters import LookupThenModel, ModelDrafter, NGramDrafter
-from ..engine import encode_prompt, make_decoder, stream_rounds
+from ..engine import constraint_for, encode_prompt, make_decoder, stream_rounds
 from ..errors import Aborted, SpecError
 from ..history import HistoryIndex
 from ..processors import make_processors
@@ -473,6 +473,12 @@ class Engine:
 
         if abort():  # the client left (or time ran out) while the template was rendered
             raise Aborted("stopped before the prefill")
+        constraint = None
+        if req.constraint is not None:  # before the decoder is taken: a bad schema is a 400
+            try:
+                constraint = constraint_for(pair, **req.constraint)
+            except SpecError as err:
+                raise ApiError(400, str(err), "response_format", "invalid_value") from None
         decoder = cache.take(tokens)
         stats, stops = Stats(), StopText(req.stop)
         output = Output(pair.tokenizer, req, tokens, self.raw_reasoning)
@@ -490,6 +496,7 @@ class Engine:
             processors=make_processors(**req.penalties),
             logprobs=req.logprobs,
             abort=abort,
+            grammar=constraint,
         )
         ended = None  # why generation stopped early: "stop", "cancelled", "timeout"
         held: list = []  # (start offset in the raw text, logprob entry) not yet released
