@@ -78,12 +78,9 @@ class ModelThread:
         self._jobs.put((future, fn, args, kwargs))
         return future
 
-    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run `fn` on the thread and wait for its result (its exception is raised here)."""
-        return self.submit(fn, *args, **kwargs).result()
-
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """`call` for asyncio code: awaits the result without blocking the event loop."""
+        """Run `fn` on the thread; awaits its result (or its exception) without blocking the
+        event loop."""
         return await asyncio.wrap_future(self.submit(fn, *args, **kwargs))
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ import time
 import openai
 import pytest
 import tiny
-from test_server import metrics, start_server, stop_server
+from test_server import metrics, serving, start_server, stop_server
 
 from mlx_spec import generate, load_pair
 
@@ -53,17 +53,12 @@ def tool_pair(tool_models):
 @pytest.fixture(scope="module")
 def tool_server(tool_models, tmp_path_factory):
     target, draft = tool_models
-    log = open(tmp_path_factory.mktemp("tool_server") / "stderr.log", "w")  # noqa: SIM115
-    proc, url = start_server(
-        [
-            "--target", str(target), "--draft", str(draft), "--num-draft-tokens", "3",
-            "--drafter", "model", "--api-key", KEY_A, "--allow-origin", ORIGIN,
-        ],
-        log,
-    )  # fmt: skip
-    yield url
-    stop_server(proc)
-    log.close()
+    args = [
+        "--target", str(target), "--draft", str(draft), "--num-draft-tokens", "3",
+        "--drafter", "model", "--api-key", KEY_A, "--allow-origin", ORIGIN,
+    ]  # fmt: skip
+    with serving(args, tmp_path_factory.mktemp("tool_server")) as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")

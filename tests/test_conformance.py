@@ -25,7 +25,8 @@ import real_configs
 import tiny
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
-from test_server import KEY, start_server, stop_server
+from test_families import reference as family_reference
+from test_server import KEY, serving
 
 import tui.app
 from mlx_spec import SpecError, Stats, generate, load_pair, make_decoder, stream_rounds
@@ -90,12 +91,11 @@ def prompt_ids(pair) -> list[int]:
 
 def reference(pair, prompt, max_tokens: int = REPLY) -> list[int]:
     """Greedy tokens of mlx-lm on the target alone (its own caches)."""
-    out = stream_generate(pair.target, pair.tokenizer, prompt, max_tokens, sampler=make_sampler(0))
-    return [r.token for r in out if r.token not in pair.tokenizer.eos_token_ids]
+    return family_reference(pair, prompt, max_tokens)
 
 
 def reference_text(pair, prompt, max_tokens: int = REPLY) -> str:
-    """The same, as mlx-lm's streaming detokenizer writes it."""
+    """The same reply, as mlx-lm's streaming detokenizer writes it."""
     out = stream_generate(pair.target, pair.tokenizer, prompt, max_tokens, sampler=make_sampler(0))
     return "".join(r.text for r in out)
 
@@ -303,11 +303,9 @@ def test_serve_swaps_through_every_family(pairs, models_toml, tmp_path):
     """One server process; its start-up pair asked first, then each family swapped in by a
     request and asked again (its kept caches). Greedy text equals mlx-lm's target alone;
     llama4 gets one 404 line."""
-    log = open(tmp_path / "stderr.log", "w")  # noqa: SIM115
     first = FAMILIES[0]
     args = ["--pair", first, "--api-key", KEY, "--allow-swap"]
-    proc, url = start_server(args, log, env={"MLX_SPEC_MODELS": str(models_toml)})
-    try:
+    with serving(args, tmp_path, env={"MLX_SPEC_MODELS": str(models_toml)}) as (_, url):
         client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
         served = {m.id for m in client.models.list().data}
         assert set(FAMILIES) <= served
@@ -326,9 +324,6 @@ def test_serve_swaps_through_every_family(pairs, models_toml, tmp_path):
         # the refused swap left no pair resident; the next request loads its own
         reply = client.completions.create(model=first, prompt=TEXT, max_tokens=4, temperature=0)
         assert reply.choices[0].text
-    finally:
-        stop_server(proc)
-        log.close()
     errors = (tmp_path / "stderr.log").read_text()
     assert "Traceback" not in errors and "internal error" not in errors
 

@@ -8,6 +8,7 @@ long replies, a queue of three, a short timeout) for the queue, 429, timeouts an
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
@@ -107,28 +108,33 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+@contextlib.contextmanager
+def serving(args: list[str], log_dir, env=None):
+    """A server process for the `with` block, its stderr in `log_dir`/stderr.log: (proc, url)."""
+    with open(log_dir / "stderr.log", "w") as log:
+        proc, url = start_server(args, log, env)
+        try:
+            yield proc, url
+        finally:
+            stop_server(proc)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
-    log = open(root / "stderr.log", "w")  # noqa: SIM115
     # a user models.toml with one more pair: requests for it load it on demand
     models = root / "models.toml"
     models.write_text(
         f'[pairs."tiny2"]\ntarget = "{tiny_models.target2}"\ndraft = "{tiny_models.draft2}"\n'
     )
-    proc, url = start_server(
-        [
-            "--target", str(tiny_models.target), "--draft", str(tiny_models.draft),
-            "--drafter", "ngram+model", "--num-draft-tokens", "4", "--api-key", KEY,
-            "--max-body", "64K", "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-queue", "32",
-            "--allow-swap",
-        ],
-        log,
-        env={"MLX_SPEC_MODELS": str(models)},
-    )  # fmt: skip
-    yield url
-    stop_server(proc)
-    log.close()
+    args = [
+        "--target", str(tiny_models.target), "--draft", str(tiny_models.draft),
+        "--drafter", "ngram+model", "--num-draft-tokens", "4", "--api-key", KEY,
+        "--max-body", "64K", "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-queue", "32",
+        "--allow-swap",
+    ]  # fmt: skip
+    with serving(args, root, env={"MLX_SPEC_MODELS": str(models)}) as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -549,18 +555,13 @@ def slow(tiny_models, tmp_path_factory):
     weights = tiny.random_weights(cfg, seed=0)
     weights["lm_head.weight"][2] = 0  # <|im_end|>: never the argmax of a peaked head
     path = tiny.write_model(root / "long", cfg, weights, tiny_models.tokenizer)
-    log = open(root / "stderr.log", "w")  # noqa: SIM115
-    proc, url = start_server(
-        [
-            "--target", str(path), "--no-draft", "--max-queue", str(SLOW_QUEUE),
-            "--request-timeout", "2",
-            "--shutdown-timeout", "8",
-        ],
-        log,
-    )  # fmt: skip
-    yield proc, url
-    stop_server(proc)
-    log.close()
+    args = [
+        "--target", str(path), "--no-draft", "--max-queue", str(SLOW_QUEUE),
+        "--request-timeout", "2",
+        "--shutdown-timeout", "8",
+    ]  # fmt: skip
+    with serving(args, root) as (proc, url):
+        yield proc, url
 
 
 def slow_client(url):

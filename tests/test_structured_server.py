@@ -10,7 +10,7 @@ from typing import Literal
 import openai
 import pytest
 from pydantic import BaseModel
-from test_server import KEY, chat, request, start_server, stop_server
+from test_server import KEY, chat, request, serving
 from test_structured import reference
 
 PET = {
@@ -32,17 +32,12 @@ SCHEMA_FORMAT = {
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("structured-server")
-    log = open(root / "stderr.log", "w")  # noqa: SIM115
-    proc, url = start_server(
-        [
-            "--target", str(tiny_models.target), "--draft", str(tiny_models.draft),
-            "--drafter", "ngram+model", "--num-draft-tokens", "4", "--api-key", KEY,
-        ],
-        log,
-    )  # fmt: skip
-    yield url
-    stop_server(proc)
-    log.close()
+    args = [
+        "--target", str(tiny_models.target), "--draft", str(tiny_models.draft),
+        "--drafter", "ngram+model", "--num-draft-tokens", "4", "--api-key", KEY,
+    ]  # fmt: skip
+    with serving(args, root) as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")
