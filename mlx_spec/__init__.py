@@ -5,6 +5,7 @@ from .blas import preload_openblas
 
 preload_openblas()
 
+from .config import GenerationConfig, PairConfig
 from .engine import Decoder, Event, Result, generate, make_decoder, stream, stream_rounds
 from .errors import SpecError
 from .loading import Pair, load_pair
@@ -14,7 +15,9 @@ from .stats import Stats
 __all__ = [
     "Decoder",
     "Event",
+    "GenerationConfig",
     "Pair",
+    "PairConfig",
     "Result",
     "SamplingParams",
     "SpecError",

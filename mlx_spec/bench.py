@@ -123,9 +123,9 @@ def run_mlx_spec(pair, prompt_ids, max_tokens, temperature, k, seed) -> Run:
     events = stream(
         pair,
         prompt_ids,
-        max_tokens,
+        max_tokens=max_tokens,
         temperature=temperature,
-        num_draft_tokens=k or pair.num_draft_tokens,
+        num_draft_tokens=k or None,  # k = 0: plain decoding (None: the pair's k, unused)
         use_draft=bool(k),
         seed=seed,
         stats=stats,

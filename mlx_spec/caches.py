@@ -220,9 +220,17 @@ def rollback(cache: list, n: int, skip_recurrent: bool = False) -> None:
             raise CacheRollbackError(f"{type(c).__name__} trimmed {trimmed} of {n} tokens")
 
 
-def offset(cache: list) -> int | None:
-    """Tokens the attention layers hold (None for a purely recurrent model)."""
-    return next((c.offset for c in _leaves(cache) if not isinstance(c, ArraysCache)), None)
+def nbytes(cache: list) -> int:
+    """Bytes the cache's arrays hold."""
+    from mlx.utils import tree_flatten
+
+    total = 0
+    for c in cache:
+        try:
+            total += c.nbytes
+        except (AttributeError, NotImplementedError):  # a cache kind without nbytes
+            total += sum(a.nbytes for _, a in tree_flatten(c.state) if isinstance(a, mx.array))
+    return total
 
 
 def eval_state(cache: list, *also) -> None:

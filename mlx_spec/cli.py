@@ -14,8 +14,8 @@ import os
 import sys
 import traceback
 
+from .drafters import KINDS
 from .errors import SpecError, one_line
-from .registry import DRAFTERS
 
 COMMANDS = {
     "generate": "Generate a reply with speculative decoding",
@@ -58,15 +58,14 @@ def nonnegative_int(text: str) -> int:
     return int_at_least(text, 0)
 
 
-SEED_LIMIT = 2**64  # MLX's random keys take an unsigned 64-bit seed
-
-
 def seed(text: str) -> int:
     """--seed: an integer in [0, 2**64), the range MLX's random keys accept."""
-    value = nonnegative_int(text)
-    if value >= SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"must be below 2**64, got {value}")
-    return value
+    from .config import check_seed
+
+    try:
+        return check_seed(int_at_least(text, 0))
+    except SpecError:
+        raise argparse.ArgumentTypeError(f"must be below 2**64, got {text}") from None
 
 
 def draft_length(text: str):
@@ -106,12 +105,11 @@ def add_pair_args(parser: argparse.ArgumentParser, adapter: bool = True) -> None
     g.add_argument("--no-draft", action="store_true", help="plain decoding (the baseline)")
     g.add_argument(
         "--drafter",
-        choices=DRAFTERS,
-        help="model: the draft model; ngram: prompt lookup in the context, no second model; "
-        "ngram+model: lookup first, the draft model when lookup finds nothing",
+        choices=list(KINDS),
+        help="; ".join(f"{name}: {kind.help}" for name, kind in KINDS.items()),
     )
-    g.add_argument("--ngram-max", type=positive_int, default=3, help="longest n-gram to look up")
-    g.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram to look up")
+    g.add_argument("--ngram-max", type=positive_int, help="longest n-gram to look up (3)")
+    g.add_argument("--ngram-min", type=positive_int, help="shortest n-gram to look up (1)")
     g.add_argument(
         "--dtype",
         choices=["auto", "float16", "bfloat16", "float32"],
@@ -138,44 +136,47 @@ def add_pair_args(parser: argparse.ArgumentParser, adapter: bool = True) -> None
     )
 
 
-def pair_from_args(args, progress=None):
-    """Load the pair the flags name (the demo pair when they name none)."""
+def pair_config_from_args(args, **changes):
+    """The PairConfig the flags name (the demo pair when they name none); `changes` override
+    flags (the chat app's pair picker names another pair)."""
     if args.pair and args.target:
         raise SpecError("give --pair or --target, not both")
     if args.draft and not (args.target or args.pair):
         raise SpecError("--draft needs --target")
     if args.no_draft and (args.draft or args.draft_bits or args.drafter):
         raise SpecError("--no-draft cannot be combined with --draft, --draft-bits or --drafter")
-    if args.drafter == "ngram" and (args.draft or args.draft_bits):
-        raise SpecError("--drafter ngram needs no draft model; drop --draft / --draft-bits")
-    if getattr(args, "draft_adapter", None) and (args.no_draft or args.drafter == "ngram"):
-        raise SpecError("--draft-adapter needs a draft model; drop --no-draft / --drafter ngram")
-    if args.ngram_min > args.ngram_max:
-        raise SpecError("--ngram-min must not exceed --ngram-max")
-    pair = _load(args, progress)
-    pair.ngram_max, pair.ngram_min = args.ngram_max, args.ngram_min
-    pair.draft_confidence = args.draft_confidence
-    return pair
-
-
-def _load(args, progress):
-    from .loading import load_pair
-
-    common = {
+    settings = {
         "num_draft_tokens": args.num_draft_tokens,
         "draft_bits": args.draft_bits,
         "dtype": args.dtype,
-        "progress": progress,
         "skip_draft": args.no_draft,
         "drafter": args.drafter,
-        "force": getattr(args, "force", False),
-        # probe fills a KV cache of --context tokens: the memory check must count it
-        "context": getattr(args, "context", None),
         "draft_adapter": getattr(args, "draft_adapter", None),
+        "ngram_max": args.ngram_max,
+        "ngram_min": args.ngram_min,
+        "draft_confidence": args.draft_confidence,
     }
     if args.target:
-        return load_pair(target=args.target, draft=args.draft, **common)
-    return load_pair(args.pair or DEFAULT_PAIR, **common)
+        settings.update(target=args.target, draft=args.draft)
+    else:
+        settings["name"] = args.pair or DEFAULT_PAIR
+    settings.update(changes)
+    from .loading import pair_config
+
+    return pair_config(**settings)
+
+
+def pair_from_args(args, progress=None, **changes):
+    """Load the pair the flags name (see pair_config_from_args)."""
+    from .loading import load_pair
+
+    return load_pair(
+        pair_config_from_args(args, **changes),
+        progress=progress,
+        force=getattr(args, "force", False),
+        # probe fills a KV cache of --context tokens: the memory check must count it
+        context=getattr(args, "context", None),
+    )
 
 
 def version() -> str:

@@ -619,7 +619,7 @@ def distill(
     progress("held-out: tokens per target pass after, with the adapter…")
     from .loading import apply_draft_adapter
 
-    apply_draft_adapter(pair.draft, out, pair.draft_bits)
+    apply_draft_adapter(pair.draft, out, pair.config.draft_bits)
     measured = data["measured_prompts"]
     tpp_greedy = tokens_per_pass(pair, measured, settings, 0.0)
     tpp_sampled = tokens_per_pass(pair, measured, settings, settings.temperature)

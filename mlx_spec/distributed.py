@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .errors import SpecError
+from .model_dir import text_config
 from .policies import Auto, Controller, DraftLength
 
 # set by mlx.launch (ring, JACCL: MLX_RANK; MPI: OMPI_/PMI_; NCCL: MLX_WORLD_SIZE)
@@ -69,14 +70,14 @@ def broadcast(group, values: list[int]) -> list[int]:
 
 def check_divisible(config: dict, size: int) -> None:
     """Heads and MLP width must split evenly, or the shards would not add up to the model."""
-    for cfg in (config, config.get("text_config") or {}):
-        for key in DIVIDED_KEYS:
-            value = cfg.get(key)
-            if isinstance(value, int) and value % size:
-                raise SpecError(
-                    f"the target's {key} ({value}) does not divide by the group size {size}; "
-                    "run it on a group whose size divides its heads and MLP width"
-                )
+    cfg = text_config(config)
+    for key in DIVIDED_KEYS:
+        value = cfg.get(key)
+        if isinstance(value, int) and value % size:
+            raise SpecError(
+                f"the target's {key} ({value}) does not divide by the group size {size}; "
+                "run it on a group whose size divides its heads and MLP width"
+            )
 
 
 def shard(model, config: dict, group) -> None:
@@ -186,7 +187,7 @@ def sharded(model, config: dict, group) -> Link:
     # every rank has its weights before the first collective (a slow loader would time out)
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     link = Link(group, collectives_per_pass(model))
-    text = config.get("text_config") or config
+    text = text_config(config)
     link.calibrate(int(text.get("hidden_size", 1024)), _activation_dtype(model))
     count_passes(model, link)
     return link
@@ -283,8 +284,9 @@ class AgreedController(Controller):
 class AgreedAuto(Auto):
     link: Link | None = field(default=None, compare=False, hash=False)
 
-    def policy(self, stop_below: float | None = None) -> Controller:
-        return AgreedController(self.link, self.k_max, stop_below or 0.0)
+    def policy(self, max_draft: int | None = None) -> Controller:
+        limit = self.k_max if max_draft is None else min(self.k_max, max_draft)
+        return AgreedController(self.link, limit)
 
 
 def agreed_length(pair, length: DraftLength) -> DraftLength:

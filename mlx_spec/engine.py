@@ -20,9 +20,11 @@ from mlx_lm.utils import common_prefix_len
 
 from . import caches, distributed
 from .acceptance import verify_greedy, verify_stochastic
-from .drafters import Drafter, LookupThenModel, ModelDrafter, NGramDrafter, prefill_cache
+from .config import GenerationConfig, check_seed
+from .drafters import Drafter, TargetOutput, prefill_cache
 from .errors import Aborted, SpecError
-from .policies import Controller, DraftLength, FixedK, draft_length
+from .hidden import capturing
+from .policies import Controller, DraftLength, FixedK, Policy
 from .processors import LogitsProcessor
 from .processors import apply as apply_processors
 from .sampling import SamplingParams, probabilities, sample
@@ -32,9 +34,8 @@ from .stats import Stats
 @dataclass
 class Round:
     tokens: list[int]  # emitted this round, EOS excluded
-    accepted: int  # how many of `tokens` (a prefix) are accepted draft tokens
+    accepted: int  # draft tokens the target accepted (n), before an end-of-sequence cut
     drafted: int  # k used this round
-    verified: int  # draft tokens the target agreed with, before EOS truncation
     finished: bool = False  # an end-of-sequence token ended the round
     draft_steps: int = 0  # draft-model forward passes (0 for prompt lookup)
     replayed: int = 0  # tokens re-fed to a recurrent target whose state was restored
@@ -44,10 +45,16 @@ class Round:
     proposal: list[int] = field(default_factory=list)  # the draft's guesses, kept or not
     target_token: int | None = None  # the target's own token: correction, bonus or plain step
     forced: bool = False  # the grammar's forced tokens were the draft (no model, no lookup)
+    target_output: TargetOutput | None = None  # for a drafter that reads hidden states
     # when asked for: per token of `tokens`, its log-probability under the target's (processed)
     # distribution and the top (id, log-probability) pairs there
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @property
+    def accepted_emitted(self) -> int:
+        """How many of `tokens` (a prefix) are accepted draft tokens."""
+        return min(self.accepted, len(self.tokens))
 
 
 def target_logprobs(logits: mx.array, tokens: mx.array, top: int):
@@ -127,14 +134,25 @@ class Decoder:
         self._policy, self._policy_key = None, None
         self.step_seconds = (None, None)  # a target and a draft step, timed in prefill
         self._drafting = False
+        # the target layers whose outputs the drafter reads (none: a plain forward pass)
+        self.hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
 
-    def policy_for(self, length: DraftLength, stop_below: float | None):
+    def policy_for(self, length: DraftLength) -> Policy:
         """The draft-length policy; a controller is kept across calls with the same choice,
         so what it measured (costs, acceptance) carries over to the next turn."""
-        key = (length, stop_below)
-        if self._policy_key != key:
-            self._policy, self._policy_key = length.policy(stop_below), key
+        if self._policy_key != length:
+            limit = self.drafter.max_draft if self.drafter is not None else None
+            self._policy, self._policy_key = length.policy(limit), length
         return self._policy
+
+    def _forward(self, inputs, rows: int) -> tuple[mx.array, TargetOutput]:
+        """The target over `inputs` (token ids, 1-d), extending the cache: the last `rows`
+        rows of its logits (rows, vocab) and what the drafter reads of the pass (lazy)."""
+        inputs = inputs if isinstance(inputs, mx.array) else mx.array(inputs, mx.uint32)
+        with capturing(self.target, self.hidden_layers) as hidden:
+            logits = self.target(inputs[None], cache=self.cache)[0, -rows:]
+        fed = inputs.shape[0]
+        return logits, TargetOutput(logits, {i: h[0] for i, h in hidden.items()}, fed, fed)
 
     def begin(self) -> int:
         """A new stream takes the decoder. One that did not finish (an exception, Ctrl-C, a
@@ -179,12 +197,15 @@ class Decoder:
         else:
             caches.rollback(self.cache, len(cached) - reuse)
         self.stale = True  # until the prefill is done
-        plain = prefill_cache(self.target, self.cache, prompt[reuse:-1], timed=timed, abort=abort)
+        new = prompt[reuse:-1]
+        hidden = dict.fromkeys(self.hidden_layers) if use_draft else None
+        plain = prefill_cache(self.target, self.cache, new, timed=timed, abort=abort, hidden=hidden)
         draft = None
         if self.drafter is not None and use_draft:
             if abort is not None and abort():
                 raise Aborted("stopped before the draft's prefill")
-            draft = self.drafter.prefill(prompt, timed)
+            output = TargetOutput(None, hidden, len(new), len(new)) if hidden else None
+            draft = self.drafter.prefill(prompt, timed, output)
         self.stale = False
         self.step_seconds = (plain, draft)
         self.sequence, self.unfed = list(prompt), 1
@@ -219,13 +240,14 @@ class Decoder:
             yield from self._plain_steps(max_tokens, params, **extra)
             return
         policy = FixedK(k) if isinstance(k, int) else k
-        # prompt lookup can tell for free whether it has something to draft now
-        peek = getattr(self.drafter, "has_proposal", None) if drafting else None
+        # prompt lookup can tell for free whether it has something to draft now (None: a
+        # drafter that cannot tell before it proposes)
+        peek = self.drafter.has_proposal if drafting else lambda: None
         if forced is not None:  # a plain stretch also ends where the grammar forces tokens
             lookup = peek
 
             def peek():
-                return bool(forced.forced(self.sequence, 1)) or (lookup is not None and lookup())
+                return bool(forced.forced(self.sequence, 1)) or bool(lookup())
 
         emitted = 0
         last = time.perf_counter()  # wall time between round starts: the consumer's share too
@@ -236,7 +258,7 @@ class Decoder:
                 # rejected (as below): no forced draft then
                 guess = forced.forced(self.sequence, limit) if self.unfed <= REPLAY_LIMIT else []
                 if guess:
-                    r = self._speculative_round(len(guess), params, 0.0, proposal=guess, **extra)
+                    r = self._speculative_round(len(guess), params, proposal=guess, **extra)
                     emitted += len(r.tokens)
                     last = time.perf_counter()  # not the policy's round: kept out of its times
                     yield r
@@ -251,7 +273,7 @@ class Decoder:
                             return
                     continue
             # the round adds at most k+1 tokens; never draft past max_tokens
-            available = peek() if peek is not None else None
+            available = peek()
             k_round = min(policy.next(available), max_tokens - emitted - 1)
             if self.unfed > REPLAY_LIMIT:
                 k_round = 0
@@ -261,7 +283,7 @@ class Decoder:
                 # queued): the policy decides again
                 for r in self._plain_steps(n, params, plain=True, until=peek, **extra):
                     emitted += len(r.tokens)
-                    self.drafter.commit(self.sequence[-1:])
+                    self.drafter.commit(self.sequence[-1:], r.target_output)
                     now = time.perf_counter()
                     policy.update_plain(1, now - last)
                     last = now
@@ -270,16 +292,16 @@ class Decoder:
                         return
                 continue
             split = policy.wants_split()
-            if split and hasattr(self.drafter, "catch_up"):
+            if split:
                 # after a plain stretch the draft model has many tokens to take in: one batched
                 # pass, kept out of the round's time (it is no cost of a draft step)
                 caught = time.perf_counter()
                 self.drafter.catch_up()
                 last += time.perf_counter() - caught
-            r = self._speculative_round(k_round, params, policy.stop_below, split, **extra)
+            r = self._speculative_round(k_round, params, split, **extra)
             emitted += len(r.tokens)
             now = time.perf_counter()  # before the yield: a caller may stop after any round
-            policy.update(k_round, r.drafted, r.verified, now - last, r.split, r.replayed)
+            policy.update(k_round, r.drafted, r.accepted, now - last, r.split, r.replayed)
             last = now
             yield r
             if r.finished:
@@ -289,7 +311,6 @@ class Decoder:
         self,
         k: int,
         params: SamplingParams,
-        stop_below: float,
         split: bool = False,
         processors=(),
         logprobs: int | None = None,
@@ -303,7 +324,7 @@ class Decoder:
         drafter = self.drafter if proposal is None else None
         if drafter is not None:  # (k,), (k, V) | None
             kwargs = {"processors": processors} if processors else {}
-            draft_tokens, q = drafter.propose(k, params, key, stop_below, **kwargs)
+            draft_tokens, q = drafter.propose(k, params, key, **kwargs)
         else:  # a point mass on each forced token, verified like any guess
             draft_tokens, q = mx.array(proposal, mx.uint32), None
         k = draft_tokens.shape[0]  # a drafter may propose fewer (lookup: 0 on no match)
@@ -313,7 +334,7 @@ class Decoder:
         saved = caches.snapshot(self.cache) if self.recurrent else None
         unfed = self.sequence[-self.unfed :]  # replayed tokens, then the last one
         inputs = mx.concatenate([mx.array(unfed, mx.uint32), draft_tokens])
-        logits = self.target(inputs[None], cache=self.cache)[0, -(k + 1) :]  # (k+1, vocab)
+        logits, output = self._forward(inputs, k + 1)  # (k+1, vocab)
         # row i is the distribution after sequence + x1..xi: the same transform the draft saw
         path = proposal if proposal is not None else draft_tokens
         logits = apply_processors(processors, self.sequence, path, logits)
@@ -335,7 +356,7 @@ class Decoder:
             lp = target_logprobs(logits, rows, logprobs)
         # the one host sync of the round; the key with it, so no split is left lazy whatever
         # ends the stream next
-        mx.eval(out, self.key, *[a for a in lp or () if a is not None])
+        mx.eval(out, self.key, *[a for a in lp or () if a is not None], *output.hidden.values())
         n, next_token, *drafted = out.tolist()
         kept = drafted[:n] + [next_token]
         # cut at the first end-of-sequence token; it stays in `sequence`, not in the output
@@ -350,11 +371,13 @@ class Decoder:
             caches.restore(self.cache, saved)
             caches.rollback(self.cache, self.unfed + k, skip_recurrent=True)
             self.unfed += len(kept)
+            output.kept = 0  # the next pass replays these tokens
         else:
             caches.rollback(self.cache, rejected)
+            output.kept = self.unfed + len(kept) - 1
             self.unfed = 1
         if self.drafter is not None and (proposal is None or self._drafting):
-            self.drafter.commit(kept)
+            self.drafter.commit(kept, output)
         self.sequence += kept
         out_tokens = kept if stop is None else kept[:-1]
         lps = tops = None
@@ -366,9 +389,8 @@ class Decoder:
             timing = (drafted_at - start, drafter.steps, verify_seconds, replayed + 1 + k)
         return Round(
             tokens=out_tokens,
-            accepted=min(n, len(out_tokens)),
+            accepted=n,
             drafted=k,
-            verified=n,
             finished=stop is not None,
             draft_steps=drafter.steps if drafter is not None else 0,
             replayed=replayed,
@@ -399,22 +421,26 @@ class Decoder:
         before = None  # a recurrent state from before the queued step
 
         def step(tokens: mx.array, proposed=()):
-            """The next token (lazy) and, when asked for, its log-probability arrays.
-            `proposed`: the token fed now when `sequence` does not hold it yet."""
+            """The next token (lazy), its log-probability arrays when asked for (else ()),
+            and the pass's TargetOutput. `proposed`: the token fed now when `sequence` does
+            not hold it yet."""
             nonlocal before
             if self.recurrent:
                 before = caches.snapshot(self.cache)
-            logits = self.target(tokens[None], cache=self.cache)[0, -1]
+            logits, output = self._forward(tokens, 1)
+            logits = logits[0]
             if processors:
                 logits = apply_processors(processors, self.sequence, proposed, logits)
             token = self._target_token(logits, params)
-            if logprobs is None:
-                return token, ()
-            arrays = target_logprobs(logits[None], token.reshape(1), logprobs)
-            return token, tuple(a for a in arrays if a is not None)
+            arrays = ()
+            if logprobs is not None:
+                arrays = target_logprobs(logits[None], token.reshape(1), logprobs)
+                arrays = tuple(a for a in arrays if a is not None)
+            mx.async_eval(token, self.key, *arrays, *output.hidden.values())
+            return token, arrays, output
 
-        def round_of(tokens, token, arrays):
-            r = Round(tokens, 0, 0, 0, plain=plain, target_token=token)
+        def round_of(tokens, token, arrays, output):
+            r = Round(tokens, 0, 0, plain=plain, target_token=token, target_output=output)
             if logprobs is not None and tokens:
                 r.logprobs, r.top_logprobs = read_logprobs(
                     (arrays[0], *(arrays[1:] if len(arrays) == 3 else (None, None))), 1
@@ -422,24 +448,22 @@ class Decoder:
             return r
 
         epoch = self.epoch
-        queued, queued_lp = step(mx.array(self.sequence[-self.unfed :], mx.uint32))
-        mx.async_eval(queued, self.key, *queued_lp)
+        queued = step(mx.array(self.sequence[-self.unfed :], mx.uint32))
         self.unfed = 1
         lookahead = False  # whether the cache already holds the last token of `sequence`
         last_step = False
         try:
             for emitted in range(1, max_tokens + 1):
-                current, current_lp = queued, queued_lp
+                current = queued
                 lookahead = emitted < max_tokens and not last_step
                 if lookahead:
-                    queued, queued_lp = step(current.reshape(1), current.reshape(1))
-                    mx.async_eval(queued, self.key, *queued_lp)
-                token = current.item()
+                    queued = step(current[0].reshape(1), current[0].reshape(1))
+                token = current[0].item()
                 self.sequence.append(token)
                 if token in self.eos:
-                    yield Round([], 0, 0, 0, finished=True, plain=plain, target_token=token)
+                    yield Round([], 0, 0, finished=True, plain=plain, target_token=token)
                     return
-                yield round_of([token], token, current_lp)
+                yield round_of([token], token, *current[1:])
                 if not lookahead:
                     return
                 last_step = until is not None and until()
@@ -461,16 +485,15 @@ class Decoder:
         False`: a grammar, which cannot step past the end of its grammar): nothing is queued
         ahead; `until()` ends the stretch at once. No log-probabilities here."""
         for _ in range(max_tokens):
-            inputs = mx.array(self.sequence[-self.unfed :], mx.uint32)
-            logits = self.target(inputs[None], cache=self.cache)[0, -1:]
+            logits, output = self._forward(self.sequence[-self.unfed :], 1)
             logits = apply_processors(processors, self.sequence, [], logits)[0]
             token = self._target_token(logits, params).item()
             self.unfed = 1
             self.sequence.append(token)
             if token in self.eos:
-                yield Round([], 0, 0, 0, finished=True, plain=plain, target_token=token)
+                yield Round([], 0, 0, finished=True, plain=plain, target_token=token)
                 return
-            yield Round([token], 0, 0, 0, plain=plain, target_token=token)
+            yield Round([token], 0, 0, plain=plain, target_token=token, target_output=output)
             if until is not None and until():
                 return
 
@@ -543,12 +566,6 @@ class Result:
         }
 
 
-def check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise SpecError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    return seed
-
-
 def check_token_ids(ids: list, vocab: int | None) -> list[int]:
     """Token ids must index the target's embedding: out of range, MLX reads past it."""
     for t in ids:
@@ -613,15 +630,25 @@ def constraint_for(pair, schema=None, grammar=None, regex=None):
     )
 
 
+def prompt_tokens(pair, prompt, config: GenerationConfig) -> tuple[list[int], int]:
+    """The prompt's token ids, checked against the target's vocabulary and context, and the
+    most tokens the reply may have there."""
+    ids = encode_prompt(pair.tokenizer, prompt, config.system, config.chat_template_kwargs)
+    tokens = check_token_ids(ids, pair.vocab_size)
+    context = pair.context_length
+    if context is None:
+        return tokens, config.max_tokens
+    if len(tokens) >= context:
+        raise SpecError(
+            f"the prompt is {len(tokens)} tokens, longer than the model's context of {context}"
+        )
+    return tokens, min(config.max_tokens, context - len(tokens))
+
+
 def make_drafter(pair) -> Drafter | None:
-    if pair.drafter == "ngram":
-        return NGramDrafter(pair.ngram_max, pair.ngram_min)
-    if pair.draft is None:
-        return None
-    model = ModelDrafter(pair.draft, vocab=pair.vocab_size)
-    if pair.drafter == "ngram+model":
-        return LookupThenModel(NGramDrafter(pair.ngram_max, pair.ngram_min), model)
-    return model
+    """The pair's drafter, built by its kind (drafters.KINDS); None for the target alone."""
+    kind = pair.config.kind
+    return kind.build(pair) if kind is not None else None
 
 
 def make_decoder(pair, seed: int | None = None) -> Decoder:
@@ -634,63 +661,37 @@ def make_decoder(pair, seed: int | None = None) -> Decoder:
 def stream_rounds(
     pair,
     prompt,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    num_draft_tokens: int | str | DraftLength | None = None,
-    seed: int | None = None,
+    config: GenerationConfig | None = None,
     *,
-    draft_confidence: float | None = None,
-    system: str | None = None,
-    chat_template_kwargs: dict | None = None,
-    use_draft: bool = True,
     decoder: Decoder | None = None,
     stats: Stats | None = None,
-    processors=(),
-    logprobs: int | None = None,
     abort=None,
-    schema: dict | str | None = None,
-    grammar=None,
-    regex: str | None = None,
-    forced_tokens: bool = True,
 ) -> Iterator[list[Event]]:
-    """Generate from `pair`, one list of `Event`s per verify round (see `stream`)."""
-    params = SamplingParams(temperature, top_p, top_k, min_p)
-    constraint = constraint_for(pair, schema, grammar, regex)
-    length = draft_length(pair.num_draft_tokens if num_draft_tokens is None else num_draft_tokens)
+    """Generate from `pair` as `config` asks, one list of `Event`s per verify round (see
+    `stream`). `decoder` (from `make_decoder`) keeps the caches across calls; `stats` is
+    filled live; `abort()` is asked between prefill chunks."""
+    config = config or GenerationConfig()
+    params, seed = config.sampling, config.seed
+    constraint = constraint_for(pair, config.schema, config.grammar, config.regex)
+    length = config.num_draft_tokens or pair.config.num_draft_tokens
     length = distributed.agreed_length(pair, length)  # a sharded target: `auto` follows rank 0
-    stop_below = pair.draft_confidence if draft_confidence is None else draft_confidence
-    if stop_below is not None and not 0 <= stop_below < 1:
-        raise SpecError(f"draft-confidence must be in [0, 1), got {stop_below}")
-    if max_tokens < 1:
-        raise SpecError(f"max-tokens must be >= 1, got {max_tokens}")
-    ids = encode_prompt(pair.tokenizer, prompt, system, chat_template_kwargs)
-    tokens = check_token_ids(ids, pair.vocab_size)
-    context = pair.context_length
-    if context is not None and len(tokens) >= context:
-        raise SpecError(
-            f"the prompt is {len(tokens)} tokens, longer than the model's context of {context}"
-        )
-    if context is not None:
-        max_tokens = min(max_tokens, context - len(tokens))
-    speculative = use_draft and pair.speculative
-    processors = list(processors or [])
+    tokens, max_tokens = prompt_tokens(pair, prompt, config)
+    speculative = config.use_draft and pair.speculative
+    processors = list(config.processors)
     forced = None
     if constraint is not None:
         grammar_state = constraint.processor(len(tokens))
         processors.insert(0, grammar_state)  # the mask first: others see allowed tokens only
-        if use_draft and forced_tokens:
+        if config.use_draft and config.forced_tokens:
             forced = grammar_state
     if decoder is None:
         decoder = make_decoder(pair, seed)
     elif decoder.pair is not None and decoder.pair is not pair:
         raise SpecError("this decoder was made for another pair; make one with make_decoder(pair)")
     elif seed is not None:
-        decoder.key = mx.random.key(check_seed(seed))
+        decoder.key = mx.random.key(seed)
     epoch = decoder.begin()
-    policy = decoder.policy_for(length, stop_below)
+    policy = decoder.policy_for(length)
 
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(tokens)
@@ -718,7 +719,7 @@ def stream_rounds(
         policy,
         use_draft=speculative,
         processors=processors,
-        logprobs=logprobs,
+        logprobs=config.logprobs,
         forced=forced,
     )
     try:
@@ -754,8 +755,8 @@ def token_kind(r: Round, i: int) -> tuple[str, list[int]]:
     it replaced), or the target's own token."""
     if i < r.accepted:
         return ACCEPTED, []
-    if i == r.verified < r.drafted:
-        return REGENERATED, r.proposal[r.verified :]
+    if i == r.accepted < r.drafted:
+        return REGENERATED, r.proposal[r.accepted :]
     return TARGET, []
 
 
@@ -768,7 +769,7 @@ def _events(rounds, detokenizer, stats, start, max_tokens) -> Iterator[list[Even
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         finished = r.finished
         stats.finish_reason = "stop" if finished else "length"
-        stats.records.append(RoundRecord(r.proposal, r.verified, r.target_token, len(r.tokens)))
+        stats.records.append(RoundRecord(r.proposal, r.accepted, r.target_token, len(r.tokens)))
         events = []
         for i, token in enumerate(r.tokens):
             detokenizer.add_token(token)
@@ -799,36 +800,48 @@ def _events(rounds, detokenizer, stats, start, max_tokens) -> Iterator[list[Even
         yield [held]
 
 
-def stream(pair, prompt, max_tokens: int = 256, **kwargs) -> Iterator[Event]:
+def stream(
+    pair,
+    prompt,
+    config: GenerationConfig | None = None,
+    *,
+    decoder: Decoder | None = None,
+    stats: Stats | None = None,
+    abort=None,
+    **settings,
+) -> Iterator[Event]:
     """Generate from `pair`, one `Event` per emitted token.
 
-    Keyword arguments: temperature, top_p, top_k, min_p, num_draft_tokens (an int, "auto" or a
-    policies.Fixed / policies.Auto; default: the pair's, `auto` unless models.toml fixes k),
-    draft_confidence (a model draft stops after a token whose top probability is below it;
-    off by default), seed, system,
-    chat_template_kwargs (for the chat template, e.g. {"enable_thinking": False} for Qwen3),
-    processors (processors.py: penalties, logit bias; applied to the target's and the draft's
-    logits alike, so the output follows the processed target distribution exactly), logprobs
-    (None: off; N >= 0: each event's `logprob` and its `top_logprobs`, N of them, from the
-    target's processed distribution before temperature), abort (asked between prefill chunks),
-    schema (a JSON Schema, dict or JSON text), grammar (a Lark grammar, as llguidance reads it)
-    or regex: the reply is constrained to it exactly, target and draft masked alike
-    (grammar.py); forced_tokens (default True: where the grammar forces the next tokens they
-    are drafted for free; with use_draft=False nothing is drafted), use_draft (False: plain
-    decoding with the same pair), decoder (from `make_decoder`: keeps
-    KV caches across calls, so a prompt that extends the previous conversation only prefills
-    its new tokens) and stats (a `Stats` to read the totals from afterwards; every event also
-    carries them, live).
+    The settings are a `GenerationConfig` or its fields as keywords (on top of `config` when
+    both are given): max_tokens (256), temperature, top_p, top_k, min_p, seed,
+    num_draft_tokens (an int, "auto" or a policies.Fixed / policies.Auto; default: the
+    pair's, `auto` unless models.toml fixes k), system, chat_template_kwargs (for the chat
+    template, e.g. {"enable_thinking": False} for Qwen3), processors (processors.py:
+    penalties, logit bias; applied to the target's and the draft's logits alike, so the
+    output follows the processed target distribution exactly), logprobs (None: off; N >= 0:
+    each event's `logprob` and its `top_logprobs`, N of them, from the target's processed
+    distribution before temperature), schema (a JSON Schema, dict or JSON text), grammar (a
+    Lark grammar, as llguidance reads it) or regex: the reply is constrained to it exactly,
+    target and draft masked alike (grammar.py); forced_tokens (default True: where the
+    grammar forces the next tokens they are drafted for free; with use_draft=False nothing
+    is drafted), use_draft (False: plain decoding with the same pair).
+
+    The drafter's own settings (draft_confidence, n-gram lengths) belong to the pair:
+    `pair.configured(draft_confidence=0.5)`. `decoder` (from `make_decoder`) keeps KV caches
+    across calls, so a prompt that extends the previous conversation only prefills its new
+    tokens; `stats` (a `Stats`) holds the totals afterwards (every event also carries them,
+    live); `abort()` is asked between prefill chunks.
     """
-    for batch in stream_rounds(pair, prompt, max_tokens, **kwargs):
+    config = GenerationConfig.of(config, **settings)
+    for batch in stream_rounds(pair, prompt, config, decoder=decoder, stats=stats, abort=abort):
         yield from batch
 
 
-def generate(pair, prompt, **kwargs) -> Result:
+def generate(pair, prompt, config: GenerationConfig | None = None, **settings) -> Result:
     """Run `stream` to the end; `res.text`, `res.tokens`, `res.accepted`, `res.kinds`,
     `res.rounds` (what each round drafted and kept), `res.stats`."""
-    stats = Stats()
-    events = list(stream(pair, prompt, stats=stats, **kwargs))
+    stats = settings.pop("stats", None) or Stats()
+    events = list(stream(pair, prompt, config, stats=stats, **settings))
     return Result(
         text="".join(e.text for e in events),
         tokens=[e.token for e in events],

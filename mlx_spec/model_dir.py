@@ -106,3 +106,10 @@ def check_model_dir(path: Path) -> dict:
     for file in files:
         check_safetensors(file)
     return config
+
+
+def text_config(config: dict) -> dict:
+    """The language model's settings: a multimodal checkpoint (Gemma 3, Qwen3.5, Mistral 3)
+    keeps them under text_config; its keys win over the top level's."""
+    inner = config.get("text_config")
+    return {**config, **inner} if isinstance(inner, dict) else config

@@ -14,7 +14,9 @@ plainly and re-probes with a short draft now and then.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .errors import SpecError
 
@@ -37,8 +39,8 @@ class Fixed:
     def __str__(self) -> str:
         return str(self.k)
 
-    def policy(self, stop_below: float | None = None) -> FixedK:
-        return FixedK(self.k, stop_below or 0.0)
+    def policy(self, max_draft: int | None = None) -> FixedK:
+        return FixedK(self.k if max_draft is None else min(self.k, max_draft))
 
 
 @dataclass(frozen=True)
@@ -50,10 +52,9 @@ class Auto:
     def __str__(self) -> str:
         return "auto"
 
-    def policy(self, stop_below: float | None = None) -> Controller:
-        # the confidence stop is off unless asked for: the controller shortens k itself when
-        # later positions fail, and on a cheap draft the stop cut good drafts short (bench)
-        return Controller(self.k_max, stop_below or 0.0)
+    def policy(self, max_draft: int | None = None) -> Controller:
+        """`max_draft`: the most the drafter kind can propose in a round."""
+        return Controller(self.k_max if max_draft is None else min(self.k_max, max_draft))
 
 
 DraftLength = Fixed | Auto
@@ -73,12 +74,56 @@ def draft_length(value) -> DraftLength:
 # ----------------------------------------------------------------------------- the deciders
 
 
-class FixedK:
-    """The same draft length every round (a model draft may stop early below `stop_below`)."""
+class Policy(Protocol):
+    """What the engine asks of a draft-length policy each round. It sees only past rounds,
+    never the one it decides, so the output stays exactly the target's whatever it picks."""
 
-    def __init__(self, k: int, stop_below: float = 0.0):
+    k_max: int  # the longest draft it may choose
+
+    def next(self, available: bool | None = None) -> int:
+        """k for the next round (0: decode plainly for `plain_burst()` tokens). `available`:
+        the drafter's free word on whether it has a proposal now (None: unknown)."""
+
+    def plain_burst(self) -> int:
+        """Plain tokens to decode before asking `next` again, after it chose 0."""
+
+    def update(self, requested, drafted, verified, seconds, split=None, replayed=0) -> None:
+        """A speculative round happened: k asked, proposed, accepted, its wall time, and when
+        timed apart (draft seconds, draft steps, verify seconds, verify rows)."""
+
+    def update_plain(self, tokens: int, seconds: float) -> None:
+        """Plain tokens were decoded in `seconds`."""
+
+    def wants_split(self) -> bool:
+        """Whether to time this round's draft apart from its verify pass (an extra sync)."""
+
+    def wants_timing(self) -> bool:
+        """Whether prefill should time a target step and a draft step for `calibrate`."""
+
+    def calibrate(self, plain: float | None, draft: float | None) -> None:
+        """A target step and a draft step, timed at the end of prefill."""
+
+    def view(self) -> dict:
+        """Its state for stats (empty: nothing to show)."""
+
+
+def expected_tokens(acceptance: Sequence[float], reach: Sequence[float] | None = None) -> float:
+    """Tokens a round emits, E(k) = 1 + sum_j R_j * prod_{i<=j} a_i, for k = len(acceptance):
+    a_i the acceptance of draft position i given the ones before it were accepted, R_j the
+    chance a j-th token is proposed at all (default 1). With a_i = alpha for every i this is
+    (1 - alpha^(k+1)) / (1 - alpha) (Leviathan et al. 2023)."""
+    total, chain = 1.0, 1.0
+    for j, a in enumerate(acceptance):
+        chain *= a
+        total += (1.0 if reach is None else reach[j]) * chain
+    return total
+
+
+class FixedK:
+    """The same draft length every round."""
+
+    def __init__(self, k: int):
         self.k = self.k_max = k
-        self.stop_below = stop_below
 
     def next(self, available: bool | None = None) -> int:
         return self.k
@@ -154,7 +199,6 @@ class Controller:
     """
 
     k_max: int = K_MAX
-    stop_below: float = 0.0
     accept: list = field(default_factory=list)  # a_i per draft position
     reach: list = field(default_factory=list)  # R_j per draft position
     plain: Estimate = field(default_factory=lambda: Estimate(PLAIN_MEMORY, warmup=True))
@@ -201,11 +245,11 @@ class Controller:
         return self._reach(j - 1) if j > 0 else 1.0
 
     def expected_tokens(self, k: int, optimistic: bool = False) -> float:
-        total, chain = 1.0, 1.0
-        for i in range(k):
-            chain *= 1.0 if optimistic else self.acceptance(i)
-            total += (1.0 if optimistic else self.proposed(i)) * chain
-        return total
+        if optimistic:  # every token proposed and accepted
+            return k + 1.0
+        return expected_tokens(
+            [self.acceptance(i) for i in range(k)], [self.proposed(j) for j in range(k)]
+        )
 
     def expected_drafted(self, k: int, optimistic: bool = False) -> float:
         return float(k) if optimistic else sum(self.proposed(j) for j in range(k))

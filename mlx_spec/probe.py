@@ -15,6 +15,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from . import caches
+from .drafters import prefill_cache
+from .policies import expected_tokens
 
 # Regimes by the extra cost of each verified token, as a fraction of a decode step (the slope
 # of T(n)/T(1)): flat is purely memory-bound, 1 is purely compute-bound.
@@ -95,12 +97,7 @@ class PassTimer:
         self.passes = 0
 
     def _prefill(self, begin: int, end: int) -> None:
-        start = begin
-        while start < end:  # in chunks that end on multiples of CHUNK, like the engine's
-            stop = min(end, (start // CHUNK + 1) * CHUNK)
-            self.model(self.tokens[None, start:stop], cache=self.cache)
-            caches.eval_state(self.cache)
-            start = stop
+        prefill_cache(self.model, self.cache, self.tokens[begin:end].tolist(), step=CHUNK)
         self.prefilled = end
 
     def run(self, n: int) -> float:
@@ -214,13 +211,6 @@ def estimate_alpha(accepted: int, drafted: int, full_rounds: int, rounds: int) -
     return accepted / (accepted + rejections) if accepted + rejections else 0.0
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens per round: (1 − α^(k+1)) / (1 − α) (Leviathan et al. 2023)."""
-    if alpha >= 1:
-        return k + 1.0
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
 @dataclass
 class Prediction:
     k: int
@@ -235,7 +225,7 @@ def predict(alpha: float, c: float, curve: dict[int, float], t1: float, ks) -> l
     out = []
     for k in ks:
         round_seconds = k * c * t1 + curve[k + 1] * t1
-        tokens = expected_tokens(alpha, k)
+        tokens = expected_tokens([alpha] * k)  # the geometric model: α at every position
         tps = tokens / round_seconds
         out.append(Prediction(k, tokens, tps, tps * t1))
     return out

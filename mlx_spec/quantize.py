@@ -11,8 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import dequantize_model
 
+from .config import QUANT_BITS, QUANT_GROUP_SIZES
 from .errors import SpecError
-from .registry import QUANT_BITS, QUANT_GROUP_SIZES
 
 SUPPORTED_BITS = QUANT_BITS
 

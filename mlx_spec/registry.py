@@ -6,33 +6,12 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 
+from .config import PairConfig
 from .errors import SpecError
-from .policies import Auto, DraftLength, draft_length
 
-# "model": the draft model; "ngram": prompt lookup, no model; "ngram+model": lookup, then the model
-DRAFTERS = ("model", "ngram", "ngram+model")
-# what MLX's affine quantization accepts (mx.quantize); anything else is refused, not skipped
-QUANT_BITS = (2, 3, 4, 5, 6, 8)
-QUANT_GROUP_SIZES = (32, 64, 128)
 PAIR_KEYS = {"target", "draft", "num_draft_tokens", "note", "dtype", "drafter", "draft_adapter"}
-
-
-@dataclass(frozen=True)
-class PairSpec:
-    name: str
-    target: str
-    draft: str | None = None
-    num_draft_tokens: DraftLength = Auto()  # the controller unless the pair fixes k
-    note: str = ""
-    draft_bits: int | None = None  # draft = the target re-quantized to this many bits
-    draft_group_size: int = 32
-    dtype: str | None = None  # GGUF targets: dequantize to this ("auto": the backend's best)
-    source: Path | None = None
-    drafter: str = "model"  # "ngram": prompt lookup, no draft model; "ngram+model": both
-    draft_adapter: str | None = None  # a LoRA adapter directory for the draft (mlx-spec distill)
 
 
 def builtin_file() -> Path:
@@ -58,7 +37,9 @@ def _line_of(text: str, name: str) -> int:
     return text.count("\n", 0, m.start()) + 1 if m else 1
 
 
-def _parse_pair(name: str, entry, path: Path, text: str) -> PairSpec:
+def _parse_pair(name: str, entry, path: Path, text: str) -> PairConfig:
+    """A [pairs.NAME] table -> a PairConfig; a problem is one line that names the file, the
+    line and the pair (the config's own checks included)."""
     where = f"{path}:{_line_of(text, name)}"
     if not isinstance(entry, dict):
         raise SpecError(f"{where}: pair {name!r} must be a table")
@@ -73,7 +54,6 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairSpec:
         raise SpecError(
             f'{where}: pair {name!r}: num_draft_tokens must be an integer >= 1 or "auto"'
         )
-    k = draft_length(raw_k)
     draft = entry.get("draft")
     draft_bits, group_size = None, 32
     if isinstance(draft, dict):
@@ -86,37 +66,33 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairSpec:
         if unknown:
             raise SpecError(f"{where}: pair {name!r}: the draft table has unknown keys "
                             f"{sorted(unknown)}")  # fmt: skip
-        draft_bits, group_size = draft["bits"], draft.get("group_size", 32)
-        if isinstance(draft_bits, bool) or draft_bits not in QUANT_BITS:
-            raise SpecError(
-                f"{where}: pair {name!r}: draft bits must be one of "
-                f"{', '.join(map(str, QUANT_BITS))}, got {draft_bits!r}"
-            )
-        if isinstance(group_size, bool) or group_size not in QUANT_GROUP_SIZES:
-            raise SpecError(
-                f"{where}: pair {name!r}: draft group_size must be one of "
-                f"{', '.join(map(str, QUANT_GROUP_SIZES))}, got {group_size!r}"
-            )
-        draft = None
+        draft_bits, group_size, draft = draft["bits"], draft.get("group_size", 32), None
     elif draft is not None and not isinstance(draft, str):
         raise SpecError(f"{where}: pair {name!r}: draft must be a path or hub id")
-    note = entry.get("note", "")
-    dtype = entry.get("dtype")
-    if dtype is not None and dtype not in ("auto", "float16", "bfloat16", "float32"):
-        raise SpecError(f"{where}: pair {name!r}: dtype must be auto, float16, bfloat16 or float32")
-    drafter = entry.get("drafter", "model")
-    if drafter not in DRAFTERS:
-        raise SpecError(f"{where}: pair {name!r}: drafter must be one of {', '.join(DRAFTERS)}")
     adapter = entry.get("draft_adapter")
     if adapter is not None:
         if not isinstance(adapter, str) or not adapter:
             raise SpecError(f"{where}: pair {name!r}: draft_adapter must be a directory path")
-        if draft is None and draft_bits is None:
-            raise SpecError(f"{where}: pair {name!r}: draft_adapter needs a draft model")
         adapter = _relative_to(path, adapter)
-    return PairSpec(
-        name, target, draft, k, str(note), draft_bits, group_size, dtype, path, drafter, adapter
-    )
+    drafter = entry.get("drafter")
+    if drafter is not None and not isinstance(drafter, str):
+        raise SpecError(f"{where}: pair {name!r}: drafter must be a string")
+    try:
+        return PairConfig(
+            target,
+            draft,
+            drafter=drafter,
+            draft_bits=draft_bits,
+            draft_group_size=group_size,
+            dtype=entry.get("dtype"),
+            draft_adapter=adapter,
+            num_draft_tokens=raw_k,
+            name=name,
+            note=str(entry.get("note", "")),
+            source=path,
+        )
+    except SpecError as err:
+        raise SpecError(f"{where}: pair {name!r}: {err}") from None
 
 
 def _relative_to(toml_file: Path, name: str) -> str:
@@ -125,7 +101,7 @@ def _relative_to(toml_file: Path, name: str) -> str:
     return expanded if os.path.isabs(expanded) else str(toml_file.parent / expanded)
 
 
-def parse_file(path: Path) -> dict[str, PairSpec]:
+def parse_file(path: Path) -> dict[str, PairConfig]:
     try:
         raw = path.read_bytes()
     except OSError as err:
@@ -146,10 +122,10 @@ def parse_file(path: Path) -> dict[str, PairSpec]:
 
 
 class Registry:
-    def __init__(self, pairs: dict[str, PairSpec]):
+    def __init__(self, pairs: dict[str, PairConfig]):
         self.pairs = pairs
 
-    def get_pair(self, name: str) -> PairSpec:
+    def get_pair(self, name: str) -> PairConfig:
         if name not in self.pairs:
             known = ", ".join(sorted(self.pairs))
             raise SpecError(f"unknown pair {name!r}; known pairs: {known}")

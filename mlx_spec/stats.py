@@ -67,7 +67,7 @@ class Stats:
         self.drafted += r.drafted
         self.draft_steps += r.draft_steps
         self.replayed_tokens += r.replayed
-        self.accepted += r.accepted
+        self.accepted += r.accepted_emitted
         self.generation_seconds = elapsed
         if self.link is not None:
             self.collectives = self.link.collectives - self._link_start[0]
@@ -78,12 +78,12 @@ class Stats:
             self.plain_tokens += len(r.tokens)
         if getattr(r, "forced", False):
             self.forced_drafted += r.drafted
-            self.forced_tokens += r.accepted
+            self.forced_tokens += r.accepted_emitted
         if r.drafted:
             for i in range(r.drafted):
                 count(self.drafted_at, i)
-                count(self.accepted_at, i, i < r.verified)
-            count(self.accepted_lengths, r.verified)
+                count(self.accepted_at, i, i < r.accepted)
+            count(self.accepted_lengths, r.accepted)
 
     @property
     def controller(self) -> dict | None:

@@ -27,10 +27,10 @@ def test_cache_offsets_after_a_run(tiny_models, draft, rate, k):
     prompt_len = res.stats.prompt_tokens
     target_offset, draft_offset = offsets(decoder)
     assert target_offset == prompt_len + len(res.tokens) - 1
-    # the draft holds all but its pending tokens: one, two after a fully accepted round,
+    # the draft holds all but its unfed tokens: one, two after a fully accepted round,
     # one more after the last round (k=0 when a single token was left to produce)
-    assert draft_offset == prompt_len + len(res.tokens) - len(decoder.drafter.pending)
-    assert 1 <= len(decoder.drafter.pending) <= 3
+    assert draft_offset == prompt_len + len(res.tokens) - len(decoder.drafter.unfed)
+    assert 1 <= len(decoder.drafter.unfed) <= 3
     if rate is not None:
         assert res.stats.acceptance_rate == rate
     else:

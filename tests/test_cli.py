@@ -180,7 +180,7 @@ def test_user_file_adds_and_overrides_pairs(tmp_path, monkeypatch, tiny_models, 
     qwen_line = next(line for line in out.splitlines() if line.startswith("qwen3-8b "))
     assert " 7 " in qwen_line and "no" in qwen_line
     pair = load_pair("tiny")
-    assert pair.num_draft_tokens == Fixed(2) and pair.draft is not None
+    assert pair.config.num_draft_tokens == Fixed(2) and pair.draft is not None
 
 
 def test_no_acceptance_verdict_when_nothing_was_drafted():

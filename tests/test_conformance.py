@@ -29,7 +29,15 @@ from test_families import reference as family_reference
 from test_server import KEY, serving
 
 import tui.app
-from mlx_spec import SpecError, Stats, generate, load_pair, make_decoder, stream_rounds
+from mlx_spec import (
+    GenerationConfig,
+    SpecError,
+    Stats,
+    generate,
+    load_pair,
+    make_decoder,
+    stream_rounds,
+)
 from mlx_spec.cli import main
 from tui.app import ChatApp
 
@@ -161,7 +169,9 @@ def test_a_stream_stopped_by_an_error_leaves_nothing_lazy(pairs, family):
     pair = pairs(family)
     prompt = prompt_ids(pair)
     decoder = make_decoder(pair, seed=3)
-    stream = stream_rounds(pair, prompt, temperature=0.7, decoder=decoder, stats=StopAfter(2))
+    stream = stream_rounds(
+        pair, prompt, GenerationConfig(temperature=0.7), decoder=decoder, stats=StopAfter(2)
+    )
     with pytest.raises(KeyboardInterrupt):
         on_thread(lambda: list(stream))
     on_thread(lambda: mx.eval(kept_arrays(decoder)))

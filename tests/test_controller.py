@@ -192,8 +192,8 @@ class Scripted(Auto):
 
     script: tuple = (3, 0, 1, 0, 6, 2, 0, 8, 4, 0)
 
-    def policy(self, stop_below=None):
-        controller = super().policy(stop_below)
+    def policy(self, max_draft=None):
+        controller = super().policy(max_draft)
         controller.plan = list(self.script)
         return controller
 
@@ -217,7 +217,7 @@ def test_greedy_with_auto_equals_the_target_alone(tiny_models, draft, prompt):
 def test_greedy_with_auto_for_lookup_drafters(tiny_models, drafter):
     draft = str(tiny_models.noisy) if drafter == "ngram+model" else None
     pair = load_pair(target=str(tiny_models.target), draft=draft, drafter=drafter)
-    assert pair.num_draft_tokens == Auto()  # lookup pairs default to the controller too
+    assert pair.config.num_draft_tokens == Auto()  # lookup pairs default to the controller too
     prompt = "Paris is the capital of France. Paris is the capital of"
     ref = reference(pair, prompt, 60)
     for length in ("auto", Scripted()):
@@ -273,7 +273,7 @@ def test_drafters_are_fed_the_plain_tokens(tiny_models):
     res = generate(pair, PROMPTS[1], max_tokens=40, num_draft_tokens=Scripted(), decoder=decoder)
     drafter = decoder.drafter
     assert isinstance(drafter, ModelDrafter)
-    assert drafter.cached + drafter.pending == decoder.sequence
+    assert drafter.cached + drafter.unfed == decoder.sequence
     lookup_pair = load_pair(target=str(tiny_models.target), drafter="ngram")
     decoder = make_decoder(lookup_pair)
     generate(lookup_pair, PROMPTS[1], max_tokens=40, num_draft_tokens=Scripted(), decoder=decoder)
@@ -295,7 +295,7 @@ def test_a_lookup_match_in_hand_is_drafted():
 class EveryFew:
     """A policy that decodes plainly in long stretches and records how they ended."""
 
-    k_max, stop_below = 4, 0.0
+    k_max = 4
 
     def __init__(self):
         self.calls, self.bursts = 0, []

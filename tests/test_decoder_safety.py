@@ -55,8 +55,8 @@ def test_a_draft_with_extra_head_rows_never_proposes_them(tiny_models, tmp_path)
     proposed = []
     original = ModelDrafter.propose
 
-    def spy(self, k, params, key, stop_below=0.0, **kwargs):
-        tokens, q = original(self, k, params, key, stop_below, **kwargs)
+    def spy(self, k, params, key, **kwargs):
+        tokens, q = original(self, k, params, key, **kwargs)
         proposed.extend(tokens.tolist())
         assert q is None or q.shape[-1] == 320
         return tokens, q

@@ -157,7 +157,7 @@ def first_position_acceptance(pair, params, runs: int) -> float:
     for seed in range(runs):
         decoder.key = mx.random.key(seed)
         decoder.prefill(PROMPT)
-        accepted += next(decoder.rounds(2, params, 1)).verified
+        accepted += next(decoder.rounds(2, params, 1)).accepted
     return accepted / runs
 
 

@@ -28,9 +28,10 @@ REPEATING = "one two three four five one two three four five one two three"
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_confidence_stop_equals_target_alone(tiny_models, draft, threshold, k, prompt):
     pair = load_pair(target=str(tiny_models.target), draft=str(getattr(tiny_models, draft)))
-    res = generate(pair, prompt, max_tokens=40, num_draft_tokens=k, draft_confidence=threshold)
+    confident = pair.configured(draft_confidence=threshold)  # the same models, loaded once
+    res = generate(confident, prompt, max_tokens=40, num_draft_tokens=k)
     assert res.tokens == reference(pair, prompt, 40)
-    full = generate(pair, prompt, max_tokens=40, num_draft_tokens=k, draft_confidence=0)
+    full = generate(pair, prompt, max_tokens=40, num_draft_tokens=k)
     assert full.tokens == res.tokens
     if k == "auto":  # the controller's k follows this machine's timings: no counts to compare
         return
@@ -42,22 +43,20 @@ def test_greedy_confidence_stop_equals_target_alone(tiny_models, draft, threshol
 
 @pytest.mark.parametrize("threshold", [0.15, 0.25])
 def test_cache_offsets_when_rounds_stop_early(tiny_models, threshold):
-    pair = load_pair(target=str(tiny_models.target), draft=str(tiny_models.noisy))
+    pair = load_pair(
+        target=str(tiny_models.target), draft=str(tiny_models.noisy), draft_confidence=threshold
+    )
     decoder = make_decoder(pair)
-    res = generate(
-        pair, PROMPTS[1], max_tokens=30, num_draft_tokens=6, draft_confidence=threshold,
-        decoder=decoder,
-    )  # fmt: skip
+    res = generate(pair, PROMPTS[1], max_tokens=30, num_draft_tokens=6, decoder=decoder)
     lengths = res.stats.draft_lengths
     assert any(lengths[1:6]) and lengths[6]  # short rounds and full ones
     n = res.stats.prompt_tokens + len(res.tokens)
     assert decoder.cache[0].offset == n - 1
     drafter = decoder.drafter
-    assert drafter.cache[0].offset == n - len(drafter.pending) == len(drafter.cached)
+    assert drafter.cache[0].offset == n - len(drafter.unfed) == len(drafter.cached)
     # a follow-up turn continues from these caches and still matches a fresh run
     ids = pair.tokenizer.encode(PROMPTS[1]) + res.tokens + [7, 8]
-    again = generate(pair, ids, max_tokens=20, num_draft_tokens=6, draft_confidence=threshold,
-                     decoder=decoder)  # fmt: skip
+    again = generate(pair, ids, max_tokens=20, num_draft_tokens=6, decoder=decoder)
     assert again.tokens == reference(pair, ids, 20)
 
 
@@ -80,9 +79,9 @@ def test_confidence_stop_keeps_the_distribution(tiny_models):
     runs and from the target's bonus in others; (t2, t3) must still follow the target."""
     pair = load_pair(target=str(tiny_models.small_target), draft=str(tiny_models.small_draft))
     params = SamplingParams(temperature=1.0)
-    drafter = ModelDrafter(pair.draft)
+    drafter = ModelDrafter(pair.draft, confidence=0.45)
     decoder = Decoder(pair.target, drafter, eos_token_ids=())
-    policy = FixedK(4, stop_below=0.45)
+    policy = FixedK(4)
     counts, lengths = np.zeros((VOCAB, VOCAB)), set()
     for seed in range(3000):
         decoder.key = mx.random.key(seed)
@@ -102,7 +101,7 @@ def test_confidence_stop_keeps_the_distribution(tiny_models):
 
 def test_lookup_then_model_is_lossless_greedy(tiny_models):
     pair = load_pair(target=str(tiny_models.target), draft=str(tiny_models.noisy))
-    pair.drafter = "ngram+model"
+    pair = pair.configured(drafter="ngram+model")
     decoder = make_decoder(pair)
     assert isinstance(decoder.drafter, LookupThenModel)
     uses = {"lookup": 0, "model": 0}
@@ -123,7 +122,7 @@ def test_lookup_then_model_is_lossless_greedy(tiny_models):
         res = generate(pair, prompt, max_tokens=40, num_draft_tokens=4, decoder=decoder)
         assert res.tokens == reference(pair, prompt, 40)
         n = res.stats.prompt_tokens + len(res.tokens)
-        assert decoder.drafter.model.cache[0].offset == n - len(decoder.drafter.model.pending)
+        assert decoder.drafter.model.cache[0].offset == n - len(decoder.drafter.model.unfed)
     assert uses["lookup"] > 5 and uses["model"] > 5
 
 

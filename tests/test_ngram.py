@@ -20,7 +20,7 @@ REPEATING = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + 
 @pytest.fixture(scope="module")
 def ngram_pair(tiny_models):
     pair = load_pair(target=str(tiny_models.target))
-    pair.drafter = "ngram"
+    pair = pair.configured(drafter="ngram")
     return pair
 
 
@@ -73,7 +73,7 @@ def test_index_cost_per_round_does_not_grow_with_context(context):
     rng = np.random.default_rng(0)
     d = NGramDrafter(ngram_max=3, ngram_min=1)
     d.prefill(rng.integers(0, 50, context).tolist())
-    d.index = CountingDict(d.index)
+    d.context.index = CountingDict(d.context.index)
     CountingDict.lookups = 0
     for token in rng.integers(0, 50, 20).tolist():
         d.propose(4, None, None)

@@ -14,6 +14,7 @@ from mlx_spec import caches
 from mlx_spec.bench import format_rows, run_bench, summarise
 from mlx_spec.cli import main
 from mlx_spec.commands.probe import MIN_SAMPLE_ROUNDS, SAMPLE_PROMPT, run_probe
+from mlx_spec.policies import expected_tokens
 from mlx_spec.probe import (
     MAX_REPS,
     MIN_REPS,
@@ -21,7 +22,6 @@ from mlx_spec.probe import (
     PassTimer,
     classify_regime,
     estimate_alpha,
-    expected_tokens,
     fill_curve,
     plan_passes,
     predict,
@@ -66,10 +66,14 @@ def test_regime_classifier(curve, regime):
 
 
 def test_expected_tokens_matches_the_formula_and_limits():
-    assert expected_tokens(0.0, 5) == 1.0
-    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens([0.0] * 5) == 1.0
+    assert expected_tokens([1.0] * 5) == 6.0
     # α=0.5, k=2: 1 + 0.5 + 0.25
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens([0.5] * 2) == pytest.approx(1.75)
+    # the closed form (1 - α^(k+1)) / (1 - α), and per-position rates with a reach
+    for alpha, k in [(0.3, 4), (0.8, 7)]:
+        assert expected_tokens([alpha] * k) == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha))
+    assert expected_tokens([0.5, 0.4], [1.0, 0.5]) == pytest.approx(1 + 0.5 + 0.5 * 0.2)
 
 
 def test_estimate_alpha_is_the_geometric_mle():

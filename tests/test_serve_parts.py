@@ -12,12 +12,13 @@ from mlx_spec.history import HistoryIndex
 from mlx_spec.serve.stops import StopText
 
 
-def test_history_follows_the_longest_match_at_its_latest_occurrence():
+def test_history_finds_each_ngram_at_its_latest_occurrence():
     h = HistoryIndex(ngram_min=2, ngram_max=3)
     h.add([1, 2, 3, 4, 9, 2, 3, 5, 6])
-    assert h.follow([7, 2, 3], 2) == [5, 6]  # "2 3" most recently continued with 5
-    assert h.follow([1, 2, 3], 2) == [4, 9]  # "1 2 3" is longer and continued with 4
-    assert h.follow([7, 3], 2) == []  # single tokens are not indexed (ngram_min 2)
+    assert h.after([2, 3], 2) == [5, 6]  # "2 3" most recently continued with 5
+    assert h.after([1, 2, 3], 2) == [4, 9]  # "1 2 3" continued with 4
+    assert h.after([3], 2) == []  # single tokens are not indexed (ngram_min 2)
+    assert h.after([7, 2, 3, 4], 2) == []  # nor n-grams past ngram_max
 
 
 def test_history_adds_only_what_a_follow_up_adds_and_stays_bounded():
@@ -27,8 +28,8 @@ def test_history_adds_only_what_a_follow_up_adds_and_stays_bounded():
     assert h.tokens == [1, 2, 3, 4, 5]
     h.add(list(range(20, 28)))  # past 10 tokens: the older half goes
     assert len(h) <= 10 and h.tokens[-1] == 27
-    assert h.follow([1, 2], 1) == []  # forgotten with the dropped half
-    assert h.follow([25, 26], 1) == [27]
+    assert h.after([1, 2], 1) == []  # forgotten with the dropped half
+    assert h.after([25, 26], 1) == [27]
 
 
 def test_lookup_prefers_its_context_then_history():
@@ -48,7 +49,7 @@ def test_lookup_prefers_its_context_then_history():
 @pytest.mark.parametrize("k", [2, 5])
 def test_greedy_lookup_with_history_equals_target_alone(tiny_models, k):
     pair = load_pair(target=str(tiny_models.target))
-    pair.drafter = "ngram"
+    pair = pair.configured(drafter="ngram")
     prompt = "The quick brown fox jumps over the lazy dog."
     history = HistoryIndex()
     decoder = make_decoder(pair)
@@ -225,6 +226,7 @@ def test_a_template_that_opens_thinking_starts_in_reasoning(tool_tokenizer):
 
 def test_prefill_stops_between_chunks_and_the_decoder_recovers(pair):
     """abort() is asked between prefill chunks; the half-filled caches are not reused."""
+    from mlx_spec.config import GenerationConfig
     from mlx_spec.engine import stream_rounds
     from mlx_spec.errors import Aborted
 
@@ -241,16 +243,16 @@ def test_prefill_stops_between_chunks_and_the_decoder_recovers(pair):
     chunks = []
     real = drafters.prefill_cache
 
-    def small_chunks(model, cache, tokens, step=2048, timed=False, abort=None):
+    def small_chunks(model, cache, tokens, step=2048, **kwargs):
         chunks.append(len(tokens))
-        return real(model, cache, tokens, step=64, timed=timed, abort=abort)
+        return real(model, cache, tokens, step=64, **kwargs)
 
     import mlx_spec.engine as engine
 
     engine.prefill_cache, saved = small_chunks, engine.prefill_cache
     try:
         with pytest.raises(Aborted):
-            next(stream_rounds(pair, prompt, 10, decoder=decoder, abort=abort))
+            next(stream_rounds(pair, prompt, GenerationConfig(10), decoder=decoder, abort=abort))
     finally:
         engine.prefill_cache = saved
     assert len(asked) == 2  # stopped after one chunk of 64, not after the whole prompt

@@ -261,7 +261,7 @@ def sampled_pairs(pair, prompt, params, runs, drafter, k=3, forced=True):
             3, params, k, processors=[grammar], forced=grammar if forced else None
         ):
             forced_rounds += r.forced
-            forced_refused += r.forced and r.verified < r.drafted
+            forced_refused += r.forced and r.accepted < r.drafted
             tokens += r.tokens
             if len(tokens) >= 2:
                 break

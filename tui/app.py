@@ -22,7 +22,7 @@ from textual.widgets import Footer, Input, OptionList, ProgressBar, Static
 from textual.widgets.option_list import Option
 from textual.worker import get_current_worker
 
-from mlx_spec import SpecError, Stats, make_decoder, stream_rounds
+from mlx_spec import GenerationConfig, SpecError, Stats, make_decoder, stream_rounds
 from mlx_spec.loading import DownloadProgress
 from mlx_spec.policies import Auto, Fixed, draft_length
 from mlx_spec.threads import ModelThread
@@ -264,9 +264,9 @@ class ChatApp(App):
         self.pair, self.pair_name = pair, name
         self.decoder = None
         if self.k is None:
-            self.k = pair.num_draft_tokens
+            self.k = pair.config.num_draft_tokens
         self.show_settings()
-        draft = f"{pair.drafter} drafter, k={self.k}" if pair.speculative else "no draft"
+        draft = f"{pair.config.drafter} drafter, k={self.k}" if pair.speculative else "no draft"
         self.set_status(f"ready: {name or 'custom pair'} ({draft})")
 
     @work(exclusive=True, group="load")
@@ -307,13 +307,12 @@ class ChatApp(App):
     def action_pick_pair(self) -> None:
         if self.loader is None or self.reply is not None:
             return
-        from mlx_spec.loading import is_downloaded
+        from mlx_spec.loading import pair_downloaded
         from mlx_spec.registry import load_registry
 
         rows = []
         for name, spec in load_registry().pairs.items():
-            models = [spec.target] + ([spec.draft] if spec.draft else [])
-            have = "✓ downloaded" if all(is_downloaded(m) for m in models) else "  download"
+            have = "✓ downloaded" if pair_downloaded(spec) else "  download"
             rows.append((name, f"{have}  {name:<20} {spec.note}"))
 
         def chosen(name: str | None) -> None:
@@ -367,16 +366,16 @@ class ChatApp(App):
         try:
             if self.decoder is None or self.decoder.pair is not self.pair:
                 self.decoder = make_decoder(self.pair, self.seed)
-            for batch in stream_rounds(
-                self.pair,
-                conversation(messages, self.pair.tokenizer, self.system),
+            config = GenerationConfig(
                 self.max_tokens,
-                temperature=self.temperature,
+                self.temperature,
                 num_draft_tokens=self.k,
                 chat_template_kwargs={"enable_thinking": self.thinking},
                 use_draft=self.speculation and not race,
-                decoder=self.decoder,
-                stats=stats,
+            )
+            prompt = conversation(messages, self.pair.tokenizer, self.system)
+            for batch in stream_rounds(
+                self.pair, prompt, config, decoder=self.decoder, stats=stats
             ):
                 rounds = [(len(r.drafted), r.accepted) for r in stats.records[seen:]]
                 seen = len(stats.records)

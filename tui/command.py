@@ -37,12 +37,12 @@ def main(args):
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # tqdm would tear the screen
 
     def loader(name, progress):
-        if name is not None and name != (args.pair or DEFAULT_PAIR):
-            # a picked pair comes with its own draft and drafter
-            args.pair, args.target, args.draft = name, None, None
-            args.draft_bits, args.drafter, args.no_draft = None, None, False
-            args.draft_adapter = None  # an adapter fits the draft it was trained for only
-        return pair_from_args(args, progress)
+        if name is None or (name == (args.pair or DEFAULT_PAIR) and not args.target):
+            return pair_from_args(args, progress)
+        # a picked pair comes with its own draft, drafter and adapter (an adapter fits the
+        # draft it was trained for only); the flags' k, dtype and lookup settings stay
+        picked = dict(target=None, draft=None, draft_bits=None, drafter=None, skip_draft=False)
+        return pair_from_args(args, progress, name=name, draft_adapter=None, **picked)
 
     app = ChatApp(
         loader=loader,

@@ -115,8 +115,8 @@ def base_of(args, pair) -> dict:
     return {
         "target": args.target or args.pair,
         "draft": args.draft,
-        "draft_bits": pair.draft_bits,
-        "draft_group_size": pair.draft_group_size if pair.draft_bits else None,
+        "draft_bits": pair.config.draft_bits,
+        "draft_group_size": pair.config.draft_group_size if pair.config.draft_bits else None,
     }
 
 
@@ -159,9 +159,9 @@ def main(args):
     settings.check()
     prompts = read_data(args.data, args.max_prompts, args.seed)  # bad data fails before loading
     out = Path(args.out).expanduser()
-    args.draft_adapter = NO_ADAPTER  # train from the bare draft, whatever models.toml names
     bar = Bar()
-    pair = pair_from_args(args, progress=bar.message)
+    # train from the bare draft, whatever models.toml names
+    pair = pair_from_args(args, progress=bar.message, draft_adapter=NO_ADAPTER)
     report = distill(
         pair, prompts, out, settings, base_of(args, pair), args.resume, bar.message, bar
     )

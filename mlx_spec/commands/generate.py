@@ -118,35 +118,34 @@ def main(args):
 
     text = read_prompt(args)
     constraint = read_constraint(args)
+    config = generation_config(args)  # bad sampling flags fail before anything loads
     pair = pair_from_args(args)
     if constraint:  # compiled once, against the loaded tokenizer: errors before generating
         from ..engine import constraint_for
 
-        args.constraint = constraint_for(pair, **constraint)
+        forced = not (args.no_forced_tokens or args.no_draft)  # the baseline drafts nothing
+        config = config.replace(grammar=constraint_for(pair, **constraint), forced_tokens=forced)
     with rank_zero_prints(pair):  # a target sharded over mlx.launch's ranks: rank 0 prints
-        return reply(pair, args, text)
+        return reply(pair, args, text, config)
 
 
-def reply(pair, args, text: str) -> int:
+def generation_config(args):
+    from ..config import GenerationConfig
+
+    return GenerationConfig(
+        args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p, args.seed,
+        system=args.system,
+    )  # fmt: skip
+
+
+def reply(pair, args, text: str, config) -> int:
     from .. import blas
     from ..engine import generate, stream
     from ..stats import Stats
 
     prompt = build_prompt(pair, args, text)
-    kwargs = dict(
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        system=args.system,
-    )
-    if getattr(args, "constraint", None) is not None:
-        kwargs["grammar"] = args.constraint
-        kwargs["forced_tokens"] = not (args.no_forced_tokens or args.no_draft)  # baseline
     if args.json:
-        out = generate(pair, prompt, **kwargs).to_json()
+        out = generate(pair, prompt, config).to_json()
         out["stats"]["blas_notice"] = blas.notice()  # None unless on the slow reference BLAS
         print(json.dumps(out))
         return 0
@@ -157,7 +156,7 @@ def reply(pair, args, text: str) -> int:
         names = {"accepted": "accepted draft", "regenerated": "regenerated", "target": "target"}
         legend = " · ".join(f"{COLORS[kind]}{name}{RESET}" for kind, name in names.items())
         print(legend, file=sys.stderr)
-    for ev in stream(pair, prompt, stats=stats, **kwargs):
+    for ev in stream(pair, prompt, config, stats=stats):
         if color:
             sys.stdout.write(f"{COLORS[ev.kind]}{ev.text}{RESET}")
         else:

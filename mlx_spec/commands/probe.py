@@ -54,19 +54,14 @@ def positive_float(text: str) -> float:
 def sample_acceptance(pair, temperature: float, max_tokens: int, deadline: float, clock):
     """Sample from `pair` at k=SAMPLE_K until `max_tokens` or the deadline (after at least
     MIN_SAMPLE_ROUNDS rounds); the run's stats."""
+    from ..config import GenerationConfig
     from ..engine import stream_rounds
     from ..stats import Stats
 
     stats = Stats()
-    rounds = stream_rounds(
-        pair,
-        [{"role": "user", "content": SAMPLE_PROMPT}],
-        max_tokens=max_tokens,
-        temperature=temperature,
-        num_draft_tokens=SAMPLE_K,
-        seed=0,
-        stats=stats,
-    )
+    config = GenerationConfig(max_tokens, temperature, seed=0, num_draft_tokens=SAMPLE_K)
+    prompt = [{"role": "user", "content": SAMPLE_PROMPT}]
+    rounds = stream_rounds(pair, prompt, config, stats=stats)
     for _ in rounds:
         if clock() > deadline and stats.target_passes >= MIN_SAMPLE_ROUNDS:
             rounds.close()

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-SEED_LIMIT = 2**64
+from ..config import SEED_LIMIT, GenerationConfig
+
 MAX_STOP_CHARS = 1024  # a stop string is held back while it may be starting: keep that short
 MAX_STOPS_TOTAL = 16384  # characters over all stop strings (any number of them within this)
 MAX_TOP_LOGPROBS = 20  # as OpenAI
@@ -105,6 +106,19 @@ class GenRequest:
     ignored: list[str] = field(default_factory=list)  # unknown fields, named in a header
     partition: str = ""  # whose history and prompt cache (set from the API key by the app)
     constraint: dict | None = None  # response_format as engine keywords: {"schema": {...}}
+
+    @property
+    def generation(self) -> GenerationConfig:
+        """What the engine is asked (the prompt's template arguments are applied before)."""
+        return GenerationConfig(
+            self.max_tokens,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.min_p,
+            seed=self.seed,
+            logprobs=self.logprobs,
+        )
 
 
 COMMON = {

@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from jinja2 import TemplateError
-from mlx.utils import tree_flatten
 from mlx_lm.utils import common_prefix_len
 
-from ..drafters import LookupThenModel, ModelDrafter, NGramDrafter
+from .. import caches
 from ..engine import constraint_for, encode_prompt, make_decoder, stream_rounds
 from ..errors import Aborted, SpecError
 from ..history import HistoryIndex
@@ -41,8 +40,6 @@ from ..stats import Stats
 from .output import Output, check_tool_choice, forced_prefix
 from .protocol import ApiError, GenRequest, speculation, usage
 from .stops import StopText
-
-LOOKUP_DRAFTERS = ("ngram", "ngram+model")
 
 
 @dataclass
@@ -71,32 +68,9 @@ class Job:
             pass
 
 
-def cache_bytes(cache: list) -> int:
-    total = 0
-    for c in cache:
-        try:
-            total += c.nbytes
-        except (AttributeError, NotImplementedError):  # a cache kind without nbytes
-            total += sum(a.nbytes for _, a in tree_flatten(c.state) if isinstance(a, mx.array))
-    return total
-
-
-def lookup_of(drafter) -> NGramDrafter | None:
-    if isinstance(drafter, NGramDrafter):
-        return drafter
-    return drafter.lookup if isinstance(drafter, LookupThenModel) else None
-
-
-def model_of(drafter) -> ModelDrafter | None:
-    if isinstance(drafter, ModelDrafter):
-        return drafter
-    return drafter.model if isinstance(drafter, LookupThenModel) else None
-
-
 def decoder_bytes(decoder) -> int:
-    total = cache_bytes(decoder.cache)
-    model = model_of(decoder.drafter)
-    return total + (cache_bytes(model.cache) if model is not None else 0)
+    total = caches.nbytes(decoder.cache)
+    return total + (decoder.drafter.cache_bytes() if decoder.drafter is not None else 0)
 
 
 class PromptCache:
@@ -122,9 +96,8 @@ class PromptCache:
             self.entries.remove(best)
         else:
             best = make_decoder(self.pair)
-            lookup = lookup_of(best.drafter)
-            if lookup is not None:
-                lookup.history = self.history
+            if self.history is not None:
+                best.drafter.use_history(self.history)
         best.last_used = time.monotonic()
         self.entries.append(best)
         return best
@@ -216,15 +189,20 @@ class Engine:
 
     def _install(self, pair, name: str) -> None:
         self.pair, self.name = pair, name
-        lookup = pair is not None and pair.drafter in LOOKUP_DRAFTERS
-        self.history = HistoryIndex(self.history_tokens) if lookup and self.history_tokens else None
+        self.history = self._new_history()
         self.cache = PromptCache(pair, self.prompt_cache_bytes, self.history)
+
+    def _new_history(self) -> HistoryIndex | None:
+        """A history for lookup across requests, when the drafter kind uses one."""
+        kind = self.pair.config.kind if self.pair is not None else None
+        uses = kind is not None and kind.uses_history
+        return HistoryIndex(self.history_tokens) if uses and self.history_tokens else None
 
     @property
     def drafter(self) -> str:
         if self.pair is None or not self.pair.speculative:
             return "none"
-        return self.pair.drafter
+        return self.pair.config.drafter
 
     def _partition(self, key: str) -> tuple:
         """The prompt cache and history of one partition (the default one is `cache` and
@@ -233,8 +211,7 @@ class Engine:
             return self.cache, self.history
         entry = self.partitions.get(key)
         if entry is None or entry[0].pair is not self.pair:
-            lookup = self.pair is not None and self.pair.drafter in LOOKUP_DRAFTERS
-            history = HistoryIndex(self.history_tokens) if lookup and self.history_tokens else None
+            history = self._new_history()
             entry = (PromptCache(self.pair, self.prompt_cache_bytes, history), history)
             self.partitions[key] = entry
         return entry
@@ -482,22 +459,10 @@ class Engine:
         decoder = cache.take(tokens)
         stats, stops = Stats(), StopText(req.stop)
         output = Output(pair.tokenizer, req, tokens, self.raw_reasoning)
-        rounds = stream_rounds(
-            pair,
-            tokens,
-            req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            seed=req.seed,
-            decoder=decoder,
-            stats=stats,
-            processors=make_processors(**req.penalties),
-            logprobs=req.logprobs,
-            abort=abort,
-            grammar=constraint,
+        config = req.generation.replace(
+            processors=make_processors(**req.penalties), grammar=constraint
         )
+        rounds = stream_rounds(pair, tokens, config, decoder=decoder, stats=stats, abort=abort)
         ended = None  # why generation stopped early: "stop", "cancelled", "timeout"
         held: list = []  # (start offset in the raw text, logprob entry) not yet released
         produced = released = 0  # characters generated / let through the stop strings

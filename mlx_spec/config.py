@@ -1,0 +1,185 @@
+"""The two settings objects that travel from a flag, a models.toml entry or an API call to the
+engine, each frozen and validated once where it is built:
+
+- `PairConfig`: what the pair is (target, draft model or drafter kind with its settings,
+  dtype, bits, adapter, draft length). `loading.load_pair(config)` loads it; the loaded
+  `Pair` holds it.
+- `GenerationConfig`: what one generation asks (sampling, max tokens, seed, prompt template
+  arguments, processors, constraint, log-probabilities). `engine.stream_rounds` takes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import drafters
+from .errors import SpecError
+from .policies import Auto, DraftLength, draft_length
+from .sampling import SamplingParams
+
+# what MLX's affine quantization accepts (mx.quantize); anything else is refused, not skipped
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+QUANT_GROUP_SIZES = (32, 64, 128)
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+SEED_LIMIT = 2**64  # MLX's random keys take an unsigned 64-bit seed
+
+
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise SpecError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    return seed
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class PairConfig:
+    target: str  # a path, a .gguf file or a Hugging Face id
+    draft: str | None = None  # a separate draft model
+    # a kind in drafters.KINDS; None: "model" when there is a draft model, else the target alone
+    drafter: str | None = None
+    draft_bits: int | None = None  # the draft is the target re-quantized to this many bits
+    draft_group_size: int = 32
+    dtype: str | None = None  # dequantize GGUF files to this ("auto": the backend's best)
+    draft_adapter: str | None = None  # a LoRA adapter directory for the draft (distill)
+    num_draft_tokens: DraftLength = Auto()  # policies.Fixed(k) or Auto() (ints, "auto" too)
+    ngram_max: int = 3  # prompt lookup's n-gram lengths
+    ngram_min: int = 1
+    draft_confidence: float | None = None  # a model draft stops below it (None: off)
+    name: str | None = None  # the models.toml name, if it came from there
+    note: str = ""
+    source: Path | None = None  # the models.toml file it came from
+
+    def __post_init__(self):
+        set_ = object.__setattr__.__get__(self)  # normalise once, here (the class is frozen)
+        set_("num_draft_tokens", draft_length(self.num_draft_tokens))
+        has_model = self.draft is not None or self.draft_bits is not None
+        if self.drafter is None and has_model:
+            set_("drafter", "model")
+        if not isinstance(self.target, str) or not self.target:
+            raise SpecError("no target model given")
+        if self.draft is not None and self.draft_bits is not None:
+            raise SpecError("give a draft model or --draft-bits, not both")
+        if self.draft_bits is not None and (
+            not _is_int(self.draft_bits) or self.draft_bits not in QUANT_BITS
+        ):
+            raise SpecError(
+                f"draft bits must be one of {', '.join(map(str, QUANT_BITS))}, "
+                f"got {self.draft_bits!r}"
+            )
+        if not _is_int(self.draft_group_size) or self.draft_group_size not in QUANT_GROUP_SIZES:
+            raise SpecError(
+                f"draft group_size must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}, "
+                f"got {self.draft_group_size!r}"
+            )
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise SpecError(f"dtype must be {', '.join(DTYPES[:-1])} or {DTYPES[-1]}")
+        if self.draft_adapter and not has_model:
+            raise SpecError("a draft adapter needs a draft model (--draft or --draft-bits)")
+        if self.drafter is None:
+            return
+        kind = drafters.kind(self.drafter)
+        if kind.needs_model and not has_model:
+            # asking for a draft model must not quietly become plain decoding
+            raise SpecError(
+                f"the {self.drafter} drafter needs a draft model (--draft or --draft-bits)"
+            )
+        if not kind.needs_model and has_model:
+            raise SpecError(
+                f"the {self.drafter} drafter needs no draft model; drop --draft / --draft-bits"
+            )
+        k = self.num_draft_tokens
+        if kind.max_draft is not None and getattr(k, "k", 0) > kind.max_draft:
+            raise SpecError(
+                f"the {self.drafter} drafter drafts at most {kind.max_draft} tokens a round, "
+                f"got num-draft-tokens {k}"
+            )
+        kind.validate(self)
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter is not None
+
+    @property
+    def kind(self) -> type[drafters.DrafterKind] | None:
+        return drafters.kind(self.drafter) if self.drafter is not None else None
+
+    def replace(self, **changes) -> PairConfig:
+        """A copy with `changes`, validated again."""
+        return dataclasses.replace(self, **changes)
+
+    def needs_reload(self, other: PairConfig) -> bool:
+        """Whether `other`'s loaded models cannot serve this configuration."""
+        models = ("target", "draft", "draft_bits", "draft_group_size", "dtype", "draft_adapter")
+        return any(getattr(self, f) != getattr(other, f) for f in models)
+
+    def plain(self) -> PairConfig:
+        """The target alone: plain decoding through the same loop."""
+        return self.replace(drafter=None, draft=None, draft_bits=None, draft_adapter=None)
+
+    def with_drafter(self, name: str) -> PairConfig:
+        """Another kind over the same models: one without a draft model drops it (and its
+        adapter); a fixed k chosen for the previous kind goes back to `auto`."""
+        changes = {"drafter": name}
+        if name != self.drafter:
+            changes["num_draft_tokens"] = Auto()
+        if not drafters.kind(name).needs_model:
+            changes.update(draft=None, draft_bits=None, draft_adapter=None)
+        return self.replace(**changes)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What one generation asks. The API's keyword arguments are these fields."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    # an int, "auto" or a policies.Fixed / Auto; None: the pair's
+    num_draft_tokens: DraftLength | None = None
+    use_draft: bool = True  # False: plain decoding with the same pair
+    system: str | None = None  # a system message for a text or messages prompt
+    chat_template_kwargs: dict | None = None  # e.g. {"enable_thinking": False} for Qwen3
+    processors: tuple = ()  # processors.py: penalties, logit bias (target and draft alike)
+    logprobs: int | None = None  # None: off; N >= 0: each token's and the top N
+    schema: dict | str | None = None  # a JSON Schema (dict or JSON text) the reply follows
+    grammar: object = None  # Lark text as llguidance reads it, or a grammar.Constraint
+    regex: str | None = None
+    forced_tokens: bool = True  # draft the tokens the grammar forces, for free
+    sampling: SamplingParams = field(init=False, repr=False)
+
+    def __post_init__(self):
+        set_ = object.__setattr__.__get__(self)
+        set_("sampling", SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p))
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise SpecError(f"max-tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None:
+            check_seed(self.seed)
+        if self.num_draft_tokens is not None:
+            set_("num_draft_tokens", draft_length(self.num_draft_tokens))
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise SpecError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        set_("processors", tuple(self.processors or ()))
+        asked = [x for x in (self.schema, self.grammar, self.regex) if x is not None]
+        if len(asked) > 1:
+            raise SpecError("give one of schema, grammar or regex")
+
+    def replace(self, **changes) -> GenerationConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def of(cls, config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
+        """`config` with keyword changes; keywords alone build one (the API's form)."""
+        unknown = set(kwargs) - {f.name for f in dataclasses.fields(cls) if f.init}
+        if unknown:
+            raise TypeError(f"unknown generation settings: {', '.join(sorted(unknown))}")
+        if config is None:
+            return cls(**kwargs)
+        return config.replace(**kwargs) if kwargs else config

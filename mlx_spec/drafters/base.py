@@ -1,0 +1,157 @@
+"""What every drafter is: a base class with defaults for the optional parts, and a kind.
+
+A drafter keeps its own view of the sequence. The engine calls `prefill` with the prompt,
+then each round `propose(k, ...)` and, after verification, `commit(kept, output)` with the
+tokens the round emitted (the accepted draft tokens followed by the target's own token) and
+what the target computed for them (`TargetOutput`).
+
+A `DrafterKind` is the registry's entry for one kind of drafter (drafters/__init__.py):
+how a pair configuration using it is validated, how it is built from a loaded pair, how many
+tokens it can draft a round, whether it needs a draft model and whether it uses the server's
+history. A new kind is one module (a Drafter and its kind) plus one registry line.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .. import caches
+from ..errors import Aborted
+from ..hidden import capturing
+from ..sampling import SamplingParams
+
+
+@dataclass
+class TargetOutput:
+    """What the target computed over the tokens it was fed in one pass: the unfed tokens of
+    the sequence (the last one, or a recurrent target's replay), then the draft tokens. Row i
+    is the state at input i. `hidden[layer]` holds that layer's output (fed, hidden size) for
+    each layer in the drafter's `hidden_layers`: computed in the same pass as the logits,
+    never a second forward. The first `kept` rows are of tokens now in the sequence; the rest
+    were rejected (0 when a recurrent target's state went back: the next pass replays them)."""
+
+    logits: mx.array | None  # the rows the engine read, before processors (None: prefill)
+    hidden: dict[int, mx.array]  # layer -> (fed, hidden)
+    fed: int
+    kept: int
+
+
+class Drafter:
+    """Defaults for everything but `propose`; a kind overrides what it needs."""
+
+    steps = 0  # draft-model forward passes the last `propose` queued (0 without a model)
+    max_draft: int | None = None  # the most tokens one proposal can hold (None: any k)
+    # target layers whose outputs `prefill` and `commit` receive (-1: the last layer)
+    hidden_layers: tuple[int, ...] = ()
+
+    def prefill(
+        self, tokens: list[int], timed: bool = False, output: TargetOutput | None = None
+    ) -> float | None:
+        """Start a new sequence (or continue a cached one) from these tokens. `timed`: return
+        the seconds of one draft step, measured on the prompt's last tokens (0 without a model;
+        None if the prompt was too short to time). `output`: the target's hidden states over
+        the prompt's new tokens, when `hidden_layers` asks for them."""
+        return 0.0
+
+    def reset(self) -> None:
+        """Forget everything (the next prefill starts from nothing)."""
+
+    def propose(
+        self, k: int, params: SamplingParams, key: mx.array | None, *, processors=()
+    ) -> tuple[mx.array, mx.array | None]:
+        """Up to k draft tokens (k,) and, unless greedy or deterministic, their distributions
+        q (k, vocab). Lazy. `processors` (processors.py) transform each draft step's logits as
+        the target's are transformed, before sampling. None for q: a point mass on each
+        guess (the drafter is deterministic)."""
+        raise NotImplementedError
+
+    def commit(self, kept: list[int], output: TargetOutput | None = None) -> None:
+        """The round emitted `kept`: the accepted draft tokens, then the target's one.
+        `output` (when `hidden_layers` asks): what the target computed for the round's
+        inputs; a round's first rows line up with `kept` after the tokens it replayed."""
+
+    def has_proposal(self) -> bool | None:
+        """Whether a round now would draft anything, when that is free to tell (prompt
+        lookup); None: unknown until proposed."""
+        return None
+
+    def catch_up(self) -> None:
+        """Take in, in one batched pass, the tokens emitted while the drafter did not run
+        (after a plain stretch)."""
+
+    def settle(self) -> None:
+        """Evaluate any state kept between replies (see Decoder.settle)."""
+
+    def cache_bytes(self) -> int:
+        """Bytes of cache the drafter holds (what the server's prompt cache counts)."""
+        return 0
+
+    def use_history(self, history) -> None:
+        """Search a history.HistoryIndex of earlier requests too (kinds with uses_history)."""
+
+
+class DrafterKind:
+    """A registry entry: one kind of drafter, named as models.toml and --drafter name it."""
+
+    name: str = ""
+    needs_model = False  # a draft model must be loaded (--draft or --draft-bits)
+    uses_history = False  # the server hands it a HistoryIndex (prompt lookup across requests)
+    max_draft: int | None = None  # the most tokens a round can draft (None: any k)
+    help = ""
+
+    @classmethod
+    def validate(cls, config) -> None:
+        """Refuse (SpecError, one line) a pair configuration this kind cannot run."""
+
+    @classmethod
+    def build(cls, pair) -> Drafter:
+        raise NotImplementedError
+
+
+def prefill_cache(
+    model,
+    cache: list,
+    tokens: list[int],
+    step: int = 2048,
+    timed: bool = False,
+    abort=None,
+    hidden: dict | None = None,
+) -> float | None:
+    """Run `tokens` through `model`, filling `cache`, in chunks that bound peak memory.
+    `abort()`, asked before each chunk, stops it with `errors.Aborted`. `hidden`: a dict
+    {layer: None} whose layers' outputs over the tokens are filled in, (len(tokens), hidden).
+
+    `timed`: the last two tokens go in one at a time, as decoding steps, and the second one's
+    wall time is returned (the first pays the one-time costs of that shape: allocation, kernel
+    compilation on Metal). None when there are too few tokens to do so."""
+    layers = tuple(hidden or ())
+    parts: dict[int, list] = {i: [] for i in layers}
+
+    def run(chunk: list[int], step: bool = False) -> None:
+        with capturing(model, layers) as got:
+            logits = model(mx.array(chunk)[None], cache=cache)
+        for i in layers:
+            parts[i].append(got[i][0])
+        # a chunk's logits are not needed (the head over 2048 rows is not free); a timed
+        # step's are, as in decoding
+        caches.eval_state(cache, *([logits] if step else []), *(got[i] for i in layers))
+
+    timed = timed and len(tokens) >= 3
+    batched = tokens[:-2] if timed else tokens
+    for start in range(0, len(batched), step):
+        if abort is not None and abort():
+            raise Aborted("stopped during the prefill")
+        run(batched[start : start + step])
+        mx.clear_cache()  # a long prompt's activations would otherwise stay in MLX's pool
+    seconds = None
+    if timed:
+        for token in tokens[-2:]:
+            start = time.perf_counter()
+            run([token], step=True)
+            seconds = time.perf_counter() - start
+    for i in layers:
+        hidden[i] = mx.concatenate(parts[i]) if parts[i] else None
+    return seconds

@@ -1,0 +1,66 @@
+"""Prompt lookup first; the draft model only in rounds where lookup finds nothing."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .base import Drafter, DrafterKind
+from .model import ModelDrafter, ModelKind
+from .ngram import NGramDrafter, NGramKind
+
+
+class LookupThenModel(Drafter):
+    """Rounds drafted by lookup skip the draft model; it catches up on their tokens (one
+    batched forward pass) the next time it drafts."""
+
+    def __init__(self, lookup: NGramDrafter, model: ModelDrafter):
+        self.lookup, self.model = lookup, model
+
+    def use_history(self, history) -> None:
+        self.lookup.use_history(history)
+
+    def reset(self) -> None:
+        self.lookup.reset()
+        self.model.reset()
+
+    def prefill(self, tokens, timed=False, output=None):
+        self.lookup.prefill(tokens)
+        return self.model.prefill(tokens, timed)  # the model's step: lookup's is free
+
+    def catch_up(self) -> None:
+        self.model.catch_up()
+
+    def propose(self, k, params, key, *, processors=()):
+        guess = self.lookup.lookup(k)
+        if guess:
+            self.steps = 0
+            return mx.array(guess, mx.uint32), None  # a point mass on each guess
+        proposal = self.model.propose(k, params, key, processors=processors)
+        self.steps = self.model.steps
+        return proposal
+
+    def settle(self) -> None:
+        self.model.settle()
+
+    def cache_bytes(self) -> int:
+        return self.model.cache_bytes()
+
+    def commit(self, kept, output=None):
+        self.lookup.commit(kept)
+        self.model.commit(kept)
+
+
+class LookupThenModelKind(DrafterKind):
+    name = "ngram+model"
+    needs_model = True
+    uses_history = True
+    help = "lookup first, the draft model when lookup finds nothing"
+
+    @classmethod
+    def validate(cls, config) -> None:
+        NGramKind.validate(config)
+        ModelKind.validate(config)
+
+    @classmethod
+    def build(cls, pair) -> LookupThenModel:
+        return LookupThenModel(NGramKind.build(pair), ModelKind.build(pair))

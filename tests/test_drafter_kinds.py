@@ -1,0 +1,166 @@
+"""Drafters as kinds: a kind from outside the package is registered, validated and lossless
+on every surface that names kinds; a drafter that reads the target's hidden states gets
+them from the verify pass itself, row for row equal to a full forward of the sequence."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+from example_kind import RepeatKind, RepeatLast
+from test_distribution import chi_square, exact_joint, first_two
+from test_greedy_equality import PROMPTS, reference
+
+from mlx_spec import (
+    Decoder,
+    PairConfig,
+    SamplingParams,
+    SpecError,
+    generate,
+    load_pair,
+    make_decoder,
+)
+from mlx_spec.cli import main
+from mlx_spec.drafters import KINDS, register
+from mlx_spec.hidden import capturing
+from mlx_spec.policies import Fixed
+
+
+@pytest.fixture(autouse=True)
+def repeat_kind():
+    register(RepeatKind)  # the one registry line
+    yield
+    KINDS.pop(RepeatKind.name)  # other modules see the package's kinds only
+
+
+def test_a_registered_kind_is_validated_where_the_config_is_built(tiny_models):
+    assert KINDS["repeat"] is RepeatKind
+    target = str(tiny_models.target)
+    config = PairConfig(target, drafter="repeat", num_draft_tokens=3)
+    assert config.speculative and config.kind is RepeatKind
+    with pytest.raises(SpecError, match="at most 4 tokens"):
+        PairConfig(target, drafter="repeat", num_draft_tokens=6)
+    with pytest.raises(SpecError, match="needs no draft model"):
+        PairConfig(target, draft=str(tiny_models.draft), drafter="repeat")
+    with pytest.raises(SpecError, match="no confidence"):
+        PairConfig(target, drafter="repeat", draft_confidence=0.5)
+    with pytest.raises(
+        SpecError, match="drafter must be one of model, ngram, ngram\\+model, repeat"
+    ):
+        PairConfig(target, drafter="nope")
+    with pytest.raises(SpecError, match="needs a draft model"):
+        PairConfig(target, drafter="model")
+
+
+@pytest.mark.parametrize("k", [2, 4, "auto"])
+def test_the_example_kind_is_lossless_greedy(tiny_models, k):
+    pair = load_pair(target=str(tiny_models.target), drafter="repeat")
+    decoder = make_decoder(pair)
+    assert isinstance(decoder.drafter, RepeatLast)
+    assert decoder.policy_for(Fixed(4) if k != "auto" else pair.config.num_draft_tokens).k_max <= 4
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        res = generate(pair, prompt, max_tokens=40, num_draft_tokens=k)
+        assert res.tokens == reference(pair, prompt, 40)
+        drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
+    if k != "auto":  # the controller may pause a draft this poor: no counts to promise
+        assert drafted > 0
+
+
+def test_the_example_kind_keeps_the_distribution(tiny_models):
+    pair = load_pair(target=str(tiny_models.small_target))
+    params = SamplingParams(temperature=1.0)
+    counts = first_two(pair, params, 2000, k=2, drafter=RepeatLast())
+    stat, threshold = chi_square(counts, exact_joint(pair, params))
+    assert stat < threshold
+
+
+def test_the_cli_offers_a_registered_kind(tiny_models, capsys):
+    common = ["generate", "--target", str(tiny_models.target), "--max-tokens", "24", "--json"]
+    assert main([*common, "--drafter", "repeat", "--num-draft-tokens", "3", "one two two"]) == 0
+    speculative = json.loads(capsys.readouterr().out)
+    assert main([*common, "--no-draft", "one two two"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert speculative["tokens"] == plain["tokens"]
+    assert speculative["stats"]["drafted"] > 0
+    assert main([*common, "--drafter", "repeat", "--num-draft-tokens", "9", "x"]) == 2
+    assert "at most 4 tokens" in capsys.readouterr().err
+
+
+class HiddenRecorder(RepeatLast):
+    """Reads layers 0 and -1 of the target; keeps every row it is handed by position."""
+
+    hidden_layers = (0, -1)
+    max_draft = None
+
+    def prefill(self, tokens, timed=False, output=None):
+        self.states = {}  # position in the sequence -> {layer: (hidden,)}
+        self.filled = 0
+        self.take(output)
+        return super().prefill(tokens, timed)
+
+    def take(self, output) -> None:
+        if output is None:  # an end-of-sequence step: nothing fed after it
+            return
+        for row in range(output.kept):
+            assert self.filled not in self.states, "a position was handed twice"
+            self.states[self.filled] = {i: output.hidden[i][row] for i in self.hidden_layers}
+            self.filled += 1
+
+    def commit(self, kept, output=None):
+        self.take(output)
+        super().commit(kept, output)
+
+
+@pytest.fixture(scope="module")
+def family_pair(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hidden")
+    configs = tiny.family_configs(320)
+
+    def get(name):
+        if name == "llama":
+            return load_pair(target=str(tiny_models.target), drafter="repeat")
+        cfg = configs[name]
+        target = tiny.write_model(
+            root / name, cfg, tiny.family_weights(cfg, 0), tiny_models.tokenizer
+        )
+        return load_pair(target=str(target), drafter="repeat")
+
+    return get
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_hidden_states_come_from_the_verify_pass(family_pair, family, k, monkeypatch):
+    """Every position of the final sequence is handed once, equal to the same layers of one
+    forward over the whole sequence; the target runs once per round (no second pass).
+    Gemma 3 slides its window across the reply; Qwen3.5 replays rejected rounds."""
+    pair = family_pair(family)
+    recorder = HiddenRecorder()
+    decoder = Decoder(pair.target, recorder, pair.tokenizer.eos_token_ids)
+    decoder.pair = pair
+    calls = []
+    model_call = type(pair.target).__call__
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return model_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(pair.target), "__call__", counted)
+    prompt = PROMPTS[1]
+    res = generate(pair, prompt, max_tokens=30, num_draft_tokens=k, decoder=decoder)
+    monkeypatch.undo()
+    sequence = decoder.sequence
+    # the cache holds all but the last token; the recorder has a row for each of them
+    assert sorted(recorder.states) == list(range(len(sequence) - 1))
+    if k == 3:  # prefill in one chunk, then one pass per round (+1: the plain last step)
+        assert len(calls) == 1 + res.stats.target_passes
+        assert res.stats.drafted > 0
+    with capturing(pair.target, recorder.hidden_layers) as full:
+        pair.target(mx.array(sequence[:-1])[None])
+    for layer in recorder.hidden_layers:
+        rows = mx.stack([recorder.states[i][layer] for i in range(len(sequence) - 1)])
+        np.testing.assert_allclose(np.array(rows), np.array(full[layer][0]), atol=2e-4, rtol=1e-3)
