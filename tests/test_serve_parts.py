@@ -259,3 +259,60 @@ def test_prefill_stops_between_chunks_and_the_decoder_recovers(pair):
     again = generate(pair, prompt, max_tokens=10, decoder=decoder)
     assert again.text == generate(pair, prompt, max_tokens=10).text
     assert again.stats.prompt_tokens_reused == 0
+
+
+def test_the_tool_grammar_continues_the_forced_head_to_the_end_of_turn(tool_tokenizer):
+    """The grammar picks up exactly where forced_prefix ends: the arguments (valid against the
+    parameters), `}`, a newline, the end tag, then only end of turn."""
+    import numpy as np
+
+    from mlx_spec.grammar import Constraint
+    from mlx_spec.serve.output import tool_grammar
+    from mlx_spec.serve.protocol import GenRequest
+
+    days = {"days": {"type": "integer", "minimum": 1, "maximum": 9}}
+    params = {"type": "object", "properties": days, "required": ["days"]}
+    at = {
+        "$defs": {"P": {"type": "object", "properties": days, "required": ["days"]}},
+        "type": "object",
+        "properties": {"when": {"$ref": "#/$defs/P"}},
+        "required": ["when"],
+    }
+    tools = [
+        {"type": "function", "function": {"name": "forecast", "parameters": params}},
+        {"type": "function", "function": {"name": "noop"}},  # no parameters: {}
+        {"type": "function", "function": {"name": "any", "parameters": {}}},  # any object
+        {"type": "function", "function": {"name": "at", "parameters": at}},  # its own $refs
+    ]
+
+    def matcher(choice):
+        req = GenRequest(kind="chat", model="m", prompt=[], max_tokens=9, tools=tools)
+        req.tool_choice = choice
+        lark = tool_grammar(tool_tokenizer, None, req)
+        return Constraint.compile(tool_tokenizer, None, grammar=lark).processor(0)
+
+    def takes(choice, text):
+        p = matcher(choice)
+        ids = tool_tokenizer.encode(text, add_special_tokens=False)
+        return p.matcher.try_consume_tokens(ids) == len(ids) and p.matcher.is_accepting(), p
+
+    named = {"type": "function", "function": {"name": "forecast"}}
+    ok, p = takes(named, '{"days": 3}}\n</tool_call>')
+    assert ok
+    assert np.flatnonzero(p.allowed_now()).tolist() == sorted(tool_tokenizer.eos_token_ids)
+    assert not takes(named, '{"days": 10}}\n</tool_call>')[0]  # outside the schema
+    assert not takes(named, '{"days": 3}}')[0]  # the call ends with its end tag
+    assert not takes(named, '{"days":3}}\n</tool_call>')[0]  # compact, as the template writes
+    two = (
+        '\n{"name": "noop", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "forecast", "arguments": {"days": 3}}\n</tool_call>'
+    )
+    assert takes("required", two)[0]
+    assert takes("required", '\n{"name": "any", "arguments": {"x": [1]}}\n</tool_call>')[0]
+    assert not takes("required", '\n{"name": "noop", "arguments": {"x": 1}}\n</tool_call>')[0]
+    assert not takes("required", '\n{"name": "any", "arguments": [1]}\n</tool_call>')[0]
+    assert not takes("required", '\n{"name": "other", "arguments": {}}\n</tool_call>')[0]
+    assert takes("required", '\n{"name": "at", "arguments": {"when": {"days": 2}}}\n</tool_call>')[
+        0
+    ]
+    assert not takes("required", '\n{"name": "at", "arguments": {"when": {}}}\n</tool_call>')[0]

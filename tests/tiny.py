@@ -409,3 +409,18 @@ def write_tool_model(root: Path, draft_errors: int = 0) -> tuple[Path, Path]:
         root / "tool_draft", cfg, {**weights, "lm_head.weight": head(wrong)}, tok_dir
     )
     return target, draft
+
+
+def write_babbling_tool_models(root: Path) -> tuple[Path, Path]:
+    """A random target with the tool-calling tokenizer and template (json_tools) and a noisy
+    copy as its draft: left alone, the arguments it writes are not JSON."""
+    from transformers import AutoTokenizer
+
+    tok_dir = root / "tool_tokenizer"
+    write_tool_tokenizer(tok_dir)
+    cfg = llama_config(len(AutoTokenizer.from_pretrained(str(tok_dir))), layers=2)
+    cfg["max_position_embeddings"] = 2048  # the tools' schemas, in bytes, are the prompt
+    weights = random_weights(cfg, seed=21)
+    target = write_model(root / "babbler", cfg, weights, tok_dir)
+    draft = write_model(root / "babbler_draft", cfg, noisy(weights, 0.05), tok_dir)
+    return target, draft

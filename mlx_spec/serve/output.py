@@ -76,6 +76,85 @@ def check_tool_choice(tokenizer, req) -> None:
         )
 
 
+# ------------------------------------------------------------------ constrained tool calls
+# tool_choice required / a named function with the JSON format: the rest of the reply after
+# forced_prefix follows a Lark grammar for llguidance (grammar.py), so the arguments are valid
+# against the function's `parameters` and the call is closed. The grammar masks the target and
+# the draft alike (speculation stays lossless) and its forced bytes are drafted for free.
+
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def tool_grammar(tokenizer, vocab: int | None, req) -> str | None:
+    """The Lark grammar for a constrained tool_choice (None when there is nothing to constrain):
+    named: the arguments object, then `}`, a newline, the end marker and end of turn;
+    required: one or more whole calls, each to one of the tools (the start marker is in the
+    prompt for the first). A parameters schema llguidance cannot compile is a 400 (tools)."""
+    if req.kind != "chat" or not req.tools or req.tool_choice in ("none", "auto"):
+        return None
+    if tool_format(tokenizer) != "json_tools":
+        return None  # other formats: the forced start only (check_tool_choice refuses a name)
+    from ..grammar import ll_tokenizer
+
+    ll = ll_tokenizer(tokenizer, vocab)
+
+    def marker(text: str) -> str:  # a special token is named by id: no text can spell it
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and ll.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return literal(text)
+
+    end = literal("}\n") + " " + marker(tokenizer.tool_call_end)
+    functions = [t["function"] for t in req.tools]
+    if isinstance(req.tool_choice, dict):
+        name = req.tool_choice["function"]["name"]
+        j = next(i for i, f in enumerate(functions) if f["name"] == name)
+        args = json_rule(ll, functions[j], j)
+        return f"start: args {end}\nargs: {args}\n"
+    rules = [f"args{j}: {json_rule(ll, f, j)}" for j, f in enumerate(functions)]
+    heads = " | ".join(f"{literal(call_head(f['name']))} args{j}" for j, f in enumerate(functions))
+    again = literal("\n") + " " + marker(tokenizer.tool_call_start)  # a call after a call
+    lines = [f"start: call ({again} call)*", f"call: ({heads}) {end}", *rules]
+    return "\n".join(lines) + "\n"
+
+
+def literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def json_rule(ll, function: dict, j: int) -> str:
+    """`%json {...}` for a function's parameters (none: no arguments; no type: an object),
+    generated compact as the JSON replies are (grammar.JSON_OPTIONS; the schema's own
+    "x-guidance" wins); checked alone first, so an error names the tool."""
+    import llguidance
+
+    from ..grammar import JSON_OPTIONS, one_line
+
+    schema = function.get("parameters")
+    schema = NO_PARAMETERS if schema is None else schema
+    if "type" not in schema:  # {} and the like: arguments are an object all the same
+        schema = {"type": "object", **schema}
+    if "x-guidance" not in schema:
+        schema = {**schema, "x-guidance": JSON_OPTIONS}
+    problem = None
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll)
+        if failed:
+            problem = one_line(messages[0])
+    except (ValueError, TypeError) as err:
+        problem = one_line(str(err))
+    if problem is not None:
+        raise ApiError(
+            400,
+            f"the parameters of tools[{j}] ({function['name']!r}) cannot be compiled to"
+            f" constrain the call: {problem}",
+            "tools",
+            "invalid_value",
+        )
+    return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
 class Output:
     """Turns text pieces (and their tokens' log-probabilities) into `Delta`s."""
 

@@ -523,6 +523,10 @@ def parse_chat(data: dict, limits: Limits) -> GenRequest:
         )
     req.chat_template_kwargs = kwargs
     req.tools, req.tool_choice = parse_tools(data)
+    if req.constraint is not None and req.tools and req.tool_choice not in ("none", "auto"):
+        # the call follows the tools' own schemas (serve/output.py tool_grammar)
+        which = "tool_choice required" if req.tool_choice == "required" else "a named tool_choice"
+        raise bad(f"response_format cannot be combined with {which}", "response_format")
     req.logprobs = chat_logprobs(data)
     req.ignored = ignored + sorted(n for n in in_messages if isinstance(n, str))
     return req

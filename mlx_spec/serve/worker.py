@@ -37,7 +37,7 @@ from ..errors import Aborted, SpecError
 from ..history import HistoryIndex
 from ..processors import make_processors
 from ..stats import Stats
-from .output import Output, check_tool_choice, forced_prefix
+from .output import Output, check_tool_choice, forced_prefix, tool_grammar
 from .protocol import ApiError, GenRequest, speculation, usage
 from .stops import StopText
 
@@ -456,6 +456,13 @@ class Engine:
                 constraint = constraint_for(pair, **req.constraint)
             except SpecError as err:
                 raise ApiError(400, str(err), "response_format", "invalid_value") from None
+        lark = tool_grammar(pair.tokenizer, pair.vocab_size, req)
+        if lark is not None:  # tool_choice required / named: the call follows the tools' schemas
+            try:
+                constraint = constraint_for(pair, grammar=lark)
+            except SpecError as err:
+                message = f"the tools cannot constrain the call: {err}"
+                raise ApiError(400, message, "tools", "invalid_value") from None
         decoder = cache.take(tokens)
         stats, stops = Stats(), StopText(req.stop)
         output = Output(pair.tokenizer, req, tokens, self.raw_reasoning)
