@@ -108,6 +108,11 @@ def add_pair_args(parser: argparse.ArgumentParser, adapter: bool = True) -> None
         choices=list(KINDS),
         help="; ".join(f"{name}: {kind.help}" for name, kind in KINDS.items()),
     )
+    g.add_argument(
+        "--head",
+        metavar="DIR",
+        help="a drafting head's directory, for the kinds that read one (see --drafter)",
+    )
     g.add_argument("--ngram-max", type=positive_int, help="longest n-gram to look up (3)")
     g.add_argument("--ngram-min", type=positive_int, help="shortest n-gram to look up (1)")
     g.add_argument(
@@ -143,8 +148,10 @@ def pair_config_from_args(args, **changes):
         raise SpecError("give --pair or --target, not both")
     if args.draft and not (args.target or args.pair):
         raise SpecError("--draft needs --target")
-    if args.no_draft and (args.draft or args.draft_bits or args.drafter):
-        raise SpecError("--no-draft cannot be combined with --draft, --draft-bits or --drafter")
+    if args.no_draft and (args.draft or args.draft_bits or args.drafter or args.head):
+        raise SpecError(
+            "--no-draft cannot be combined with --draft, --draft-bits, --drafter or --head"
+        )
     settings = {
         "num_draft_tokens": args.num_draft_tokens,
         "draft_bits": args.draft_bits,
@@ -155,6 +162,7 @@ def pair_config_from_args(args, **changes):
         "ngram_max": args.ngram_max,
         "ngram_min": args.ngram_min,
         "draft_confidence": args.draft_confidence,
+        "head": args.head,
     }
     if args.target:
         settings.update(target=args.target, draft=args.draft)

@@ -46,6 +46,7 @@ class PairConfig:
     draft_group_size: int = 32
     dtype: str | None = None  # dequantize GGUF files to this ("auto": the backend's best)
     draft_adapter: str | None = None  # a LoRA adapter directory for the draft (distill)
+    head: str | None = None  # a drafting head's directory (kinds with needs_head: MTP, EAGLE-3)
     num_draft_tokens: DraftLength = Auto()  # policies.Fixed(k) or Auto() (ints, "auto" too)
     ngram_max: int = 3  # prompt lookup's n-gram lengths
     ngram_min: int = 1
@@ -81,8 +82,14 @@ class PairConfig:
         if self.draft_adapter and not has_model:
             raise SpecError("a draft adapter needs a draft model (--draft or --draft-bits)")
         if self.drafter is None:
+            if self.head is not None:
+                raise SpecError("a head needs a drafter kind that reads it (--drafter)")
             return
         kind = drafters.kind(self.drafter)
+        if kind.needs_head and not self.head:
+            raise SpecError(f"the {self.drafter} drafter needs a head directory (--head DIR)")
+        if self.head and not kind.needs_head:
+            raise SpecError(f"the {self.drafter} drafter reads no head; drop --head")
         if kind.needs_model and not has_model:
             # asking for a draft model must not quietly become plain decoding
             raise SpecError(
@@ -115,21 +122,26 @@ class PairConfig:
     def needs_reload(self, other: PairConfig) -> bool:
         """Whether `other`'s loaded models cannot serve this configuration."""
         models = ("target", "draft", "draft_bits", "draft_group_size", "dtype", "draft_adapter")
+        models += ("head",)
         return any(getattr(self, f) != getattr(other, f) for f in models)
 
     def plain(self) -> PairConfig:
         """The target alone: plain decoding through the same loop."""
-        return self.replace(drafter=None, draft=None, draft_bits=None, draft_adapter=None)
+        return self.replace(
+            drafter=None, draft=None, draft_bits=None, draft_adapter=None, head=None
+        )
 
-    def with_drafter(self, name: str) -> PairConfig:
+    def with_drafter(self, name: str, **changes) -> PairConfig:
         """Another kind over the same models: one without a draft model drops it (and its
-        adapter); a fixed k chosen for the previous kind goes back to `auto`."""
-        changes = {"drafter": name}
-        if name != self.drafter:
-            changes["num_draft_tokens"] = Auto()
-        if not drafters.kind(name).needs_model:
-            changes.update(draft=None, draft_bits=None, draft_adapter=None)
-        return self.replace(**changes)
+        adapter), one without a head its head; a fixed k chosen for the previous kind goes
+        back to `auto`. `changes` go in the same step (the head a new kind needs)."""
+        kind = drafters.kind(name)
+        dropped = {"num_draft_tokens": Auto()} if name != self.drafter else {}
+        if not kind.needs_model:
+            dropped.update(draft=None, draft_bits=None, draft_adapter=None)
+        if not kind.needs_head:
+            dropped["head"] = None
+        return self.replace(**{**dropped, **changes, "drafter": name})
 
 
 @dataclass(frozen=True)

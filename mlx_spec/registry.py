@@ -55,8 +55,19 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairConfig:
             f'{where}: pair {name!r}: num_draft_tokens must be an integer >= 1 or "auto"'
         )
     draft = entry.get("draft")
-    draft_bits, group_size = None, 32
-    if isinstance(draft, dict):
+    draft_bits, group_size, head = None, 32, None
+    drafter = entry.get("drafter")
+    if isinstance(draft, dict) and "head" in draft:  # { head = "mtp", path = "DIR" }
+        unknown = set(draft) - {"head", "path"}
+        if unknown or not isinstance(draft["head"], str) or not isinstance(draft.get("path"), str):
+            raise SpecError(
+                f'{where}: pair {name!r}: a head draft must be {{ head = "KIND", path = "DIR" }}'
+            )
+        if drafter is not None and drafter != draft["head"]:
+            raise SpecError(f"{where}: pair {name!r}: drafter and the draft's head differ")
+        drafter, head = draft["head"], _relative_to(path, draft["path"])
+        draft = None
+    elif isinstance(draft, dict):
         if draft.get("from_target") is not True or not isinstance(draft.get("bits"), int):
             raise SpecError(
                 f"{where}: pair {name!r}: a draft table must be "
@@ -74,7 +85,6 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairConfig:
         if not isinstance(adapter, str) or not adapter:
             raise SpecError(f"{where}: pair {name!r}: draft_adapter must be a directory path")
         adapter = _relative_to(path, adapter)
-    drafter = entry.get("drafter")
     if drafter is not None and not isinstance(drafter, str):
         raise SpecError(f"{where}: pair {name!r}: drafter must be a string")
     try:
@@ -86,6 +96,7 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairConfig:
             draft_group_size=group_size,
             dtype=entry.get("dtype"),
             draft_adapter=adapter,
+            head=head,
             num_draft_tokens=raw_k,
             name=name,
             note=str(entry.get("note", "")),
@@ -97,6 +108,8 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairConfig:
 
 def _relative_to(toml_file: Path, name: str) -> str:
     """A relative adapter path in models.toml is read from the file's own folder."""
+    if name.startswith("package:"):  # inside an installed package: no folder to join
+        return name
     expanded = os.path.expanduser(name)
     return expanded if os.path.isabs(expanded) else str(toml_file.parent / expanded)
 

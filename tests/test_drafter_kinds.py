@@ -25,7 +25,7 @@ from mlx_spec import (
 )
 from mlx_spec.cli import main
 from mlx_spec.drafters import KINDS, register
-from mlx_spec.hidden import capturing
+from mlx_spec.hidden import FINAL_NORM, capturing
 from mlx_spec.policies import Fixed
 
 
@@ -91,9 +91,10 @@ def test_the_cli_offers_a_registered_kind(tiny_models, capsys):
 
 
 class HiddenRecorder(RepeatLast):
-    """Reads layers 0 and -1 of the target; keeps every row it is handed by position."""
+    """Reads layers 0 and -1 of the target and its final norm; keeps every row it is handed
+    by position."""
 
-    hidden_layers = (0, -1)
+    hidden_layers = (0, -1, FINAL_NORM)
     max_draft = None
 
     def prefill(self, tokens, timed=False, output=None):
@@ -164,3 +165,57 @@ def test_hidden_states_come_from_the_verify_pass(family_pair, family, k, monkeyp
     for layer in recorder.hidden_layers:
         rows = mx.stack([recorder.states[i][layer] for i in range(len(sequence) - 1)])
         np.testing.assert_allclose(np.array(rows), np.array(full[layer][0]), atol=2e-4, rtol=1e-3)
+
+
+class HeadKind(RepeatKind):
+    """A kind that reads a head directory (as MTP, EAGLE-3 and DFlash do)."""
+
+    name = "repeat-head"
+    needs_head = True
+
+    @classmethod
+    def load_head(cls, path, target, target_config):
+        import mlx.nn as nn
+
+        head = nn.Linear(4, 4)
+        head.load_weights(str(path / "head.safetensors"))
+        return head
+
+
+def test_a_head_kind_is_named_loaded_and_counted(tiny_models, tmp_path, monkeypatch):
+    import mlx.nn as nn
+
+    import mlx_spec.loading as loading
+
+    monkeypatch.setitem(KINDS, HeadKind.name, HeadKind)  # registered for this test only
+    target = str(tiny_models.target)
+    with pytest.raises(SpecError, match="needs a head directory"):
+        PairConfig(target, drafter="repeat-head")
+    with pytest.raises(SpecError, match="reads no head"):
+        PairConfig(target, drafter="repeat", head=str(tmp_path))
+    with pytest.raises(SpecError, match="a head needs a drafter kind"):
+        PairConfig(target, head=str(tmp_path))
+    head_dir = tmp_path / "head"
+    head_dir.mkdir()
+    nn.Linear(4, 4).save_weights(str(head_dir / "head.safetensors"))
+    with pytest.raises(SpecError, match="is not a directory"):
+        load_pair(target=target, drafter="repeat-head", head=str(tmp_path / "missing"))
+    counted = []
+    real = loading.check_memory
+    monkeypatch.setattr(loading, "check_memory", lambda *a: counted.append(a[-1]) or real(*a))
+    pair = load_pair(target=target, drafter="repeat-head", head=str(head_dir))
+    assert counted == [head_dir]  # the memory check saw the head's weights
+    assert isinstance(pair.head, nn.Linear) and pair.config.head == str(head_dir)
+    # the same models under another kind that reads no head: the head is dropped
+    assert pair.config.with_drafter("repeat").head is None
+    res = generate(pair, PROMPTS[0], max_tokens=20, num_draft_tokens=2)
+    assert res.tokens == reference(pair, PROMPTS[0], 20)
+    # models.toml names a head as the draft: { head = "KIND", path = "DIR" } beside the file
+    toml = tmp_path / "models.toml"
+    toml.write_text(
+        f'[pairs.headed]\ntarget = "{target}"\ndraft = {{ head = "repeat-head", path = "head" }}\n'
+    )
+    monkeypatch.setenv("MLX_SPEC_MODELS", str(toml))
+    config = loading.pair_config("headed")
+    assert config.drafter == "repeat-head" and config.head == str(head_dir)
+    assert loading.pair_config("headed", skip_draft=True).head is None

@@ -44,8 +44,9 @@ class Drafter:
 
     steps = 0  # draft-model forward passes the last `propose` queued (0 without a model)
     max_draft: int | None = None  # the most tokens one proposal can hold (None: any k)
-    # target layers whose outputs `prefill` and `commit` receive (-1: the last layer)
-    hidden_layers: tuple[int, ...] = ()
+    # target layers whose outputs `prefill` and `commit` receive (-1: the last layer;
+    # hidden.FINAL_NORM: the final norm's output, what the target's head reads)
+    hidden_layers: tuple = ()
 
     def prefill(
         self, tokens: list[int], timed: bool = False, output: TargetOutput | None = None
@@ -98,6 +99,7 @@ class DrafterKind:
 
     name: str = ""
     needs_model = False  # a draft model must be loaded (--draft or --draft-bits)
+    needs_head = False  # a head directory must be named (--head DIR): MTP, EAGLE-3, DFlash
     uses_history = False  # the server hands it a HistoryIndex (prompt lookup across requests)
     max_draft: int | None = None  # the most tokens a round can draft (None: any k)
     help = ""
@@ -107,7 +109,14 @@ class DrafterKind:
         """Refuse (SpecError, one line) a pair configuration this kind cannot run."""
 
     @classmethod
+    def load_head(cls, path, target, target_config: dict):
+        """A head directory -> the loaded head (an nn.Module), checked against the target;
+        called once by load_pair, which evaluates its arrays (threads.py)."""
+        raise NotImplementedError
+
+    @classmethod
     def build(cls, pair) -> Drafter:
+        """A fresh drafter over a loaded pair (its draft model, its head: `pair.head`)."""
         raise NotImplementedError
 
 
