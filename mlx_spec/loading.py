@@ -234,7 +234,8 @@ def is_downloaded(name: str) -> bool:
 
 def pair_downloaded(spec) -> bool:
     """Whether every model of a models.toml pair is on this machine (nothing to download)."""
-    return all(is_downloaded(m) for m in [spec.target] + ([spec.draft] if spec.draft else []))
+    models = [spec.target] + [m for m in (spec.draft, spec.head) if m]
+    return all(is_downloaded(m) for m in models)
 
 
 def first_vocab_difference(target_vocab: dict, draft_vocab: dict) -> str | None:

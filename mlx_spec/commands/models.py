@@ -13,6 +13,8 @@ def setup_arg_parser(parser):
 def describe_draft(spec) -> str:
     if spec.drafter == "ngram":
         return "(prompt lookup)"
+    if spec.head is not None:  # a drafting head: MTP, EAGLE-3, DFlash
+        return f"({spec.drafter} head {spec.head})"
     if spec.draft_bits is not None:
         draft = f"(target at {spec.draft_bits} bits)"
     else:
