@@ -81,6 +81,16 @@ class PairConfig:
             raise SpecError(f"dtype must be {', '.join(DTYPES[:-1])} or {DTYPES[-1]}")
         if self.draft_adapter and not has_model:
             raise SpecError("a draft adapter needs a draft model (--draft or --draft-bits)")
+        # a drafter's own settings are checked whatever the kind (a later switch may use them)
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise SpecError(
+                f"need 1 <= ngram-min <= ngram-max, got {self.ngram_min} and {self.ngram_max}"
+            )
+        c = self.draft_confidence
+        if c is not None and (
+            isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c < 1
+        ):
+            raise SpecError(f"draft-confidence must be in [0, 1), got {c}")
         if self.drafter is None:
             if self.head is not None:
                 raise SpecError("a head needs a drafter kind that reads it (--drafter)")
@@ -189,7 +199,18 @@ class GenerationConfig:
     @classmethod
     def of(cls, config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
         """`config` with keyword changes; keywords alone build one (the API's form)."""
+        if config is not None and not isinstance(config, GenerationConfig):
+            raise TypeError(
+                f"expected a GenerationConfig, got {type(config).__name__}: pass settings by "
+                "keyword (max_tokens=...)"
+            )
         unknown = set(kwargs) - {f.name for f in dataclasses.fields(cls) if f.init}
+        pair_level = unknown & {f.name for f in dataclasses.fields(PairConfig)}
+        if pair_level:
+            raise TypeError(
+                f"{', '.join(sorted(pair_level))} belongs to the pair: "
+                f"pair.configured({sorted(pair_level)[0]}=...)"
+            )
         if unknown:
             raise TypeError(f"unknown generation settings: {', '.join(sorted(unknown))}")
         if config is None:

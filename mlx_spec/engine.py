@@ -136,6 +136,9 @@ class Decoder:
         self._drafting = False
         # the target layers whose outputs the drafter reads (none: a plain forward pass)
         self.hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
+        # the target ran without handing the drafter its rows (a reply with use_draft=False):
+        # the next drafting prefill starts over, so the drafter sees every position
+        self.hidden_gap = False
 
     def policy_for(self, length: DraftLength) -> Policy:
         """The draft-length policy; a controller is kept across calls with the same choice,
@@ -189,13 +192,17 @@ class Decoder:
         stale: the next prefill starts over)."""
         cached = self.sequence[: len(self.sequence) - self.unfed]
         reuse = min(common_prefix_len(cached, prompt), len(prompt) - 1)
-        if self.stale or not caches.can_rollback(self.cache, len(cached) - reuse):
+        gap = use_draft and self.hidden_gap
+        if self.stale or gap or not caches.can_rollback(self.cache, len(cached) - reuse):
             # a recurrent state (or a window) cannot forget that much: start over
             self.cache, reuse = self._new_cache(), 0
             if self.drafter is not None:
                 self.drafter.reset()
+            self.hidden_gap = False
         else:
             caches.rollback(self.cache, len(cached) - reuse)
+        if not use_draft and self.hidden_layers:
+            self.hidden_gap = True
         self.stale = True  # until the prefill is done
         new = prompt[reuse:-1]
         hidden = dict.fromkeys(self.hidden_layers) if use_draft else None
@@ -460,8 +467,11 @@ class Decoder:
                     queued = step(current[0].reshape(1), current[0].reshape(1))
                 token = current[0].item()
                 self.sequence.append(token)
-                if token in self.eos:
-                    yield Round([], 0, 0, finished=True, plain=plain, target_token=token)
+                if token in self.eos:  # the pass that produced it was fed a token: hand its row
+                    yield Round(
+                        [], 0, 0, finished=True, plain=plain, target_token=token,
+                        target_output=current[2],
+                    )  # fmt: skip
                     return
                 yield round_of([token], token, *current[1:])
                 if not lookahead:
@@ -490,10 +500,12 @@ class Decoder:
             token = self._target_token(logits, params).item()
             self.unfed = 1
             self.sequence.append(token)
+            r = Round([token], 0, 0, plain=plain, target_token=token, target_output=output)
             if token in self.eos:
-                yield Round([], 0, 0, finished=True, plain=plain, target_token=token)
+                r.tokens, r.finished = [], True
+                yield r
                 return
-            yield Round([token], 0, 0, plain=plain, target_token=token, target_output=output)
+            yield r
             if until is not None and until():
                 return
 
@@ -670,7 +682,7 @@ def stream_rounds(
     """Generate from `pair` as `config` asks, one list of `Event`s per verify round (see
     `stream`). `decoder` (from `make_decoder`) keeps the caches across calls; `stats` is
     filled live; `abort()` is asked between prefill chunks."""
-    config = config or GenerationConfig()
+    config = GenerationConfig.of(config)
     params, seed = config.sampling, config.seed
     constraint = constraint_for(pair, config.schema, config.grammar, config.regex)
     length = config.num_draft_tokens or pair.config.num_draft_tokens

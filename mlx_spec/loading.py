@@ -55,7 +55,11 @@ class Pair:
     def configured(self, **changes) -> Pair:
         """The same loaded models under drafter settings that need no reload (draft_confidence,
         ngram_max / ngram_min, num_draft_tokens, or a kind the loaded models can serve)."""
-        config = self.config.replace(**changes)
+        drafter = changes.pop("drafter", self.config.drafter)
+        if drafter != self.config.drafter:
+            config = self.config.with_drafter(drafter, **changes)
+        else:
+            config = self.config.replace(**changes)
         if config.needs_reload(self.config):
             raise SpecError("these settings need other models: load the pair again")
         return dataclasses.replace(self, config=config)
@@ -350,7 +354,7 @@ def check_memory(
         draft = weights_bytes(target_path)
         kv *= 2
     if head_path is not None:  # a head's weights (its own KV cache is one layer's: small)
-        draft += weights_bytes(head_path)
+        draft += sum(f.stat().st_size for f in head_path.glob("*.safetensors"))
     need = target + draft + kv
     if need > available:
         gb = 1e9
@@ -480,31 +484,33 @@ def pair_config(
     """
     if name is not None and target is not None:
         raise SpecError("give a pair name or a target, not both")
+    if draft_adapter and skip_draft:  # asked for, and nothing to apply it to
+        raise SpecError("a draft adapter needs a draft model (--draft or --draft-bits)")
+    models = {"dtype": dtype or None, "head": head, "draft_bits": draft_bits}
+    models = {k: v for k, v in models.items() if v is not None}
+    if draft_adapter is not None:
+        models["draft_adapter"] = str(draft_adapter) or None
     if name is not None:
         from .registry import load_registry
 
         config = load_registry().get_pair(name)
-        if draft_bits is not None:
-            if config.draft is not None:
-                raise SpecError("give a draft model or --draft-bits, not both")
-            config = config.replace(draft_bits=draft_bits, drafter=config.drafter or "model")
-        if dtype:
-            config = config.replace(dtype=dtype)
+        if draft_bits is not None and config.draft is not None:
+            raise SpecError("give a draft model or --draft-bits, not both")
+    elif target is None:
+        raise SpecError("no target model given")
     else:
-        if target is None:
-            raise SpecError("no target model given")
-        kind = None if skip_draft else drafter
-        config = PairConfig(target, draft, kind, draft_bits, dtype=dtype, head=head)
-    if draft_adapter is not None:
-        if draft_adapter and not (config.draft or config.draft_bits) and not skip_draft:
-            raise SpecError("a draft adapter needs a draft model (--draft or --draft-bits)")
-        config = config.replace(draft_adapter=str(draft_adapter) or None)
+        kind, head = (None, None) if skip_draft else (drafter, head)
+        adapter = models.get("draft_adapter")
+        config = PairConfig(target, draft, kind, draft_bits, dtype=dtype, head=head,
+                            draft_adapter=adapter)  # fmt: skip
+        models = {}  # all given to the constructor
+    # the kind and the models it needs change in one step, checked once together
     if skip_draft:
-        config = config.plain()
+        config = config.plain().replace(**({"dtype": dtype} if dtype else {}))
     elif drafter is not None and drafter != config.drafter:
-        config = config.with_drafter(drafter, **({"head": head} if head else {}))
-    elif head is not None and head != config.head:
-        config = config.replace(head=head)
+        config = config.with_drafter(drafter, **models)
+    elif models:
+        config = config.replace(**models)
     changes = {
         "num_draft_tokens": num_draft_tokens,
         "ngram_max": ngram_max,
@@ -539,7 +545,7 @@ def load_pair(
     if not isinstance(config, PairConfig):
         config = pair_config(config, **changes)
     elif changes:
-        raise SpecError("give a PairConfig or pair settings, not both")
+        raise TypeError("give a PairConfig or pair settings, not both (config.replace(...))")
     group = group if group is not None else distributed.world()
     if group is not None and group.size() == 1:
         group = None

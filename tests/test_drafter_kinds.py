@@ -219,3 +219,48 @@ def test_a_head_kind_is_named_loaded_and_counted(tiny_models, tmp_path, monkeypa
     config = loading.pair_config("headed")
     assert config.drafter == "repeat-head" and config.head == str(head_dir)
     assert loading.pair_config("headed", skip_draft=True).head is None
+
+
+def test_hidden_states_cover_every_position_across_turns(family_pair):
+    """A turn ended by end-of-sequence in a plain step, then a turn without the draft, then a
+    drafting turn: the drafter still holds every position once, equal to one forward."""
+    pair = family_pair("llama")
+    recorder = HiddenRecorder()
+    decoder = Decoder(pair.target, recorder, pair.tokenizer.eos_token_ids)
+    decoder.pair = pair
+    eos = pair.tokenizer.eos_token_ids
+    ids = pair.tokenizer.encode(PROMPTS[0])
+    first = generate(pair, ids, max_tokens=12, num_draft_tokens=2, decoder=decoder)
+    ids = ids + first.tokens + [7, 8]
+    second = generate(pair, ids, max_tokens=6, use_draft=False, decoder=decoder)
+    ids = ids + second.tokens + [9]
+    generate(pair, ids, max_tokens=10, num_draft_tokens=3, decoder=decoder)
+    sequence = decoder.sequence
+    assert sorted(recorder.states) == list(range(len(sequence) - 1))
+    with capturing(pair.target, (0,)) as full:
+        pair.target(mx.array(sequence[:-1])[None])
+    rows = mx.stack([recorder.states[i][0] for i in range(len(sequence) - 1)])
+    np.testing.assert_allclose(np.array(rows), np.array(full[0][0]), atol=2e-4, rtol=1e-3)
+    assert eos  # the tiny tokenizer declares its end-of-sequence ids
+
+
+def test_a_plain_step_that_ends_the_reply_hands_its_row():
+    """The end-of-sequence token's pass was fed the token before it: that row is handed too
+    (a round of one plain step, no model: the Round carries the pass's output)."""
+    import mlx_spec.engine as engine
+
+    seen = []
+
+    class Target:
+        def __call__(self, x, cache=None):
+            seen.append(x.shape[1])
+            logits = mx.zeros((1, x.shape[1], 8))
+            return logits + (mx.arange(8) == 2)  # always token 2: the end of sequence
+
+    decoder = engine.Decoder.__new__(engine.Decoder)  # only the plain-step machinery
+    decoder.target, decoder.cache, decoder.recurrent = Target(), [], False
+    decoder.sequence, decoder.unfed, decoder.eos, decoder.epoch = [1, 5], 1, {2}, 0
+    decoder.hidden_layers, decoder.stale, decoder.key = (), False, mx.random.key(0)
+    rounds = list(decoder._plain_steps(4, SamplingParams()))
+    assert rounds[-1].finished and rounds[-1].target_output is not None
+    assert rounds[-1].target_output.kept == 1

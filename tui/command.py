@@ -41,7 +41,8 @@ def main(args):
             return pair_from_args(args, progress)
         # a picked pair comes with its own draft, drafter and adapter (an adapter fits the
         # draft it was trained for only); the flags' k, dtype and lookup settings stay
-        picked = dict(target=None, draft=None, draft_bits=None, drafter=None, skip_draft=False)
+        picked = dict(target=None, draft=None, draft_bits=None, drafter=None, head=None)
+        picked["skip_draft"] = False
         return pair_from_args(args, progress, name=name, draft_adapter=None, **picked)
 
     app = ChatApp(

@@ -151,10 +151,12 @@ class Bar:
 
 def main(args):
     from ..distill import distill, format_table, read_data
+    from ..drafters import KINDS
     from ..loading import NO_ADAPTER
 
-    if args.no_draft or args.drafter == "ngram":
-        raise SpecError("distill trains a draft model; drop --no-draft / --drafter ngram")
+    if args.no_draft or (args.drafter and not KINDS[args.drafter].needs_model):
+        flag = "--no-draft" if args.no_draft else f"--drafter {args.drafter}"
+        raise SpecError(f"distill trains a draft model; drop {flag}")
     settings = settings_from_args(args)
     settings.check()
     prompts = read_data(args.data, args.max_prompts, args.seed)  # bad data fails before loading

@@ -188,9 +188,10 @@ def main(args):
     from ..registry import load_registry
 
     limit = args.max_tokens_limit
-    if args.default_max_tokens is None:
-        args.default_max_tokens = min(DEFAULT_MAX_TOKENS, limit or DEFAULT_MAX_TOKENS)
-    if limit is not None and args.default_max_tokens > limit:
+    default_max = args.default_max_tokens
+    if default_max is None:
+        default_max = min(DEFAULT_MAX_TOKENS, limit or DEFAULT_MAX_TOKENS)
+    if limit is not None and default_max > limit:
         raise SpecError("--default-max-tokens must not exceed --max-tokens-limit")
     keys = [k for k in (args.api_key or [os.environ.get(API_KEY_ENV) or ""]) if k]
     if not keys and not is_loopback(args.host):
@@ -236,7 +237,7 @@ def main(args):
         shared_history=args.shared_history,
         max_body_bytes=args.max_body,
         request_timeout=args.request_timeout,
-        limits=Limits(limit, args.default_max_tokens),
+        limits=Limits(limit, default_max),
         host=args.host,
         allowed_hosts=args.allow_host,
         allowed_origins=args.allow_origin,

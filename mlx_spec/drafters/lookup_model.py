@@ -57,10 +57,5 @@ class LookupThenModelKind(DrafterKind):
     help = "lookup first, the draft model when lookup finds nothing"
 
     @classmethod
-    def validate(cls, config) -> None:
-        NGramKind.validate(config)
-        ModelKind.validate(config)
-
-    @classmethod
     def build(cls, pair) -> LookupThenModel:
         return LookupThenModel(NGramKind.build(pair), ModelKind.build(pair))

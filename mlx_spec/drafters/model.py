@@ -6,7 +6,6 @@ import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
 from .. import caches
-from ..errors import SpecError
 from ..processors import apply as apply_processors
 from ..sampling import probabilities, sample
 from .base import Drafter, DrafterKind, prefill_cache
@@ -116,20 +115,10 @@ class ModelDrafter(Drafter):
         self.ran, self.fed = False, 0
 
 
-def check_confidence(config) -> None:
-    c = config.draft_confidence
-    if c is not None and not 0 <= c < 1:
-        raise SpecError(f"draft-confidence must be in [0, 1), got {c}")
-
-
 class ModelKind(DrafterKind):
     name = "model"
     needs_model = True
     help = "the draft model"
-
-    @classmethod
-    def validate(cls, config) -> None:
-        check_confidence(config)
 
     @classmethod
     def build(cls, pair) -> ModelDrafter:

@@ -109,9 +109,5 @@ class NGramKind(DrafterKind):
     help = "prompt lookup in the context, no second model"
 
     @classmethod
-    def validate(cls, config) -> None:
-        NGramIndex(config.ngram_min, config.ngram_max)  # the bounds' one check
-
-    @classmethod
     def build(cls, pair) -> NGramDrafter:
         return NGramDrafter(pair.config.ngram_max, pair.config.ngram_min)
