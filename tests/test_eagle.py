@@ -395,3 +395,19 @@ def test_a_recurrent_target_replays_and_the_head_follows(tiny_models, tmp_path):
         return [got[i][0] for i in range(4)]
 
     check_cache(decoder, pair, layers_of, head_cfg, weights, weights["embed_tokens.weight"])
+
+
+def test_a_grammar_masks_the_heads_guesses(eagle_pair, tiny_models):
+    """Processors see the head's logits in the target's vocabulary: under a regex the
+    output equals the target's constrained output and every accepted guess is allowed."""
+    import re
+
+    plain = load_pair(target=str(tiny_models.target))
+    regex = r"[a-z ]{4,30}\."
+    for temperature in (0.0, 1.0):
+        kwargs = dict(max_tokens=30, regex=regex, temperature=temperature, seed=3)
+        res = generate(eagle_pair, PROMPTS[0], num_draft_tokens=3, **kwargs)
+        assert re.fullmatch(regex, res.text) or re.fullmatch(r"[a-z ]*", res.text)
+        if temperature == 0.0:
+            assert res.tokens == generate(plain, PROMPTS[0], **kwargs).tokens
+        assert res.stats.drafted > res.stats.forced_drafted  # the head proposed
