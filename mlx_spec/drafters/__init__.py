@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..errors import SpecError
 from .base import Drafter, DrafterKind, TargetOutput, prefill_cache
+from .eagle import EagleKind
 from .lookup_model import LookupThenModel, LookupThenModelKind
 from .model import ModelDrafter, ModelKind
 from .ngram import NGramDrafter, NGramIndex, NGramKind
@@ -33,6 +34,7 @@ def kind(name: str) -> type[DrafterKind]:
 register(ModelKind)
 register(NGramKind)
 register(LookupThenModelKind)
+register(EagleKind)
 
 __all__ = [
     "KINDS",
