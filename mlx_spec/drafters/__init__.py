@@ -11,6 +11,7 @@ from ..errors import SpecError
 from .base import Drafter, DrafterKind, TargetOutput, prefill_cache
 from .lookup_model import LookupThenModel, LookupThenModelKind
 from .model import ModelDrafter, ModelKind
+from .mtp import MTPKind
 from .ngram import NGramDrafter, NGramIndex, NGramKind
 
 KINDS: dict[str, type[DrafterKind]] = {}
@@ -33,6 +34,7 @@ def kind(name: str) -> type[DrafterKind]:
 register(ModelKind)
 register(NGramKind)
 register(LookupThenModelKind)
+register(MTPKind)
 
 __all__ = [
     "KINDS",
