@@ -26,6 +26,7 @@ COMMANDS = {
     "bench": "Benchmark against mlx-lm, plain and speculative, in one process",
     "serve": "Serve an OpenAI-compatible API on this machine, speculating",
     "distill": "Teach the draft to agree with its target on your text (a LoRA adapter)",
+    "heads": "Extract a model's own drafting head (MTP layer) from its checkpoint",
 }
 DEFAULT_PAIR = "smollm2-demo"
 # commands that time, draw or listen on one machine; under mlx.launch every rank would run its

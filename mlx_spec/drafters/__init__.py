@@ -12,6 +12,7 @@ from .base import Drafter, DrafterKind, TargetOutput, prefill_cache
 from .eagle import EagleKind
 from .lookup_model import LookupThenModel, LookupThenModelKind
 from .model import ModelDrafter, ModelKind
+from .mtp import MTPKind
 from .ngram import NGramDrafter, NGramIndex, NGramKind
 
 KINDS: dict[str, type[DrafterKind]] = {}
@@ -35,6 +36,7 @@ register(ModelKind)
 register(NGramKind)
 register(LookupThenModelKind)
 register(EagleKind)
+register(MTPKind)
 
 __all__ = [
     "KINDS",

@@ -1,0 +1,185 @@
+"""mlx-spec heads extract: a model's own MTP layer (`mtp.*` tensors) -> a head directory.
+
+Only the shards that hold `mtp.*` tensors are read (the safetensors index says which); from the
+hub, only those are downloaded. The head directory holds model.safetensors (the head's weights
+in mlx-lm's convention, quantized when asked) and config.json (the target's settings the head
+needs): name it with `--drafter mtp --head DIR` or `draft = { head = "mtp", path = "DIR" }`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from ..errors import SpecError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def setup_arg_parser(parser):
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    p = sub.add_parser("extract", help="write a model's MTP layer as a head directory")
+    p.add_argument("source", metavar="REPO_OR_DIR", help="the original checkpoint (a dir or id)")
+    p.add_argument("out", help="the head directory to write (must not exist yet)")
+    p.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8], help="quantize the head")
+    p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="with --bits")
+
+
+def mtp_name(key: str) -> str | None:
+    """`mtp.fc.weight` (or `model.mtp.fc.weight`) -> `fc.weight`; None for other tensors."""
+    if key.startswith("mtp."):
+        return key[4:]
+    at = key.find(".mtp.")
+    return key[at + 5 :] if at >= 0 else None
+
+
+def _hub(repo_id: str, patterns: list[str]) -> Path:
+    """The snapshot folder of a hub repository holding `patterns`: from the local cache, or
+    downloaded (only those files)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    def present(folder: Path) -> bool:
+        return all(any(folder.glob(p)) for p in patterns)
+
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+        if present(folder):
+            return folder
+    except HFValidationError:
+        raise SpecError(f"{repo_id} is neither a directory nor a Hugging Face id") from None
+    except Exception:  # not in the cache
+        pass
+    hint = f"download it on a connected machine with `hf download {repo_id}`"
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise SpecError(f"{repo_id} is not downloaded and HF_HUB_OFFLINE is set; {hint}")
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as err:  # network, auth, missing repo: all mean "cannot get it"
+        raise SpecError(
+            f"{repo_id} is not downloaded and the hub could not provide it "
+            f"({type(err).__name__}); {hint}"
+        ) from None
+    if not present(folder):
+        raise SpecError(f"{repo_id} has no {' or '.join(patterns)}")
+    return folder
+
+
+def _tensor_names(path: Path) -> list[str]:
+    from ..model_dir import check_safetensors
+
+    check_safetensors(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
+
+
+def locate(source: str) -> tuple[Path, dict, list[Path], list[str]]:
+    """The checkpoint's folder, config, the shards holding mtp tensors and their names."""
+    from ..loading import looks_like_path
+    from ..model_dir import json_object
+
+    path = Path(source).expanduser()
+    local = path.exists()
+    if not local and looks_like_path(source):
+        raise SpecError(f"{source} does not exist")
+    if local and not path.is_dir():
+        raise SpecError(f"{source} is not a directory")
+    folder = path if local else _hub(source, ["config.json"])
+    if not (folder / "config.json").is_file():
+        raise SpecError(f"{source} is not a model directory (it has no config.json)")
+    config = json_object(folder / "config.json", "config.json")
+    if not local:
+        try:
+            folder = _hub(source, ["config.json", INDEX])
+        except SpecError:
+            folder = _hub(source, ["config.json", SINGLE])
+    if (folder / INDEX).is_file():
+        weight_map = json_object(folder / INDEX, INDEX).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise SpecError(f"{INDEX} in {source} has no weight_map")
+        names = [k for k in weight_map if mtp_name(k) is not None]
+        files = sorted({str(weight_map[k]) for k in names})
+    elif (folder / SINGLE).is_file():
+        names = [k for k in _tensor_names(folder / SINGLE) if mtp_name(k) is not None]
+        files = [SINGLE] if names else []
+    else:
+        raise SpecError(f"{source} has no {INDEX} and no single {SINGLE}")
+    if not names:
+        raise SpecError(
+            f"{source} has no mtp.* tensors (conversions usually drop them: extract from the "
+            "original repository)"
+        )
+    if any("/" in f or f.startswith(".") for f in files):
+        raise SpecError(f"{INDEX} in {source} names a shard outside the folder")
+    if not local:
+        folder = _hub(source, ["config.json", *files])
+    shards = [folder / f for f in files]
+    missing = [f.name for f in shards if not f.is_file()]
+    if missing:
+        raise SpecError(f"{source} lacks the shard {missing[0]} that its index names")
+    return folder, config, shards, names
+
+
+def extract(source: str, out: Path, bits: int | None = None, group_size: int = 64, report=print):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from ..drafters import mtp
+    from ..model_dir import check_safetensors
+
+    folder, config, shards, names = locate(source)
+    mtp.family(config)  # a model type with no MTP layout: refused before reading weights
+    wanted, tensors, mlx_format = set(names), {}, True
+    for shard in shards:
+        check_safetensors(shard)
+        arrays, metadata = mx.load(str(shard), return_metadata=True)
+        # mlx-lm writes format "mlx" (norms already w + 1); the originals write "pt"
+        mlx_format = mlx_format and (metadata or {}).get("format") == "mlx"
+        for key in wanted & set(arrays):
+            tensors[mtp_name(key)] = arrays[key]
+    missing = wanted - {k for k in names if mtp_name(k) in tensors}
+    if missing:
+        raise SpecError(f"the shards lack {sorted(missing)[0]}, which the index names")
+    weights = mtp.head_weights(tensors, config, mtp.is_original(list(tensors), mlx_format))
+    head = mtp.MTPHead(config)
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as err:
+        raise SpecError(
+            f"the mtp tensors do not fit the {config.get('model_type')} layout: {err}"
+        ) from None
+    head_config = {
+        "head_type": mtp.HEAD_TYPE,
+        "model_type": config.get("model_type"),
+        "source": source,
+        "text_config": mtp.text_config(config),
+    }
+    if bits is not None:
+        head_config["quantization"] = mtp.quantize_head(head, bits, group_size)
+    out.mkdir(parents=True)
+    flat = dict(tree_flatten(head.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), flat, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(head_config, indent=2) + "\n")
+    report(f"read {len(names)} mtp tensors from {len(shards)} of the shards")
+    return head_config
+
+
+def main(args):
+    out = Path(args.out)
+    if out.exists():
+        raise SpecError(f"{out} already exists; choose a new directory")
+    parent = out.absolute().parent
+    for folder in (parent, *parent.parents):
+        if folder.exists():
+            if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+                raise SpecError(f"cannot write {out}: {folder} is not a writable directory")
+            break
+    start = time.perf_counter()
+    extract(args.source, out, args.bits, args.group_size)
+    size = (out / "model.safetensors").stat().st_size / 1e6
+    print(f"wrote {out} ({size:.1f} MB) in {time.perf_counter() - start:.1f}s")
+    return 0

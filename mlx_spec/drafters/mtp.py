@@ -1,0 +1,402 @@
+"""The target's own multi-token-prediction (MTP) layer as the drafter: Qwen3.5 / Qwen3.6 and
+Qwen3-Next ship one beside the model (`mtp.*` tensors, which mlx-lm drops at load).
+
+The head predicts token t+2 from the target's post-final-norm hidden state at position t and
+the embedding of token t+1 (vLLM's qwen3_next_mtp.py / qwen3_5_mtp.py):
+
+    x = fc(concat[pre_fc_norm_embedding(embed(s[t+1])), pre_fc_norm_hidden(h[t])])
+    g = norm(layer(x))          # one full-attention decoder layer of the target's family
+    logits = lm_head(g)         # the target's own embedding and head
+
+For k > 1 it runs again on its own output `g` and its own guess. Its layer keeps a KV cache of
+(h[t], s[t+1]) pairs built from the target's hidden states only: the entries a proposal adds
+from its own outputs are forgotten at commit, and the next proposal feeds the target's hidden
+states of the tokens the round kept (the verify pass computed them). A head directory is what
+`mlx-spec heads extract` writes: the `mtp.*` tensors without the prefix, in mlx-lm's
+convention (RMS norm weights w + 1, experts stacked), optionally quantized, and config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+from mlx_lm.utils import common_prefix_len
+
+from .. import caches
+from ..errors import SpecError
+from ..hidden import FINAL_NORM, decoder_stack
+from ..model_dir import text_config
+from ..processors import apply as apply_processors
+from ..sampling import probabilities, sample
+from .base import Drafter, DrafterKind
+
+HEAD_TYPE = "mtp"
+# model types whose checkpoints carry this layout, and mlx-lm's module for their layer class
+FAMILIES = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_next"}
+# RMS norms stored zero-centred ((1 + w) x) in the original checkpoints; mlx-lm adds 1
+NORMS = (
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+    "norm.weight",
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+
+
+def family(config: dict) -> str:
+    """The mlx-lm module of a config's model type, or a one-line refusal."""
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        known = ", ".join(sorted(FAMILIES))
+        raise SpecError(f"no MTP layout for model type {model_type!r} (known: {known})")
+    return FAMILIES[model_type]
+
+
+def layer_count(config: dict) -> int:
+    text = text_config(config)
+    return int(text.get("mtp_num_hidden_layers") or text.get("num_nextn_predict_layers") or 1)
+
+
+class MTPHead(nn.Module):
+    """fc over [embedding; hidden], one decoder layer of the target's family, a norm."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        module = family(config)
+        text = json.loads(json.dumps(text_config(config)))  # from_dict may edit its input
+        if module == "qwen3_5":
+            from mlx_lm.models import qwen3_5
+
+            args = qwen3_5.TextModelArgs.from_dict(text)
+            layer = qwen3_5.DecoderLayer
+        else:
+            from mlx_lm.models import qwen3_next
+
+            args = qwen3_next.ModelArgs.from_dict(text)
+            layer = qwen3_next.Qwen3NextDecoderLayer
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        # the layer index of a full-attention layer (and, in Qwen3-Next, a sparse one)
+        self.layers = [layer(args, args.full_attention_interval - 1)]
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+        self.hidden_size = hidden
+
+    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: list) -> mx.array:
+        """(1, L, H) embeddings of s[t+1] and hidden states at t -> (1, L, H) outputs."""
+        x = mx.concatenate(
+            [self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1
+        )
+        x = self.fc(x)
+        x = self.layers[0](x, mask=create_attention_mask(x, cache[0]), cache=cache[0])
+        return self.norm(x)
+
+
+# ------------------------------------------------------------------ checkpoint -> head weights
+
+
+def is_original(names, mlx_format: bool) -> bool:
+    """Whether tensors come from an original (Hugging Face) checkpoint, whose norms are
+    zero-centred: experts not yet stacked, or files not written by mlx (format "mlx")."""
+    if any(".experts.0." in n or n.endswith("experts.gate_up_proj") for n in names):
+        return True
+    return not mlx_format and not any(".switch_mlp." in n for n in names)
+
+
+def head_weights(tensors: dict, config: dict, original: bool) -> dict:
+    """`mtp.*` tensors with the prefix stripped -> the MTPHead's parameters (mlx-lm's
+    convention: norms w + 1 in an original checkpoint, experts stacked into switch_mlp)."""
+    n = layer_count(config)
+    if n != 1:
+        raise SpecError(f"this checkpoint has {n} MTP layers; only one is supported")
+    out = dict(tensors)
+    experts = int(text_config(config).get("num_experts") or 0)
+    prefix = "layers.0.mlp"
+    if f"{prefix}.experts.gate_up_proj" in out:  # Qwen3.5 MoE: fused (E, 2I, H)
+        gate_up = out.pop(f"{prefix}.experts.gate_up_proj")
+        mid = gate_up.shape[-2] // 2
+        out[f"{prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        out[f"{prefix}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(f"{prefix}.experts.down_proj")
+    elif f"{prefix}.experts.0.up_proj.weight" in out:  # Qwen3-Next: one tensor per expert
+        for name in ("up_proj", "down_proj", "gate_proj"):
+            parts = [out.pop(f"{prefix}.experts.{e}.{name}.weight") for e in range(experts)]
+            out[f"{prefix}.switch_mlp.{name}.weight"] = mx.stack(parts)
+    if original:
+        for k, v in out.items():
+            if v.ndim == 1 and (k in NORMS or any(k.endswith(s) for s in NORMS if s[0] == ".")):
+                out[k] = v + 1.0
+    return out
+
+
+def quantize_head(head: MTPHead, bits: int, group_size: int) -> dict:
+    """Quantize the head's linear layers as mlx-lm quantizes the target (MoE router gates at
+    8 bits); returns the config's `quantization` entry."""
+
+    def predicate(path, module):
+        if not hasattr(module, "to_quantized"):
+            return False
+        if module.weight.shape[-1] % group_size:
+            return False
+        if path.endswith("mlp.gate") or path.endswith("shared_expert_gate"):
+            return {"group_size": 64, "bits": 8}
+        return True
+
+    nn.quantize(head, group_size=group_size, bits=bits, class_predicate=predicate)
+    return {"group_size": group_size, "bits": bits}
+
+
+def read_head(path: Path) -> tuple[dict, dict]:
+    """A head directory's config and weights, or a one-line refusal."""
+    config_file, weights_file = path / "config.json", path / "model.safetensors"
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SpecError(
+            f"the head {path} has no config.json (write one with heads extract)"
+        ) from None
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        raise SpecError(f"the head's config.json cannot be read: {err}") from None
+    if not isinstance(config, dict) or config.get("head_type") != HEAD_TYPE:
+        raise SpecError(f"{path} is not an MTP head (config.json has no head_type 'mtp')")
+    if not weights_file.is_file():
+        raise SpecError(f"the head {path} has no model.safetensors")
+    try:
+        weights = mx.load(str(weights_file))
+    except Exception as err:  # a truncated or foreign file
+        raise SpecError(f"the head's weights cannot be read: {err}") from None
+    return config, weights
+
+
+def load_head(path: Path, target_config: dict) -> MTPHead:
+    config, weights = read_head(Path(path))
+    ours, theirs = text_config(config), text_config(target_config)
+    if FAMILIES.get(config.get("model_type"), 1) != FAMILIES.get(target_config.get("model_type")):
+        raise SpecError(
+            f"the head {path} is for a {config.get('model_type')} target, not "
+            f"{target_config.get('model_type')}"
+        )
+    for field in ("hidden_size", "vocab_size"):
+        if ours.get(field) != theirs.get(field):
+            raise SpecError(
+                f"the head's {field} ({ours.get(field)}) is not the target's ({theirs.get(field)})"
+            )
+    head = MTPHead(config)
+    quantization = config.get("quantization")
+    if quantization:
+        nn.quantize(
+            head,
+            group_size=quantization["group_size"],
+            bits=quantization["bits"],
+            class_predicate=lambda p, m: f"{p}.scales" in weights and hasattr(m, "to_quantized"),
+        )
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as err:
+        raise SpecError(f"the head's weights do not fit its config: {err}") from None
+    return head
+
+
+# ------------------------------------------------------------------------------- the drafter
+
+
+def target_parts(target):
+    """The target's token embedding and its output head (the tied embedding if it has none)."""
+    embed = decoder_stack(target).get("embed_tokens")
+    if embed is None:
+        raise SpecError(f"cannot find the embedding of this {type(target).__name__}")
+    owner = target.get("language_model", target)
+    lm_head = owner.get("lm_head") if isinstance(owner, nn.Module) else None
+    return embed, (lm_head if lm_head is not None else embed.as_linear)
+
+
+class MTPDrafter(Drafter):
+    """State between rounds: `tokens` is the sequence; the head's cache holds the pairs
+    (h[t], s[t+1]) for positions up to `end` (exclusive), and `rows` the target's hidden
+    states at positions end .. known-1 not yet fed (at least the last one, so a proposal
+    always starts from the target's own state). `target_at` is the position of the first row
+    the target's next pass hands over (its cache's length)."""
+
+    hidden_layers = (FINAL_NORM,)
+
+    def __init__(self, head: MTPHead, target, vocab: int | None = None):
+        self.head = head
+        self.embed, self.lm_head = target_parts(target)
+        self.vocab = vocab
+        self.steps = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = [KVCache()]
+        self.tokens: list[int] = []
+        self.end = 0
+        self.rows: mx.array | None = None
+        self.target_at: int | None = 0
+        self.spec = 0  # cache entries the last proposal added beyond the target's pairs
+        self.ran = False
+
+    # -------------------------------------------------------------------------- helpers
+
+    def _known(self) -> int:
+        return self.end + (0 if self.rows is None else self.rows.shape[0])
+
+    def _forget(self, n: int) -> None:
+        if n:
+            caches.rollback(self.cache, n)
+
+    def _run(self, ids, hidden: mx.array) -> mx.array:
+        """The head over pairs (hidden (L, H), token ids (L,)) -> outputs (L, H)."""
+        ids = ids if isinstance(ids, mx.array) else mx.array(ids, mx.uint32)
+        return self.head(self.embed(ids)[None], hidden[None], self.cache)[0]
+
+    def _logits(self, g: mx.array) -> mx.array:
+        logits = self.lm_head(g[None])[0]
+        if self.vocab is not None and logits.shape[-1] > self.vocab:
+            logits = logits[: self.vocab]
+        return logits
+
+    # ------------------------------------------------------------------------ protocol
+
+    def prefill(self, tokens, timed=False, output=None):
+        new = output.hidden.get(FINAL_NORM) if output is not None else None
+        fed = output.fed if output is not None else 0
+        first = len(tokens) - 1 - fed  # the position of the output's first row
+        common = common_prefix_len(self.tokens, tokens)
+        # a pair (h[t], s[t+1]) still holds while s[0..t+1] are unchanged
+        keep = min(self.end, max(common - 1, 0))
+        start = self.end - self.cache[0].offset
+        valid_old = min(self._known(), common)  # old rows stay right up to here
+        if first <= keep:
+            rows = new[keep - first :] if new is not None else None
+        elif keep == self.end and valid_old >= first:
+            old = self.rows[: first - self.end] if self.rows is not None else None
+            parts = [a for a in (old, new) if a is not None and a.shape[0]]
+            rows = mx.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else None)
+        else:  # the hidden states between are gone: the head's cache starts again at `first`
+            keep, rows, start = first, new, first + 1
+        if keep < start:  # nothing of the cache is before `keep`
+            self.cache = [KVCache()]
+        else:
+            self._forget(self.end - keep)
+        self.end, self.rows = keep, rows
+        self.tokens = list(tokens)
+        self.target_at = len(tokens) - 1
+        self.spec, self.ran = 0, False
+        seconds = 0.0
+        if timed:
+            seconds = self._time_step()
+        return seconds
+
+    def _time_step(self) -> float | None:
+        """One head step's seconds (the second of two: the first pays one-time costs)."""
+        if self.rows is None or not self.rows.shape[0]:
+            return None
+        row, token = self.rows[-1:], self.tokens[self._known()]
+        seconds = None
+        for _ in range(2):
+            start = time.perf_counter()
+            mx.eval(self._logits(self._run([token], row)[-1]))
+            seconds = time.perf_counter() - start
+        self._forget(2)
+        return seconds
+
+    def catch_up(self) -> None:
+        """Feed the rows gathered during a plain stretch, all but the last, in one pass."""
+        if self.rows is None or self.rows.shape[0] < 2:
+            return
+        m = self.rows.shape[0] - 1
+        self._run(self.tokens[self.end + 1 : self.end + m + 1], self.rows[:m])
+        caches.eval_state(self.cache)
+        self.end += m
+        self.rows = self.rows[m:]
+
+    def propose(self, k, params, key, *, processors=()):
+        self.steps, self.spec, self.ran = 0, 0, False
+        if k == 0 or self.rows is None or not self.rows.shape[0]:
+            return mx.zeros((0,), mx.uint32), None
+        known, n = self._known(), len(self.tokens)
+        # the target's pairs not yet in the cache, in one pass; its last output is at `known`
+        g = self._run(self.tokens[self.end + 1 : known + 1], self.rows)[-1]
+        self.ran, self.steps = True, 1
+        for pos in range(known + 1, n):  # tokens the target has not handed states for yet
+            g = self._run(self.tokens[pos : pos + 1], g[None])[-1]
+            self.spec += 1
+            self.steps += 1
+        keys = None if params.greedy else mx.random.split(key, k)
+        drafted, qs = [], []
+        for i in range(k):
+            logits = self._logits(g)
+            if processors:  # after the sequence + x1..xi, as the target's row i
+                so_far = mx.concatenate(drafted) if drafted else []
+                logits = apply_processors(processors, self.tokens, so_far, logits)
+            if params.greedy:
+                y = mx.argmax(logits, axis=-1, keepdims=True)
+            else:
+                q = probabilities(logits, params)
+                y = sample(q, keys[i])[None]
+                qs.append(q)
+            drafted.append(y)
+            if i < k - 1:
+                g = self._run(y, g[None])[-1]
+                self.spec += 1
+                self.steps += 1
+            mx.async_eval(y)  # the device starts while Python builds the next step
+        return mx.concatenate(drafted), (mx.stack(qs) if qs else None)
+
+    def commit(self, kept, output=None):
+        before = len(self.tokens)
+        if self.ran:  # keep the target's pairs but the last (its row stays pending)
+            fed = self.rows.shape[0]
+            self._forget(self.spec + 1)
+            self.end += fed - 1
+            self.rows = self.rows[-1:]
+        self.ran, self.spec = False, 0
+        self.tokens += kept
+        if output is None or self.target_at is None:
+            self.target_at = None  # unknown until the next prefill
+            return
+        first = self.target_at
+        # rows of tokens now in the sequence: the unfed ones and the accepted drafts. A
+        # recurrent target that went back (output.kept = 0) computed them right all the same
+        valid = before - first + len(kept) - 1
+        have = self._known() - first
+        hidden = output.hidden.get(FINAL_NORM)
+        if hidden is not None and valid > have >= 0:
+            new = hidden[have:valid]
+            self.rows = new if self.rows is None else mx.concatenate([self.rows, new])
+        self.target_at = first + output.kept
+
+    def settle(self) -> None:
+        caches.eval_state(self.cache, *([self.rows] if self.rows is not None else []))
+
+    def cache_bytes(self) -> int:
+        rows = self.rows.nbytes if self.rows is not None else 0
+        return caches.nbytes(self.cache) + rows
+
+
+class MTPKind(DrafterKind):
+    name = "mtp"
+    needs_head = True
+    help = "the target's own multi-token-prediction layer (--head DIR: mlx-spec heads extract)"
+
+    @classmethod
+    def validate(cls, config) -> None:
+        if config.draft_confidence is not None:
+            raise SpecError("the mtp drafter has no draft-confidence setting")
+
+    @classmethod
+    def load_head(cls, path, target, target_config: dict) -> MTPHead:
+        return load_head(Path(path), target_config)
+
+    @classmethod
+    def build(cls, pair) -> MTPDrafter:
+        return MTPDrafter(pair.head, pair.target, pair.vocab_size)

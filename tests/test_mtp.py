@@ -1,0 +1,290 @@
+"""The MTP drafter (drafters/mtp.py) and `mlx-spec heads extract`, on tiny Qwen3.5 checkpoints
+written in the original layout: shards + index, `model.language_model.*` names, conv1d in
+(C, 1, K), zero-centred norms, and `mtp.*` tensors of random weights beside the model."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+from mlx.utils import tree_flatten
+from test_distribution import chi_square, exact_joint, first_two
+from test_greedy_equality import reference
+
+from mlx_spec import SamplingParams, generate, load_pair, make_decoder
+from mlx_spec.cli import main as cli_main
+from mlx_spec.commands.heads import locate
+from mlx_spec.drafters import mtp
+from mlx_spec.hidden import FINAL_NORM, capturing
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of"]
+MLX_NORMS = (  # the target's norms mlx-lm shifts by one when it reads an original checkpoint
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+
+
+def qwen35_config(vocab: int) -> dict:
+    flat = tiny.family_configs(vocab)["qwen3_5"]
+    text = {k: v for k, v in flat.items() if k not in ("model_type", "eos_token_id")}
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": False,
+        "eos_token_id": 2,
+        "text_config": {**text, "model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1},
+    }
+
+
+OUTPUTS = ("out_proj.weight", "o_proj.weight", "down_proj.weight")
+
+
+def original_checkpoint(
+    path, vocab: int, tokenizer, seed: int = 0, head_scale: float = 4.0, agree=None
+):
+    """A Qwen3.5 checkpoint as the Hugging Face repositories ship it; returns its mtp tensors.
+
+    `agree` (a noise level): a head that predicts well. The target's layers are damped so it
+    is nearly a bigram model (its hidden state at t+1 ~ final_norm(embed(s[t+1]))), and the
+    head computes just that: fc takes the embedding half, its layer adds nothing (its output
+    projections are zero; its attention still fills the cache), mtp.norm is the final norm.
+    Noise on fc makes it wrong some of the time."""
+    config = qwen35_config(vocab)
+    weights = tiny.family_weights(config, seed=seed, head_scale=head_scale)
+    if agree is not None:
+        for k, v in weights.items():
+            if k.startswith("language_model.model.layers.") and k.endswith(OUTPUTS):
+                weights[k] = v * 0.05
+    hf = {}
+    for k, v in weights.items():
+        if k.startswith("language_model.model."):
+            name = "model.language_model." + k.removeprefix("language_model.model.")
+        else:
+            name = k.removeprefix("language_model.")  # lm_head.weight
+        if "conv1d.weight" in k:
+            v = v.moveaxis(2, 1)  # (C, K, 1) -> the original (C, 1, K)
+        if v.ndim == 1 and name.endswith(MLX_NORMS):
+            v = v - 1.0  # zero-centred: (1 + w) x
+        hf[name] = v
+    mx.random.seed(seed + 100)
+    head = dict(tree_flatten(mtp.MTPHead(config).parameters()))
+    for k, v in head.items():
+        if v.ndim == 1:  # norms: zero-centred in the file, not all zero
+            head[k] = 0.1 * mx.random.normal(v.shape)
+    if agree is not None:
+        hidden = config["text_config"]["hidden_size"]
+        eye = mx.concatenate([mx.eye(hidden), mx.zeros((hidden, hidden))], axis=1)
+        head["fc.weight"] = eye + agree * mx.random.normal(eye.shape)
+        head["pre_fc_norm_embedding.weight"] = mx.zeros((hidden,))  # (1 + 0) x
+        head["norm.weight"] = weights["language_model.model.norm.weight"] - 1.0
+        for k in head:
+            if k.endswith(OUTPUTS):
+                head[k] = mx.zeros_like(head[k])
+    hf.update({"mtp." + k: v.astype(mx.float32) for k, v in head.items()})
+    names = sorted(hf)
+    shards = {  # the model over two shards; the mtp tensors in a third and in the second
+        "model-00001-of-00003.safetensors": [n for n in names if "layers.0." in n[:30]],
+        "model-00003-of-00003.safetensors": [n for n in names if n.startswith("mtp.layers")],
+    }
+    placed = {n for ns in shards.values() for n in ns}
+    shards["model-00002-of-00003.safetensors"] = [n for n in names if n not in placed]
+    path.mkdir(parents=True)
+    weight_map = {}
+    for file, keys in shards.items():
+        mx.save_safetensors(str(path / file), {k: hf[k] for k in keys}, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys, file))
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (path / "config.json").write_text(json.dumps(config))
+    for f in tokenizer.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (path / f.name).write_bytes(f.read_bytes())
+    return {k: v for k, v in hf.items() if k.startswith("mtp.")}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_models, tmp_path_factory):
+    """A head that agrees with its target often (mixed rounds: full, partial, rejected)."""
+    root = tmp_path_factory.mktemp("mtp")
+    tensors = original_checkpoint(root / "qwen35", 320, tiny_models.tokenizer, agree=0.0)
+    assert cli_main(["heads", "extract", str(root / "qwen35"), str(root / "head")]) == 0
+    return root / "qwen35", root / "head", tensors
+
+
+@pytest.fixture(scope="module")
+def mtp_pair(checkpoint):
+    target, head, _ = checkpoint
+    return load_pair(target=str(target), drafter="mtp", head=str(head))
+
+
+@pytest.fixture(scope="module")
+def random_pair(tiny_models, tmp_path_factory):
+    """Random head weights: nearly every round is rejected."""
+    root = tmp_path_factory.mktemp("mtp_random")
+    original_checkpoint(root / "qwen35", 320, tiny_models.tokenizer, seed=1)
+    assert cli_main(["heads", "extract", str(root / "qwen35"), str(root / "head")]) == 0
+    return load_pair(target=str(root / "qwen35"), drafter="mtp", head=str(root / "head"))
+
+
+def test_extract_reads_only_the_mtp_shards_and_keeps_the_tensors(checkpoint):
+    target, head, tensors = checkpoint
+    _, _, shards, names = locate(str(target))
+    assert [s.name for s in shards] == [
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+    ]
+    assert sorted(names) == sorted(tensors)
+    config = json.loads((head / "config.json").read_text())
+    assert config["head_type"] == "mtp" and config["model_type"] == "qwen3_5"
+    saved = mx.load(str(head / "model.safetensors"))
+    assert sorted(saved) == sorted(k.removeprefix("mtp.") for k in tensors)
+    for k, v in tensors.items():
+        shift = 1.0 if v.ndim == 1 else 0.0  # norms in mlx-lm's convention: w + 1
+        assert mx.array_equal(saved[k.removeprefix("mtp.")], v + shift), k
+
+
+def test_the_target_still_loads_and_the_head_reads_its_final_norm(mtp_pair):
+    """mlx-lm drops mtp.* at load; the head is the kind's, and hidden states are the
+    final norm's output (what the target's lm_head reads)."""
+    assert isinstance(mtp_pair.head, mtp.MTPHead)
+    ids = mx.array([[5, 9, 3, 12]])
+    with capturing(mtp_pair.target, (FINAL_NORM,)) as got:
+        logits = mtp_pair.target(ids)
+    _, lm_head = mtp.target_parts(mtp_pair.target)
+    assert mx.allclose(lm_head(got[FINAL_NORM]), logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 3, "auto"])
+@pytest.mark.parametrize("which", ["mtp_pair", "random_pair"])
+def test_greedy_equals_the_target_alone(request, which, k):
+    pair = request.getfixturevalue(which)
+    for prompt in PROMPTS:
+        expected = reference(pair, prompt, 24)
+        res = generate(pair, prompt, max_tokens=24, num_draft_tokens=k)
+        assert res.tokens == expected, prompt
+        assert res.stats.drafted > 0
+        assert res.stats.accepted == sum(res.accepted)
+
+
+def test_a_head_that_predicts_well_is_accepted(mtp_pair, random_pair):
+    good = generate(mtp_pair, PROMPTS[0], max_tokens=32, num_draft_tokens=3).stats
+    bad = generate(random_pair, PROMPTS[0], max_tokens=32, num_draft_tokens=3).stats
+    print(f"acceptance: agreeing head {good.acceptance_rate:.2f}, random {bad.acceptance_rate:.2f}")
+    assert good.acceptance_rate > 0.5 > 0.1 > bad.acceptance_rate
+    assert good.target_passes < bad.target_passes
+
+
+def test_generate_from_the_cli(checkpoint, mtp_pair, capsys):
+    target, head, _ = checkpoint
+    argv = ["generate", "--target", str(target), "--drafter", "mtp", "--head", str(head)]
+    argv += ["--temp", "0", "--max-tokens", "16", "--num-draft-tokens", "3", "--json", "--raw"]
+    assert cli_main([*argv, PROMPTS[0]]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == reference(mtp_pair, PROMPTS[0], 16)
+    assert out["stats"]["drafted"] > 0
+
+
+def fresh_keys(pair, tokens: list[int], pairs: int) -> mx.array:
+    """The head's keys for the pairs (h[t], s[t+1]), t < pairs, from one full target forward."""
+    with capturing(pair.target, (FINAL_NORM,)) as got:
+        pair.target(mx.array([tokens]))
+    embed, _ = mtp.target_parts(pair.target)
+    cache = [mtp.KVCache()]
+    ids = mx.array(tokens[1 : pairs + 1])
+    pair.head(embed(ids)[None], got[FINAL_NORM][:, :pairs], cache)
+    return cache[0].keys[..., :pairs, :], got[FINAL_NORM][0]
+
+
+@pytest.mark.parametrize("which", ["mtp_pair", "random_pair"])
+def test_the_head_cache_stays_consistent_through_rejections(request, which):
+    """Rejected rounds make the recurrent target replay (TargetOutput.kept = 0). The head's
+    cache must then hold exactly the pairs a fresh run over the sequence gives."""
+    mtp_pair = request.getfixturevalue(which)
+    decoder = make_decoder(mtp_pair)
+    res = generate(mtp_pair, PROMPTS[1], max_tokens=30, num_draft_tokens=4, decoder=decoder)
+    assert res.stats.drafted > res.stats.accepted  # rejections happened
+    assert res.stats.replayed_tokens > 0  # the target went back and replayed
+    drafter = decoder.drafter
+    sequence = decoder.sequence
+    assert drafter.tokens == sequence
+    assert drafter.end + drafter.rows.shape[0] == len(sequence) - 1  # every hidden but the last
+    keys, hidden = fresh_keys(mtp_pair, sequence, drafter.end)
+    assert drafter.cache[0].offset == drafter.end
+    assert mx.allclose(drafter.cache[0].keys[..., : drafter.end, :], keys, atol=1e-4)
+    assert mx.allclose(drafter.rows, hidden[drafter.end : len(sequence) - 1], atol=1e-4)
+    # a follow-up turn continues from these caches and still matches the target alone
+    ids = sequence + [7, 8]
+    again = generate(mtp_pair, ids, max_tokens=16, num_draft_tokens=3, decoder=decoder)
+    assert again.tokens == reference(mtp_pair, ids, 16)
+
+
+def test_sampled_drafts_keep_the_targets_distribution(tiny_models, tmp_path):
+    """Temperature 1 on a 16-token vocabulary: (t1, t2) counts against the exact joint."""
+    original_checkpoint(
+        tmp_path / "small", 16, tiny_models.tokenizer, seed=3, head_scale=2.0, agree=0.0
+    )
+    assert cli_main(["heads", "extract", str(tmp_path / "small"), str(tmp_path / "head")]) == 0
+    pair = load_pair(target=str(tmp_path / "small"), drafter="mtp", head=str(tmp_path / "head"))
+    params = SamplingParams(temperature=1.0)
+    drafter = mtp.MTPDrafter(pair.head, pair.target, 16)
+    counts = first_two(pair, params, runs=300, k=2, drafter=drafter)
+    stat, threshold = chi_square(counts, exact_joint(pair, params))
+    print(f"chi-square {stat:.1f} (99.9% threshold {threshold:.1f})")
+    assert stat < threshold
+
+
+def test_a_quantized_head(checkpoint, tmp_path):
+    target, _, _ = checkpoint
+    out = tmp_path / "q4"
+    assert cli_main(["heads", "extract", str(target), str(out), "--bits", "4"]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
+    pair = load_pair(target=str(target), drafter="mtp", head=str(out))
+    res = generate(pair, PROMPTS[2], max_tokens=12, num_draft_tokens=2)
+    assert res.tokens == reference(pair, PROMPTS[2], 12)
+
+
+def one_line(capsys, *argv) -> str:
+    assert cli_main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+def test_bad_input_gets_one_line(checkpoint, tiny_models, tmp_path, capsys):
+    target, head, _ = checkpoint
+    out = tmp_path / "out"
+    assert "does not exist" in one_line(capsys, "heads", "extract", tmp_path / "nope", out)
+    # a conversion without mtp tensors (the tiny llama), and a directory without weights
+    assert "no mtp.* tensors" in one_line(capsys, "heads", "extract", tiny_models.target, out)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert "no config.json" in one_line(capsys, "heads", "extract", bare, out)
+    (bare / "config.json").write_text('{"model_type": "qwen3_5"}')
+    assert "no model.safetensors" in one_line(capsys, "heads", "extract", bare, out)
+    err = one_line(capsys, "heads", "extract", "nobody/not-downloaded", out)
+    assert "not downloaded" in err
+    assert "already exists" in one_line(capsys, "heads", "extract", target, head)
+    assert not out.exists()
+    # a head that is not for this target, and --drafter mtp without a head
+    err = one_line(capsys, "generate", "--target", tiny_models.target, "--drafter", "mtp",
+                   "--head", head, "hi")  # fmt: skip
+    assert "for a qwen3_5 target, not llama" in err
+    err = one_line(capsys, "generate", "--target", target, "--drafter", "mtp", "hi")
+    assert "--head" in err
+
+
+def test_head_directory_checks(checkpoint, tmp_path):
+    target, head, _ = checkpoint
+    config = json.loads((target / "config.json").read_text())
+    with pytest.raises(mtp.SpecError, match="not an MTP head"):
+        mtp.load_head(target, config)
+    other = dict(config, text_config={**config["text_config"], "vocab_size": 999})
+    with pytest.raises(mtp.SpecError, match="vocab_size"):
+        mtp.load_head(head, other)
+    assert np.isfinite(float(mtp.load_head(head, config).fc.weight.sum()))
