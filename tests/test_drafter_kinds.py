@@ -48,7 +48,7 @@ def test_a_registered_kind_is_validated_where_the_config_is_built(tiny_models):
     with pytest.raises(SpecError, match="no confidence"):
         PairConfig(target, drafter="repeat", draft_confidence=0.5)
     with pytest.raises(
-        SpecError, match="drafter must be one of model, ngram, ngram\\+model, repeat"
+        SpecError, match="drafter must be one of model, ngram, ngram\\+model, .*repeat"
     ):
         PairConfig(target, drafter="nope")
     with pytest.raises(SpecError, match="needs a draft model"):

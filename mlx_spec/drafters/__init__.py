@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..errors import SpecError
 from .base import Drafter, DrafterKind, TargetOutput, prefill_cache
+from .dflash import DFlashDrafter, DFlashKind
 from .lookup_model import LookupThenModel, LookupThenModelKind
 from .model import ModelDrafter, ModelKind
 from .ngram import NGramDrafter, NGramIndex, NGramKind
@@ -33,9 +34,11 @@ def kind(name: str) -> type[DrafterKind]:
 register(ModelKind)
 register(NGramKind)
 register(LookupThenModelKind)
+register(DFlashKind)
 
 __all__ = [
     "KINDS",
+    "DFlashDrafter",
     "Drafter",
     "DrafterKind",
     "LookupThenModel",
