@@ -350,7 +350,8 @@ def _read_head_config(path: Path) -> dict:
 def load_head(path: Path, target, target_config: dict) -> DFlashHead:
     """A z-lab DFlash directory -> the head, checked against the target (one-line errors)."""
     path = Path(path)
-    args = DFlashArgs(_read_head_config(path))
+    config = _read_head_config(path)
+    args = DFlashArgs(config)
     if args.block_size < 2:
         raise SpecError(f"a DFlash block must hold at least 2 tokens, got {args.block_size}")
     depth = len(layer_list(target))
@@ -382,7 +383,7 @@ def load_head(path: Path, target, target_config: dict) -> DFlashHead:
         except Exception as err:  # noqa: BLE001 - mlx raises bare RuntimeErrors
             raise SpecError(f"cannot read {f.name}: {err}") from None
     head = DFlashHead(args)
-    quant = _read_head_config(path).get("quantization")
+    quant = config.get("quantization")
     if isinstance(quant, dict):  # an mlx conversion: quantize what the checkpoint quantized
         nn.quantize(
             head,
