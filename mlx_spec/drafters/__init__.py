@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..errors import SpecError
 from .base import Drafter, DrafterKind, TargetOutput, prefill_cache
+from .dflash import DFlashDrafter, DFlashKind
 from .eagle import EagleKind
 from .lookup_model import LookupThenModel, LookupThenModelKind
 from .model import ModelDrafter, ModelKind
@@ -37,9 +38,11 @@ register(NGramKind)
 register(LookupThenModelKind)
 register(EagleKind)
 register(MTPKind)
+register(DFlashKind)
 
 __all__ = [
     "KINDS",
+    "DFlashDrafter",
     "Drafter",
     "DrafterKind",
     "LookupThenModel",

@@ -1,0 +1,417 @@
+"""DFlash block drafters (z-lab): one forward drafts a whole block from the target's features.
+
+A DFlash head (https://github.com/z-lab/dflash, checkpoints in the hub collection z-lab/dflash)
+is a few decoder layers with no embedding and no output head of their own: they use the
+target's. Its context is the target's hidden states at `dflash_config.target_layer_ids` (each
+id a layer's output, 0-based, as `hidden_states[id + 1]` in transformers), concatenated in that
+order, projected by `fc` and normed by `hidden_norm`. Each attention layer projects those
+context features to keys and values (kept in a cache: they depend on the features only, not on
+the layer's input), and its queries — the block `[last token, mask × (block_size - 1)]`,
+embedded by the target — attend to the whole context and to the block itself, non-causally.
+The final `norm` and the target's head turn block row i >= 1 into the guess for the token i
+places after the last one: the whole block in one forward. The weights are named as z-lab
+publishes them (`fc`, `hidden_norm`, `layers.N.self_attn.{q,k,v,o}_proj`, `q_norm`, `k_norm`,
+`layers.N.mlp.{gate,up,down}_proj`, the two layer norms, `norm`); config.json is a Qwen3
+config with `block_size`, `num_target_layers` and `dflash_config = {target_layer_ids,
+mask_token_id}`. This follows z-lab's `dflash/model_mlx.py` (and its `model.py`).
+
+The block is always the checkpoint's `block_size` (what the head was trained on: a shorter block
+changes what the non-causal attention sees); the controller chooses how many of its guesses the
+target verifies (`propose(k)` returns the first k). Guesses are drawn per position from the
+processed, transformed logits: q at position i is the distribution its token was drawn from,
+so rejection sampling stays exact even though the head does not condition position i on the
+tokens drawn before it. Processors (penalties, the grammar mask) run position by position with
+the block's earlier guesses as `proposed`, as in a model draft, so a grammar is handled too
+(a host sync per drafted position under one, as for a draft model).
+
+The context cache holds the projected features of every token of the sequence but the last,
+at its position: rows come from the prefill and each verify or plain pass (`TargetOutput`), only
+the `kept` ones, which always end just before the sequence's last token. A rejected round on a
+recurrent target hands none (its next pass replays the tokens and hands them then); a stretch
+where the drafter saw nothing (a reply decoded without it) leaves a gap, which costs guesses,
+never exactness.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3 import MLP
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .. import caches
+from ..errors import SpecError
+from ..hidden import decoder_stack, layer_list
+from ..model_dir import text_config
+from ..processors import apply as apply_processors
+from ..sampling import probabilities, sample
+from .base import Drafter, DrafterKind
+
+
+class DFlashArgs:
+    """The fields of a z-lab DFlash config.json the forward needs."""
+
+    def __init__(self, cfg: dict):
+        dflash = cfg.get("dflash_config") or {}
+        try:
+            self.hidden_size = int(cfg["hidden_size"])
+            self.num_hidden_layers = int(cfg["num_hidden_layers"])
+            self.num_attention_heads = int(cfg["num_attention_heads"])
+            self.num_key_value_heads = int(
+                cfg.get("num_key_value_heads") or self.num_attention_heads
+            )
+            self.head_dim = int(cfg.get("head_dim") or self.hidden_size // self.num_attention_heads)
+            self.intermediate_size = int(cfg["intermediate_size"])
+            self.rms_norm_eps = float(cfg.get("rms_norm_eps", 1e-6))
+            self.block_size = int(cfg.get("block_size") or dflash["block_size"])
+            if "mask_token_id" not in dflash:
+                raise KeyError("dflash_config.mask_token_id")
+            self.mask_token_id = dflash["mask_token_id"]
+        except KeyError as err:
+            raise SpecError(f"the DFlash config.json has no {err.args[0]}") from None
+        except (TypeError, ValueError, ZeroDivisionError) as err:
+            raise SpecError(f"the DFlash config.json has a bad field: {err}") from None
+        ids = dflash.get("target_layer_ids")
+        if ids is None and "num_target_layers" in cfg:  # z-lab's default spread
+            ids = default_layer_ids(int(cfg["num_target_layers"]), self.num_hidden_layers)
+        if not isinstance(ids, list) or not ids:
+            raise SpecError("the DFlash config.json has no dflash_config.target_layer_ids")
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+            raise SpecError(f"DFlash target_layer_ids must be integers, got {ids}")
+        if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int):
+            raise SpecError(f"DFlash mask_token_id must be an integer, got {self.mask_token_id!r}")
+        self.target_layer_ids = tuple(ids)
+        self.attention_bias = bool(cfg.get("attention_bias", False))
+        rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope settings here
+        self.rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = rope
+        self.rope_scaling = scaling
+        self.max_position_embeddings = cfg.get("max_position_embeddings")
+
+
+def default_layer_ids(target_layers: int, draft_layers: int) -> list[int]:
+    """z-lab's `build_target_layer_ids`: the layers a head reads when its config names none."""
+    if draft_layers == 1:
+        return [target_layers // 2]
+    start, end = 1, target_layers - 3
+    return [round(start + i * (end - start) / (draft_layers - 1)) for i in range(draft_layers)]
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, args: DFlashArgs):
+        super().__init__()
+        dim, d = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.scale = d**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * d, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * d, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
+
+    def keys_values(self, x: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
+        """(1, L, dim) -> keys (rotated to positions offset..) and values, (1, kv, L, d)."""
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return rope(k, offset=offset), v
+
+    def __call__(self, x: mx.array, rope, offset: int, cache: KVCache) -> mx.array:
+        """The block x (1, L, dim) at positions offset.. over the cached context, unmasked."""
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = rope(q, offset=offset)
+        keys, values = self.keys_values(x, rope, offset)
+        if cache.offset:
+            ctx_k, ctx_v = cache.keys_and_values()
+            keys = mx.concatenate([ctx_k, keys], axis=2)
+            values = mx.concatenate([ctx_v, values], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, args: DFlashArgs):
+        super().__init__()
+        self.self_attn = DFlashAttention(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x, rope, offset, cache):
+        h = x + self.self_attn(self.input_layernorm(x), rope, offset, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashHead(nn.Module):
+    """The head's own weights (no embedding, no output head: the target's are used)."""
+
+    def __init__(self, args: DFlashArgs):
+        super().__init__()
+        self.args = args
+        n = len(args.target_layer_ids)
+        self.fc = nn.Linear(n * args.hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.layers = [DFlashLayer(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self._rope = initialize_rope(
+            args.head_dim,
+            args.rope_theta,
+            False,
+            args.rope_scaling,
+            args.max_position_embeddings,
+        )
+
+    def add_context(self, features: mx.array, offset: int, cache: list[KVCache]) -> None:
+        """The target's concatenated features (rows, n * hidden) of positions offset.. into
+        every layer's context cache."""
+        ctx = self.hidden_norm(self.fc(features))[None]
+        for layer, c in zip(self.layers, cache, strict=True):
+            c.update_and_fetch(*layer.self_attn.keys_values(ctx, self._rope, offset))
+
+    def __call__(self, x: mx.array, offset: int, cache: list[KVCache]) -> mx.array:
+        """The embedded block (1, L, hidden) at positions offset.. -> normed hidden states."""
+        for layer, c in zip(self.layers, cache, strict=True):
+            x = layer(x, self._rope, offset, c)
+        return self.norm(x)
+
+
+def target_io(target):
+    """The target's token embedding and output head, as the DFlash reference binds them."""
+    stack = decoder_stack(target)
+    embed = stack.get("embed_tokens")
+    if not isinstance(embed, nn.Module):
+        raise SpecError(f"this {type(target).__name__} has no embed_tokens for a DFlash head")
+    for node in (target, target.get("language_model")):
+        if isinstance(node, nn.Module) and isinstance(node.get("lm_head"), nn.Module):
+            return embed, node["lm_head"]
+    return embed, embed.as_linear  # tied embeddings
+
+
+class DFlashDrafter(Drafter):
+    """Drafts `block_size - 1` tokens in one forward of the head; see the module's notes."""
+
+    def __init__(self, head: DFlashHead, target, block_size: int | None = None):
+        self.head = head
+        self.embed, self.lm_head = target_io(target)
+        self.block_size = block_size or head.args.block_size
+        if self.block_size < 2:
+            raise SpecError(f"a DFlash block must hold at least 2 tokens, got {self.block_size}")
+        self.max_draft = self.block_size - 1
+        self.hidden_layers = head.args.target_layer_ids
+        self.mask = head.args.mask_token_id
+        self.steps = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = [KVCache() for _ in self.head.layers]
+        self.spans: list[list[int]] = []  # [first position, rows] of the cached context
+        self.pending: list[tuple[int, mx.array]] = []  # (first position, features) to add
+        self.tokens: list[int] = []  # the sequence as the drafter knows it
+
+    # ------------------------------------------------------------------ the context
+
+    def _end(self) -> int:
+        """The position after the last context row, cached or pending."""
+        if self.pending:
+            start, rows = self.pending[-1]
+            return start + rows.shape[0]
+        return self.spans[-1][0] + self.spans[-1][1] if self.spans else 0
+
+    def _cut(self, position: int) -> None:
+        """Forget the context rows at `position` and after."""
+        while self.pending and self.pending[-1][0] >= position:
+            self.pending.pop()
+        if self.pending:
+            start, rows = self.pending[-1]
+            if start + rows.shape[0] > position:
+                self.pending[-1] = (start, rows[: position - start])
+            return
+        drop = 0
+        while self.spans and self.spans[-1][0] >= position:
+            drop += self.spans.pop()[1]
+        if self.spans and sum(self.spans[-1]) > position:
+            drop += sum(self.spans[-1]) - position
+            self.spans[-1][1] = position - self.spans[-1][0]
+        if drop:
+            for c in self.cache:
+                c.trim(drop)
+
+    def _take(self, output) -> None:
+        """The target's `kept` rows: the tokens just before the sequence's last one."""
+        if output is None or not output.kept:
+            return
+        rows = mx.concatenate([output.hidden[i][: output.kept] for i in self.hidden_layers], -1)
+        start = len(self.tokens) - 1 - output.kept
+        self._cut(start)
+        if self.pending and self._end() == start:  # contiguous: one pass adds them all
+            first, before = self.pending[-1]
+            self.pending[-1] = (first, mx.concatenate([before, rows]))
+        else:
+            self.pending.append((start, rows))
+
+    def _flush(self) -> None:
+        """Project the pending rows into the context cache (one pass per contiguous run)."""
+        for start, rows in self.pending:
+            self.head.add_context(rows, start, self.cache)
+            if self.spans and sum(self.spans[-1]) == start:
+                self.spans[-1][1] += rows.shape[0]
+            else:
+                self.spans.append([start, rows.shape[0]])
+        self.pending = []
+
+    # ------------------------------------------------------------------ the Drafter calls
+
+    def prefill(self, tokens, timed=False, output=None):
+        fed = output.fed if output is not None else 0
+        self.tokens = list(tokens)
+        # the target was fed prompt[reuse:-1]: context before `reuse` is the previous reply's
+        self._cut(len(tokens) - 1 - fed)
+        self._take(output)
+        if not timed:
+            return 0.0
+        self._flush()
+        caches.eval_state(self.cache)
+        seconds = None
+        for _ in range(2):  # the first pays one-time costs (allocation, compilation)
+            start = time.perf_counter()
+            mx.eval(self._block_logits(self.max_draft))
+            seconds = time.perf_counter() - start
+        return seconds
+
+    def _block_logits(self, k: int) -> mx.array:
+        """The head's logits for the k positions after the last token (k, vocab), lazy."""
+        self._flush()
+        block = mx.array([self.tokens[-1]] + [self.mask] * (self.block_size - 1), mx.uint32)
+        h = self.head(self.embed(block[None]), len(self.tokens) - 1, self.cache)
+        return self.lm_head(h[:, 1 : k + 1])[0]
+
+    def propose(self, k, params, key, *, processors=()):
+        k = min(k, self.max_draft)
+        self.steps = int(k > 0)
+        if k <= 0:
+            return mx.zeros((0,), mx.uint32), None
+        logits = self._block_logits(k)
+        if not processors:
+            if params.greedy:
+                return mx.argmax(logits, axis=-1).astype(mx.uint32), None
+            q = probabilities(logits, params)
+            return sample(q, key).astype(mx.uint32), q
+        # each position after the context and the block's earlier guesses (processors.py)
+        keys = None if params.greedy else mx.random.split(key, k)
+        drafted, qs = [], []
+        for i in range(k):
+            so_far = mx.concatenate(drafted) if drafted else []
+            row = apply_processors(processors, self.tokens, so_far, logits[i])
+            if params.greedy:
+                drafted.append(mx.argmax(row, axis=-1, keepdims=True).astype(mx.uint32))
+            else:
+                q = probabilities(row, params)
+                drafted.append(sample(q, keys[i]).reshape(1).astype(mx.uint32))
+                qs.append(q)
+        return mx.concatenate(drafted), (mx.stack(qs) if qs else None)
+
+    def commit(self, kept, output=None):
+        self.tokens += kept
+        self._take(output)
+
+    def catch_up(self) -> None:
+        self._flush()
+
+    def settle(self) -> None:
+        self._flush()
+        caches.eval_state(self.cache)
+
+    def cache_bytes(self) -> int:
+        return caches.nbytes(self.cache)
+
+
+def _read_head_config(path: Path) -> dict:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise SpecError(f"the DFlash head {path} has no config.json") from None
+    except (OSError, ValueError) as err:
+        raise SpecError(f"the DFlash head's config.json cannot be read: {err}") from None
+    if not isinstance(cfg, dict):
+        raise SpecError("the DFlash head's config.json is not an object")
+    return cfg
+
+
+def load_head(path: Path, target, target_config: dict) -> DFlashHead:
+    """A z-lab DFlash directory -> the head, checked against the target (one-line errors)."""
+    path = Path(path)
+    config = _read_head_config(path)
+    args = DFlashArgs(config)
+    if args.block_size < 2:
+        raise SpecError(f"a DFlash block must hold at least 2 tokens, got {args.block_size}")
+    depth = len(layer_list(target))
+    bad = [i for i in args.target_layer_ids if not 0 <= i < depth]
+    if bad:
+        raise SpecError(
+            f"the DFlash head reads target layer {bad[0]}, but the target has {depth} layers"
+        )
+    tcfg = text_config(target_config)
+    hidden = tcfg.get("hidden_size")
+    if hidden is not None and int(hidden) != args.hidden_size:
+        raise SpecError(
+            f"the DFlash head's hidden size is {args.hidden_size}, the target's {hidden}: "
+            "a head for another model"
+        )
+    vocab = tcfg.get("vocab_size")
+    if vocab is not None and not 0 <= args.mask_token_id < int(vocab):
+        raise SpecError(
+            f"the DFlash mask token {args.mask_token_id} is outside the target's vocabulary "
+            f"({vocab} tokens)"
+        )
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise SpecError(f"the DFlash head {path} has no .safetensors weights")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as err:  # noqa: BLE001 - mlx raises bare RuntimeErrors
+            raise SpecError(f"cannot read {f.name}: {err}") from None
+    head = DFlashHead(args)
+    quant = config.get("quantization")
+    if isinstance(quant, dict):  # an mlx conversion: quantize what the checkpoint quantized
+        nn.quantize(
+            head,
+            group_size=int(quant.get("group_size", 64)),
+            bits=int(quant.get("bits", 4)),
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
+    try:
+        head.load_weights(list(weights.items()))
+    except ValueError as err:
+        raise SpecError(f"the DFlash head's weights do not fit its config: {err}") from None
+    return head
+
+
+class DFlashKind(DrafterKind):
+    name = "dflash"
+    needs_head = True
+    help = "a DFlash block-diffusion head (z-lab): one forward drafts a block"
+
+    @classmethod
+    def validate(cls, config) -> None:
+        if config.draft_confidence is not None:
+            raise SpecError("the dflash drafter has no confidence to stop on")
+
+    @classmethod
+    def load_head(cls, path, target, target_config: dict) -> DFlashHead:
+        return load_head(path, target, target_config)
+
+    @classmethod
+    def build(cls, pair) -> DFlashDrafter:
+        return DFlashDrafter(pair.head, pair.target)
