@@ -280,9 +280,15 @@ def _read_config(path: Path) -> dict:
     return load_config(path)
 
 
-def resolve_head(name: str) -> Path:
-    """A drafting head's directory (a path, or package:MODULE/DIR)."""
-    path = package_file(name, directory=True) if name.startswith("package:") else _expand(name)
+def resolve_head(name: str, progress=None) -> Path:
+    """A drafting head's directory: a path, package:MODULE/DIR, or a Hugging Face id (EAGLE-3
+    and DFlash heads are published as repositories; downloaded like a model when missing)."""
+    if name.startswith("package:"):
+        path = package_file(name, directory=True)
+    else:
+        path = _expand(name)
+        if not path.exists() and not looks_like_path(name):
+            return _hub_snapshot(name, progress)
     if not path.is_dir():
         raise SpecError(f"the head {name} is not a directory")
     return path
@@ -568,7 +574,7 @@ def load_pair(
         if diff is not None:
             raise SpecError(f"draft and target vocabularies differ: {diff}")
 
-    head_path = resolve_head(config.head) if config.head else None
+    head_path = resolve_head(config.head, progress) if config.head else None
     if not force:
         shards = group.size() if group is not None else 1
         check_memory(

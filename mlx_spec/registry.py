@@ -65,7 +65,11 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairConfig:
             )
         if drafter is not None and drafter != draft["head"]:
             raise SpecError(f"{where}: pair {name!r}: drafter and the draft's head differ")
-        drafter, head = draft["head"], _relative_to(path, draft["path"])
+        # a folder beside the file, or else a hub id ("org/name": EAGLE-3 and DFlash heads)
+        head, local = draft["path"], _relative_to(path, draft["path"])
+        hub_id = head.count("/") == 1 and not head.startswith((".", "/", "~", "package:"))
+        head = head if hub_id and not Path(local).exists() else local
+        drafter = draft["head"]
         draft = None
     elif isinstance(draft, dict):
         if draft.get("from_target") is not True or not isinstance(draft.get("bits"), int):

@@ -264,3 +264,19 @@ def test_a_plain_step_that_ends_the_reply_hands_its_row():
     rounds = list(decoder._plain_steps(4, SamplingParams()))
     assert rounds[-1].finished and rounds[-1].target_output is not None
     assert rounds[-1].target_output.kept == 1
+
+
+def test_a_head_named_by_hub_id_that_is_not_here_is_one_line(tiny_models, monkeypatch):
+    monkeypatch.setitem(KINDS, HeadKind.name, HeadKind)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SpecError, match="not downloaded and HF_HUB_OFFLINE is set"):
+        load_pair(target=str(tiny_models.target), drafter="repeat-head", head="someone/no-head")
+
+
+def test_the_curated_head_pairs_parse():
+    from mlx_spec.registry import load_registry
+
+    heads = {n: p for n, p in load_registry().pairs.items() if p.head is not None}
+    assert {"llama3.1-8b-eagle3", "llama3.1-8b-dflash", "qwen3-8b-dflash"} <= set(heads)
+    for pair in heads.values():  # hub ids, kept as ids (not made paths beside models.toml)
+        assert pair.head.count("/") == 1 and pair.kind.needs_head
