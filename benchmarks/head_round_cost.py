@@ -1,0 +1,88 @@
+"""What a round costs with each drafting head, against a draft model's, on tiny models.
+
+Tiny random float32 models in the published layouts (the test suite's builders): a llama target
+(hidden 256, 8 layers) drafted by its 2-layer truncation, an EAGLE-3 head and a DFlash head; a
+Qwen3.5 target (hybrid) with its MTP head. Random heads are nearly always rejected, so what
+this compares is cost, not acceptance: the median ms of a round at fixed k = 3 (the draft and
+one verify pass of 4 rows) divided by the median ms of a plain target step on the same target,
+interleaved runs in one process.
+Run: flock /tmp/bench.lock python benchmarks/head_round_cost.py
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import mlx_spec  # noqa: E402, I001  (first: OpenBLAS before mlx.core)
+
+# isort: split
+import tiny  # noqa: E402
+from test_dflash import head_config  # noqa: E402
+from test_dflash import write_head as write_dflash  # noqa: E402
+from test_eagle import head_weights, subset  # noqa: E402
+from test_eagle import write_head as write_eagle  # noqa: E402
+from test_mtp import original_checkpoint  # noqa: E402
+
+from mlx_spec.cli import main as cli  # noqa: E402
+
+RUNS, TOKENS, K = 5, 48, 3
+PROMPT = "Paris is the capital of France. The quick brown fox jumps over the lazy dog."
+
+
+def pairs(root: Path) -> dict:
+    tok = root / "tok"
+    tiny.write_tokenizer(tok, 320)
+    cfg = tiny.llama_config(320, layers=8, hidden=256)
+    weights = tiny.random_weights(cfg, seed=0)
+    target = tiny.write_model(root / "llama", cfg, weights, tok)
+    dw, dc = tiny.truncated(weights, cfg, layers=2)
+    draft = tiny.write_model(root / "draft", dc, dw, tok)
+    llama = json.loads((target / "config.json").read_text())
+    eagle = write_eagle(root / "eagle", llama, head_weights(llama, subset(320, 96, 1), 5, False))
+    dflash = write_dflash(root / "dflash", head_config(llama, [1, 4, 6], block_size=8))
+    original_checkpoint(root / "qwen35", 320, tok)
+    assert cli(["heads", "extract", str(root / "qwen35"), str(root / "mtp")]) == 0
+    load = mlx_spec.load_pair
+    return {
+        "llama": {
+            "draft model (2 of 8 layers)": load(target=str(target), draft=str(draft)),
+            "eagle3 head": load(target=str(target), drafter="eagle3", head=str(eagle)),
+            "dflash head (block 8)": load(target=str(target), drafter="dflash", head=str(dflash)),
+        },
+        "qwen3.5": {
+            "mtp head": load(target=str(root / "qwen35"), drafter="mtp", head=str(root / "mtp"))
+        },
+    }
+
+
+def seconds_per_pass(pair, **settings) -> float:
+    res = mlx_spec.generate(pair, PROMPT, max_tokens=TOKENS, **settings)
+    return res.stats.generation_seconds / res.stats.target_passes
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        for target, kinds in pairs(Path(tmp)).items():
+            any_pair = next(iter(kinds.values()))
+            times = {"plain step": [], **{name: [] for name in kinds}}
+            for run in range(RUNS + 1):
+                step = seconds_per_pass(any_pair, use_draft=False)
+                rounds = {n: seconds_per_pass(p, num_draft_tokens=K) for n, p in kinds.items()}
+                if run:  # the first run pays one-time costs
+                    times["plain step"].append(step)
+                    for name, t in rounds.items():
+                        times[name].append(t)
+            plain = statistics.median(times["plain step"])
+            for name, t in times.items():
+                m = statistics.median(t)
+                print(f"{target:<8} {name:<28} {m * 1e3:6.2f} ms  {m / plain:5.2f} plain steps")
+
+
+if __name__ == "__main__":
+    main()
