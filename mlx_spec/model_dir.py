@@ -113,3 +113,22 @@ def text_config(config: dict) -> dict:
     keeps them under text_config; its keys win over the top level's."""
     inner = config.get("text_config")
     return {**config, **inner} if isinstance(inner, dict) else config
+
+
+def new_output_dir(name: str) -> Path:
+    """A directory a command is to create: refused, before any work, when it exists or its
+    nearest existing parent is a file or read-only (a missing parent is created)."""
+    import os
+
+    out = Path(name)
+    if out.exists():
+        raise SpecError(f"{out} already exists; choose a new directory")
+    parent = out.absolute().parent
+    for folder in (parent, *parent.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise SpecError(f"cannot write {out}: {folder} is not a directory")
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise SpecError(f"cannot write {out}: {folder} is not writable")
+            break
+    return out

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
-from ..errors import SpecError
+from ..model_dir import new_output_dir
 
 
 def setup_arg_parser(parser):
@@ -23,18 +22,7 @@ def setup_arg_parser(parser):
 def main(args):
     from ..gguf import convert
 
-    out = Path(args.out)
-    if out.exists():
-        raise SpecError(f"{out} already exists; choose a new directory")
-    parent = out.absolute().parent
-    # a missing parent is created (like the cache); one that is a file, or read-only, is not usable
-    for folder in (parent, *parent.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                raise SpecError(f"cannot write {out}: {folder} is not a directory")
-            if not os.access(folder, os.W_OK | os.X_OK):
-                raise SpecError(f"cannot write {out}: {folder} is not writable")
-            break
+    out = new_output_dir(args.out)
     start = time.perf_counter()
     convert(Path(args.gguf), out, args.dtype, report=print)
     size = sum(f.stat().st_size for f in out.iterdir()) / 1e6

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ..errors import SpecError
+from ..model_dir import new_output_dir
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -169,15 +170,7 @@ def extract(source: str, out: Path, bits: int | None = None, group_size: int = 6
 
 
 def main(args):
-    out = Path(args.out)
-    if out.exists():
-        raise SpecError(f"{out} already exists; choose a new directory")
-    parent = out.absolute().parent
-    for folder in (parent, *parent.parents):
-        if folder.exists():
-            if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-                raise SpecError(f"cannot write {out}: {folder} is not a writable directory")
-            break
+    out = new_output_dir(args.out)
     start = time.perf_counter()
     extract(args.source, out, args.bits, args.group_size)
     size = (out / "model.safetensors").stat().st_size / 1e6
