@@ -364,9 +364,10 @@ def check_memory(
     need = target + draft + kv
     if need > available:
         gb = 1e9
+        second = "head" if head_path is not None else "draft"
         raise SpecError(
             f"the models need about {need / gb:.1f} GB (target {target / gb:.1f} GB, "
-            f"draft {draft / gb:.1f} GB, KV cache for {tokens} tokens {kv / gb:.1f} GB) but "
+            f"{second} {draft / gb:.1f} GB, KV cache for {tokens} tokens {kv / gb:.1f} GB) but "
             f"{source} is {available / gb:.1f} GB; use a smaller pair or --force to try anyway"
         )
 

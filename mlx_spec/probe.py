@@ -219,12 +219,17 @@ class Prediction:
     speedup: float
 
 
-def predict(alpha: float, c: float, curve: dict[int, float], t1: float, ks) -> list[Prediction]:
+def predict(
+    alpha: float, c: float, curve: dict[int, float], t1: float, ks, drafting=None
+) -> list[Prediction]:
     """Tokens/s per k from the measured curve: a round costs k draft steps (c·T(1) each)
-    plus one verify pass over k+1 tokens, T(k+1)."""
+    plus one verify pass over k+1 tokens, T(k+1). `drafting`: the measured seconds of
+    drafting k tokens, by k, where they are not k steps (a drafting head: DFlash drafts its
+    block in one forward)."""
     out = []
     for k in ks:
-        round_seconds = k * c * t1 + curve[k + 1] * t1
+        draft_seconds = drafting[k] if drafting is not None else k * c * t1
+        round_seconds = draft_seconds + curve[k + 1] * t1
         tokens = expected_tokens([alpha] * k)  # the geometric model: α at every position
         tps = tokens / round_seconds
         out.append(Prediction(k, tokens, tps, tps * t1))

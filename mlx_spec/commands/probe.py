@@ -69,6 +69,27 @@ def sample_acceptance(pair, temperature: float, max_tokens: int, deadline: float
     return stats
 
 
+def time_head(pair, ks, clock) -> dict[int, float]:
+    """Seconds of the drafter's own `propose(k)` for each k (the second of two calls: the
+    first pays one-time costs), on a throwaway decoder that prefilled the sample prompt: how
+    a drafting head, which has no draft model to time step by step, is measured."""
+    import mlx.core as mx
+
+    from ..engine import encode_prompt, make_decoder
+    from ..sampling import SamplingParams
+
+    decoder = make_decoder(pair, seed=0)
+    decoder.prefill(encode_prompt(pair.tokenizer, [{"role": "user", "content": SAMPLE_PROMPT}]))
+    seconds = {}
+    for k in ks:
+        for _ in range(2):
+            start = clock()
+            tokens, _ = decoder.drafter.propose(k, SamplingParams(), None)
+            mx.eval(tokens)
+            seconds[k] = clock() - start
+    return seconds
+
+
 def run_probe(
     pair,
     context: int,
@@ -119,10 +140,13 @@ def run_probe(
     result.passes = target.passes
     if pair.speculative:
         progress("timing the draft…")
-        draft_seconds = 0.0
+        draft_seconds, drafting = 0.0, None
         if draft is not None:
             draft_seconds = time_passes(draft, [1], DRAFT_SHARE * left, min_sizes=1)[0][1]
             result.passes += draft.passes
+        elif pair.head is not None:  # a drafting head: timed through its drafter's propose
+            drafting = time_head(pair, PREDICT_KS, clock)
+            draft_seconds = drafting[1]
         result.draft_cost = draft_seconds / t1
         progress(f"sampling up to {sample_tokens} tokens at k={SAMPLE_K} to estimate acceptance…")
         stats = sample_acceptance(pair, temperature, sample_tokens, deadline, clock)
@@ -131,7 +155,9 @@ def run_probe(
         result.alpha = estimate_alpha(accepted, stats.drafted, hist[SAMPLE_K], sum(hist))
         result.sample_tokens, result.sample_rounds = stats.generated_tokens, stats.target_passes
         by_n = dict(zip(sizes, curve, strict=True))
-        result.predictions = predict(result.alpha, result.draft_cost, by_n, t1, PREDICT_KS)
+        result.predictions = predict(
+            result.alpha, result.draft_cost, by_n, t1, PREDICT_KS, drafting
+        )
         best = max(result.predictions, key=lambda p: p.tokens_per_second)
         result.recommended_k = best.k if best.speedup >= 1.05 else None
         result.verdict = verdict(regime, result.draft_cost, result.alpha, best)

@@ -1,0 +1,193 @@
+"""Drafting heads (MTP, EAGLE-3, DFlash) through every surface a draft model goes through:
+`mlx-spec serve`, the chat app, bench, probe, the `auto` controller, a models.toml pair and
+the memory check. One tiny Qwen3.5 target (the original layout, its MTP head extracted) and
+one tiny head of each kind over it, built once for the module."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import tiny
+from test_dflash import head_config
+from test_dflash import write_head as write_dflash
+from test_eagle import head_weights, subset
+from test_eagle import write_head as write_eagle
+from test_mtp import original_checkpoint
+from test_server import serving
+from test_tui import finish, send
+
+from mlx_spec import generate, load_pair, make_decoder
+from mlx_spec.cli import main
+from mlx_spec.policies import Controller
+from tui.app import ChatApp
+from tui.widgets import StatsPanel
+
+KINDS = ["mtp", "eagle3", "dflash"]
+CHAT = [{"role": "user", "content": "Tell me a story"}]
+TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, tmp_path_factory):
+    """{"target": the Qwen3.5 checkpoint, KIND: its head directory}; MTP's head agrees with
+    the target often (mixed rounds), the others are random (mostly rejected)."""
+    root = tmp_path_factory.mktemp("heads")
+    original_checkpoint(root / "q35", 320, tiny_models.tokenizer, agree=0.0)
+    assert main(["heads", "extract", str(root / "q35"), str(root / "mtp")]) == 0
+    cfg = tiny.family_configs(320)["qwen3_5"]
+    eagle_cfg = {**cfg, "intermediate_size": 128, "rope_theta": 1e4}
+    weights = head_weights(eagle_cfg, subset(320, 64, 3), seed=4, embed=True)
+    write_eagle(root / "eagle3", eagle_cfg, weights, ids=[0, 1, 3])
+    write_dflash(root / "dflash", head_config(cfg, [1, 2], block_size=6))
+    return {"target": root / "q35", **{kind: root / kind for kind in KINDS}}
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    return load_pair(target=str(models["target"]))
+
+
+@pytest.fixture(scope="module")
+def expected(plain):
+    """The target alone, greedy, on the chat prompt."""
+    return generate(plain, CHAT, max_tokens=TOKENS, temperature=0.0)
+
+
+def head_pair(models, kind, k=3):
+    return load_pair(
+        target=str(models["target"]), drafter=kind, head=str(models[kind]), num_draft_tokens=k
+    )
+
+
+def head_args(models, kind) -> list[str]:
+    return ["--target", str(models["target"]), "--drafter", kind, "--head", str(models[kind])]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_serve_with_a_head(models, expected, kind, tmp_path):
+    args = [*head_args(models, kind), "--num-draft-tokens", "3"]
+    with serving(args, tmp_path) as (_, url):
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+        resp = client.chat.completions.create(
+            model="q35", messages=CHAT, max_tokens=TOKENS, temperature=0
+        )
+    assert resp.choices[0].message.content == expected.text
+    assert resp.usage.completion_tokens == len(expected.tokens)
+    spec = resp.model_extra["speculation"]
+    assert spec["drafter"] == kind and spec["num_draft_tokens"] == 3
+    assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_chat_app_with_a_head(models, expected, kind):
+    pair = head_pair(models, kind)
+    res = generate(pair, CHAT, max_tokens=TOKENS, decoder=make_decoder(pair))
+    assert res.tokens == expected.tokens
+    app = ChatApp(pair, pair_name=kind, max_tokens=TOKENS)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await send(pilot, CHAT[0]["content"])
+        reply = await finish(app, pilot)
+        assert reply.text == expected.text
+        kinds = [k for _, k in reply.pieces if k != "rejected"]
+        assert kinds == res.kinds
+        from_rounds = []
+        for r in res.rounds:
+            n = min(r.accepted, r.emitted)
+            from_rounds += ["accepted"] * n
+            if r.emitted > n:
+                from_rounds.append("regenerated" if r.kind == "correction" else "target")
+        assert kinds == from_rounds
+        stats = res.stats
+        assert kinds.count("accepted") == sum(res.accepted) <= stats.accepted
+        assert kinds.count("regenerated") + kinds.count("target") <= stats.target_passes
+        assert "regenerated" in kinds  # every head here is wrong some of the time
+        if kind == "mtp":
+            assert "accepted" in kinds  # the agreeing head: mixed rounds
+        panel = app.query_one(StatsPanel).render_text()
+        assert f"acceptance   {stats.acceptance_rate:.0%}" in panel
+        assert f"tokens       {stats.generated_tokens} in {stats.target_passes} passes" in panel
+        assert app.stats_panel.strip == [(len(r.drafted), r.accepted) for r in res.rounds]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bench_and_probe_with_a_head(models, kind, capsys):
+    pair = head_args(models, kind)
+    probe = ["probe", *pair, "--context", "32", "--sample-tokens", "12", "--budget", "1"]
+    assert main([*probe, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # the head's draft step is measured (through its drafter's propose), not taken as free
+    assert 0 < out["draft_cost_ratio"] < 100 and 0 <= out["alpha"] <= 1
+    assert len(out["predictions"]) == 10 and out["verdict"].startswith("speculation")
+    bench = ["bench", *pair, "--only", "chat", "--k", "2", "--temps", "0", "--runs", "1"]
+    assert main([*bench, "--max-tokens", "8", "--json"]) == 0
+    rows = {(r["config"], r["k"]): r for r in json.loads(capsys.readouterr().out)["rows"]}
+    spec = rows["mlx-spec", 2]
+    assert spec["same_output"] is True and spec["draft_steps_per_token"] > 0
+    assert 0 <= spec["acceptance_rate"] <= 1 and ("mlx-lm", 0) in rows
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_auto_controller_with_a_head(models, expected, kind):
+    pair = head_pair(models, kind, "auto")
+    res = generate(pair, CHAT, max_tokens=TOKENS)
+    assert res.tokens == expected.tokens
+    stats = res.stats
+    assert stats.adaptive and isinstance(stats.policy, Controller)
+    view = stats.controller
+    assert view["state"] and view["draft_cost"] is not None and view["draft_cost"] > 0
+    assert json.loads(json.dumps(stats.to_json()))["controller"]["state"] == view["state"]
+
+
+@pytest.fixture
+def toml_pairs(models, tmp_path, monkeypatch):
+    """A user models.toml with one pair per kind, the head path relative to the file."""
+    path = tmp_path / "models.toml"
+    for kind in KINDS:
+        (tmp_path / kind).symlink_to(models[kind])
+    path.write_text(
+        "".join(
+            f'[pairs."tiny-{kind}"]\ntarget = "{models["target"]}"\n'
+            f'draft = {{ head = "{kind}", path = "{kind}" }}\nnum_draft_tokens = 3\n\n'
+            for kind in KINDS
+        )
+    )
+    monkeypatch.setenv("MLX_SPEC_MODELS", str(path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_models_toml_head_pair(toml_pairs, expected, kind, capsys):
+    name = f"tiny-{kind}"
+    pair = load_pair(name)
+    assert pair.config.drafter == kind and pair.head is not None
+    assert pair.config.head == str(toml_pairs / kind)
+    assert generate(pair, CHAT, max_tokens=TOKENS).tokens == expected.tokens
+    argv = ["generate", "--pair", name, "--max-tokens", str(TOKENS), "--temp", "0", "--json"]
+    assert main([*argv, CHAT[0]["content"]]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == expected.tokens and out["stats"]["drafted"] > 0
+    assert main(["models"]) == 0
+    listing = capsys.readouterr().out
+    assert name in listing and f"({kind} head {toml_pairs / kind})" in listing
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_memory_check_counts_the_head(models, kind, monkeypatch, capsys):
+    """Memory that holds the target and its KV cache but not the head too: refused."""
+    import mlx_spec.loading as loading
+
+    target = models["target"]
+    config = json.loads((target / "config.json").read_text())
+    context = min(loading._context_length(config) or 4096, loading.DEFAULT_MEMORY_CONTEXT)
+    alone = loading.weights_bytes(target) + loading.kv_cache_bytes(config, context)
+    head = sum(f.stat().st_size for f in models[kind].glob("*.safetensors"))
+    monkeypatch.setattr(loading, "machine_memory", lambda: (alone + head // 2, "test memory"))
+    run = ["generate", "--max-tokens", "2", "--temp", "0", "hi"]
+    assert main(["generate", "--target", str(target), *run[1:]]) == 0  # the target fits
+    capsys.readouterr()
+    assert main([*run[:1], *head_args(models, kind), *run[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "the models need about" in err and "test memory is" in err and "head " in err
