@@ -210,7 +210,7 @@ def test_hybrid_distribution_at_temperature_one(tiny_models, tmp_path):
     draft = tiny.write_model(tmp_path / "d", cfg, tiny.noisy(weights, 0.3), tiny_models.tokenizer)
     pair = load_pair(target=str(target), draft=str(draft))
     params = SamplingParams(temperature=1.0)
-    counts = first_two(pair, params, runs=2000, k=2)
+    counts = first_two(pair, params, runs=1200, k=2)
     stat, threshold = chi_square(counts, exact_joint(pair, params))
     assert stat < threshold, (stat, threshold)
     assert np.count_nonzero(counts) > 20  # not a degenerate distribution

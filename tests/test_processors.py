@@ -150,7 +150,7 @@ def test_penalised_speculation_samples_the_penalised_target(small_pair):
     probs = exact_penalised_joint(small_pair, params, processors)
     unpenalised = exact_penalised_joint(small_pair, params, [])
     assert np.abs(probs - unpenalised).sum() > 0.3, "penalties too weak to tell apart"
-    counts = penalised_first_two(small_pair, params, processors, runs=3000)
+    counts = penalised_first_two(small_pair, params, processors, runs=2000)
     stat, threshold = chi_square(counts, probs)
     print(f"penalised: chi-square {stat:.1f} (99.9% threshold {threshold:.1f})")
     assert stat < threshold
