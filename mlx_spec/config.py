@@ -82,7 +82,8 @@ class PairConfig:
         if self.draft_adapter and not has_model:
             raise SpecError("a draft adapter needs a draft model (--draft or --draft-bits)")
         # a drafter's own settings are checked whatever the kind (a later switch may use them)
-        if not 1 <= self.ngram_min <= self.ngram_max:
+        lengths = (self.ngram_min, self.ngram_max)
+        if not all(map(_is_int, lengths)) or not 1 <= self.ngram_min <= self.ngram_max:
             raise SpecError(
                 f"need 1 <= ngram-min <= ngram-max, got {self.ngram_min} and {self.ngram_max}"
             )

@@ -33,6 +33,7 @@ def test_switching_kinds_on_a_named_pair_applies_the_draft_in_the_same_step():
         ({"skip_draft": True, "draft_adapter": "/nowhere"}, "needs a draft model"),
         ({"drafter": "ngram", "draft_adapter": "/nowhere"}, "needs a draft model"),
         ({"ngram_min": 5, "ngram_max": 2}, "ngram-min <= ngram-max"),
+        ({"ngram_max": "3"}, "ngram-min <= ngram-max"),
         ({"draft_confidence": 1.5}, "draft-confidence must be in"),
         ({"drafter": "ngram", "draft_confidence": -0.1}, "draft-confidence must be in"),
         ({"name": "qwen3-8b", "draft_bits": 4}, "not both"),  # it has a draft model already
