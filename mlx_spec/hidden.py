@@ -4,6 +4,8 @@ A drafting head (MTP, EAGLE, DFlash) drafts from the target's features at chosen
 models return logits only, so for the length of one call the chosen entries of the model's
 layer list are wrapped: each wrapper runs its layer and keeps the output. Nothing is computed
 twice and the layers themselves are untouched (the list is put back after the call).
+Captures nest on one thread; two overlapping on different threads would not (the model's list
+is shared): the thread that owns the models (threads.py) is the only one that runs them.
 """
 
 from __future__ import annotations
