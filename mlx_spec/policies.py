@@ -367,10 +367,10 @@ class Controller:
             return "drafting paused: costs not measured yet"
         if self.drafted_total:
             rate = self.accepted_total / self.drafted_total
-            return (
-                f"drafting paused: acceptance {rate:.0%} of {self.drafted_total} drafted "
-                "tokens is too low to pay" + (f" ({cost})" if cost else "")
-            )
+            measured = f"acceptance {rate:.0%} of {self.drafted_total} drafted tokens"
+            # a few accepted tokens do not yet outweigh the prior the estimate starts from
+            verdict = "too few to pay yet" if rate > self.acceptance(0) else "too low to pay"
+            return f"drafting paused: {measured} is {verdict}" + (f" ({cost})" if cost else "")
         return f"drafting paused: {cost + ', ' if cost else ''}acceptance not measured yet"
 
     def draft_cost(self) -> float | None:

@@ -329,3 +329,17 @@ def test_a_plain_stretch_ends_where_lookup_finds_a_match(tiny_models):
         tokens += r.tokens
     assert tokens == reference(pair, prompt, 60)
     assert any(0 < b < 50 for b in policy.bursts)  # a stretch was cut short by a match
+
+
+def test_a_pause_on_a_few_accepted_tokens_does_not_call_them_too_low():
+    """Two drafted tokens, both accepted, and a costly draft: the estimate still leans on the
+    prior, so the pause says the evidence is too little, not that 100% is too low."""
+    c = Controller()
+    c.calibrate(1.0, 0.9)
+    for _ in range(2):
+        c.update(1, 1, 1, 1.0 + 0.97)
+    assert c.next() == 0
+    assert c.view()["state"] == (
+        "drafting paused: acceptance 100% of 2 drafted tokens is too few to pay yet "
+        "(draft costs 0.90 steps)"
+    )
