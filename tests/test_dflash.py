@@ -109,7 +109,8 @@ def test_greedy_on_a_recurrent_target(qwen_pair, k):
     whose hidden rows reach the head one pass later."""
     res = generate(qwen_pair, PROMPTS[1], max_tokens=30, num_draft_tokens=k)
     assert res.tokens == reference(qwen_pair, PROMPTS[1], 30)
-    assert res.stats.drafted > 0
+    if k != "auto":  # auto follows this machine's timings: it may pause a poor head at once
+        assert res.stats.drafted > 0
 
 
 def test_the_block_is_the_heads_and_k_is_capped(llama_pair):

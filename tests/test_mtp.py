@@ -168,7 +168,8 @@ def test_greedy_equals_the_target_alone(request, which, k):
         expected = reference(pair, prompt, 24)
         res = generate(pair, prompt, max_tokens=24, num_draft_tokens=k)
         assert res.tokens == expected, prompt
-        assert res.stats.drafted > 0
+        if k != "auto":  # auto follows this machine's timings: it may pause a poor head at once
+            assert res.stats.drafted > 0
         assert res.stats.accepted == sum(res.accepted)
 
 
