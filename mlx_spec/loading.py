@@ -505,12 +505,9 @@ def pair_config(
             raise SpecError("give a draft model or --draft-bits, not both")
     elif target is None:
         raise SpecError("no target model given")
-    else:
-        kind, head = (None, None) if skip_draft else (drafter, head)
-        adapter = models.get("draft_adapter")
-        config = PairConfig(target, draft, kind, draft_bits, dtype=dtype, head=head,
-                            draft_adapter=adapter)  # fmt: skip
-        models = {}  # all given to the constructor
+    else:  # built whole: its kind needs its models at once (skip_draft: dropped below)
+        config = PairConfig(target, draft, **({} if skip_draft else {"drafter": drafter, **models}))
+        models = {}
     # the kind and the models it needs change in one step, checked once together
     if skip_draft:
         config = config.plain().replace(**({"dtype": dtype} if dtype else {}))

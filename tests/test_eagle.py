@@ -355,25 +355,22 @@ def test_the_cache_holds_the_sequence_after_rejections(eagle_pair, heads, target
     res = generate(eagle_pair, PROMPTS[1], max_tokens=40, num_draft_tokens=3, decoder=decoder)
     assert res.tokens == reference(eagle_pair, PROMPTS[1], 40)
     assert res.stats.drafted - res.stats.accepted > 10  # rejection-heavy: a random head
-    check_cache(
-        decoder,
-        eagle_pair,
-        lambda toks: ref_layer_outputs(eagle_pair.target, target_cfg, toks),
-        target_cfg,
-        heads["weights"],
-        eagle_pair.target.model.embed_tokens.weight,
-    )
+
+    def check():
+        check_cache(
+            decoder,
+            eagle_pair,
+            lambda toks: ref_layer_outputs(eagle_pair.target, target_cfg, toks),
+            target_cfg,
+            heads["weights"],
+            eagle_pair.target.model.embed_tokens.weight,
+        )
+
+    check()
     # a follow-up turn reuses the cache: the head stays consistent
     follow = decoder.sequence + eagle_pair.tokenizer.encode(" and more")
     res = generate(eagle_pair, follow, max_tokens=12, num_draft_tokens=2, decoder=decoder)
-    check_cache(
-        decoder,
-        eagle_pair,
-        lambda toks: ref_layer_outputs(eagle_pair.target, target_cfg, toks),
-        target_cfg,
-        heads["weights"],
-        eagle_pair.target.model.embed_tokens.weight,
-    )
+    check()
 
 
 def test_a_recurrent_target_replays_and_the_head_follows(tiny_models, tmp_path):
