@@ -307,6 +307,100 @@ def real_configs(vocab: int) -> dict[str, dict]:
     }
 
 
+def mtp_configs(vocab: int) -> dict[str, dict]:
+    """Checkpoints that ship an MTP layer as one more decoder layer (tests/test_mtp_nextn.py);
+    kept apart from `real_configs` so the conformance matrix does not grow by two families."""
+    common = {"vocab_size": vocab, "eos_token_id": 2}
+    return {
+        # deepseek-ai/DeepSeek-V3 (and -R1, -V3-0324): MLA with a q LoRA, YaRN (factor 40),
+        # MoE after the first dense layers, noaux_tc routing with group-limited top-k, and one
+        # MTP layer stored as model.layers.{num_hidden_layers} (mlx-lm drops it at load)
+        "deepseek-v3": {
+            **common,
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 32,
+            "q_lora_rank": 48,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "moe_layer_freq": 1,
+            "routed_scaling_factor": 2.5,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "n_group": 4,
+            "topk_group": 2,
+            "norm_topk_prob": True,
+            "aux_loss_alpha": 0.001,
+            "seq_aux": True,
+            "ep_size": 1,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "max_position_embeddings": 163840,
+            "rope_theta": 10000,
+            "rope_scaling": {
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "factor": 40,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 4096,
+                "type": "yarn",
+            },
+            "rms_norm_eps": 1e-6,
+            "num_nextn_predict_layers": 1,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+        },
+        # zai-org/GLM-4.5: grouped-query attention with biases and qk-norm (GLM-4.5-Air ships
+        # use_qk_norm false), half the head rotated, MoE after the first dense layers, sigmoid
+        # routing with a correction bias, one MTP layer as model.layers.{num_hidden_layers}
+        "glm-4.5": {
+            **common,
+            "architectures": ["Glm4MoeForCausalLM"],
+            "model_type": "glm4_moe",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "partial_rotary_factor": 0.5,
+            "attention_bias": True,
+            "use_qk_norm": True,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "hidden_act": "silu",
+            "max_position_embeddings": 131072,
+            "rope_theta": 1000000,
+            "rope_scaling": None,
+            "rms_norm_eps": 1e-5,
+            "num_nextn_predict_layers": 1,
+            "tie_word_embeddings": False,
+            "pad_token_id": 0,
+            "torch_dtype": "bfloat16",
+        },
+    }
+
+
 def tied(config: dict) -> bool:
     text = config.get("text_config", {})
     return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings")))

@@ -261,13 +261,17 @@ def test_bad_input_gets_one_line(checkpoint, tiny_models, tmp_path, capsys):
     target, head, _ = checkpoint
     out = tmp_path / "out"
     assert "does not exist" in one_line(capsys, "heads", "extract", tmp_path / "nope", out)
-    # a conversion without mtp tensors (the tiny llama), and a directory without weights
-    assert "no mtp.* tensors" in one_line(capsys, "heads", "extract", tiny_models.target, out)
+    # a family without an MTP layout (the tiny llama), a directory without weights, and a
+    # conversion whose mtp tensors were dropped
+    err = one_line(capsys, "heads", "extract", tiny_models.target, out)
+    assert "no MTP layout for model type 'llama'" in err
     bare = tmp_path / "bare"
     bare.mkdir()
     assert "no config.json" in one_line(capsys, "heads", "extract", bare, out)
     (bare / "config.json").write_text('{"model_type": "qwen3_5"}')
     assert "no model.safetensors" in one_line(capsys, "heads", "extract", bare, out)
+    mx.save_safetensors(str(bare / "model.safetensors"), {"lm_head.weight": mx.zeros((2, 2))})
+    assert "no MTP layer (no mtp.* tensors" in one_line(capsys, "heads", "extract", bare, out)
     err = one_line(capsys, "heads", "extract", "nobody/not-downloaded", out)
     assert "not downloaded" in err
     assert "already exists" in one_line(capsys, "heads", "extract", target, head)

@@ -1,9 +1,11 @@
-"""mlx-spec heads extract: a model's own MTP layer (`mtp.*` tensors) -> a head directory.
+"""mlx-spec heads extract: a model's own MTP layer -> a head directory.
 
-Only the shards that hold `mtp.*` tensors are read (the safetensors index says which); from the
-hub, only those are downloaded. The head directory holds model.safetensors (the head's weights
-in mlx-lm's convention, quantized when asked) and config.json (the target's settings the head
-needs): name it with `--drafter mtp --head DIR` or `draft = { head = "mtp", path = "DIR" }`.
+The layer is `mtp.*` in Qwen3.5 / Qwen3-Next checkpoints, `model.layers.{num_hidden_layers}.*`
+in DeepSeek-V3 / GLM-4.5 ones. Only the shards that hold it are read (the safetensors index
+says which); from the hub, only those are downloaded. The head directory holds
+model.safetensors (the head's weights in mlx-lm's convention, quantized when asked) and
+config.json (the target's settings the head needs): name it with `--drafter mtp --head DIR` or
+`draft = { head = "mtp", path = "DIR" }`.
 """
 
 from __future__ import annotations
@@ -27,14 +29,6 @@ def setup_arg_parser(parser):
     p.add_argument("out", help="the head directory to write (must not exist yet)")
     p.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8], help="quantize the head")
     p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="with --bits")
-
-
-def mtp_name(key: str) -> str | None:
-    """`mtp.fc.weight` (or `model.mtp.fc.weight`) -> `fc.weight`; None for other tensors."""
-    if key.startswith("mtp."):
-        return key[4:]
-    at = key.find(".mtp.")
-    return key[at + 5 :] if at >= 0 else None
 
 
 def _hub(repo_id: str, patterns: list[str]) -> Path:
@@ -80,6 +74,7 @@ def _tensor_names(path: Path) -> list[str]:
 
 def locate(source: str) -> tuple[Path, dict, list[Path], list[str]]:
     """The checkpoint's folder, config, the shards holding mtp tensors and their names."""
+    from ..drafters import mtp
     from ..loading import looks_like_path
     from ..model_dir import json_object
 
@@ -93,6 +88,11 @@ def locate(source: str) -> tuple[Path, dict, list[Path], list[str]]:
     if not (folder / "config.json").is_file():
         raise SpecError(f"{source} is not a model directory (it has no config.json)")
     config = json_object(folder / "config.json", "config.json")
+    head = mtp.HEADS[mtp.family(config).layout]  # refused here, before any weights are read
+
+    def ours(key: str) -> bool:
+        return head.tensor_name(key, config) is not None
+
     if not local:
         try:
             folder = _hub(source, ["config.json", INDEX])
@@ -102,17 +102,17 @@ def locate(source: str) -> tuple[Path, dict, list[Path], list[str]]:
         weight_map = json_object(folder / INDEX, INDEX).get("weight_map")
         if not isinstance(weight_map, dict):
             raise SpecError(f"{INDEX} in {source} has no weight_map")
-        names = [k for k in weight_map if mtp_name(k) is not None]
+        names = [k for k in weight_map if ours(k)]
         files = sorted({str(weight_map[k]) for k in names})
     elif (folder / SINGLE).is_file():
-        names = [k for k in _tensor_names(folder / SINGLE) if mtp_name(k) is not None]
+        names = [k for k in _tensor_names(folder / SINGLE) if ours(k)]
         files = [SINGLE] if names else []
     else:
         raise SpecError(f"{source} has no {INDEX} and no single {SINGLE}")
     if not names:
         raise SpecError(
-            f"{source} has no mtp.* tensors (conversions usually drop them: extract from the "
-            "original repository)"
+            f"{source} has no MTP layer (no {head.where(config)} tensors; conversions usually "
+            "drop it: extract from the original repository)"
         )
     if any("/" in f or f.startswith(".") for f in files):
         raise SpecError(f"{INDEX} in {source} names a shard outside the folder")
@@ -133,7 +133,7 @@ def extract(source: str, out: Path, bits: int | None = None, group_size: int = 6
     from ..model_dir import check_safetensors
 
     folder, config, shards, names = locate(source)
-    mtp.family(config)  # a model type with no MTP layout: refused before reading weights
+    head_class = mtp.HEADS[mtp.family(config).layout]
     wanted, tensors, mlx_format = set(names), {}, True
     for shard in shards:
         check_safetensors(shard)
@@ -141,15 +141,16 @@ def extract(source: str, out: Path, bits: int | None = None, group_size: int = 6
         # mlx-lm writes format "mlx" (norms already w + 1); the originals write "pt"
         mlx_format = mlx_format and (metadata or {}).get("format") == "mlx"
         for key in wanted & set(arrays):
-            tensors[mtp_name(key)] = arrays[key]
-    missing = wanted - {k for k in names if mtp_name(k) in tensors}
+            tensors[head_class.tensor_name(key, config)] = arrays[key]
+    missing = wanted - {k for k in names if head_class.tensor_name(k, config) in tensors}
     if missing:
         raise SpecError(f"the shards lack {sorted(missing)[0]}, which the index names")
-    weights = mtp.head_weights(tensors, config, mtp.is_original(list(tensors), mlx_format))
-    head = mtp.MTPHead(config)
+    original = mtp.is_original(list(tensors), mlx_format)
+    head = head_class(config)
     try:
+        weights = head_class.weights(tensors, config, original)
         head.load_weights(list(weights.items()), strict=True)
-    except ValueError as err:
+    except (ValueError, KeyError) as err:
         raise SpecError(
             f"the mtp tensors do not fit the {config.get('model_type')} layout: {err}"
         ) from None
@@ -165,7 +166,7 @@ def extract(source: str, out: Path, bits: int | None = None, group_size: int = 6
     flat = dict(tree_flatten(head.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), flat, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(head_config, indent=2) + "\n")
-    report(f"read {len(names)} mtp tensors from {len(shards)} of the shards")
+    report(f"read {len(names)} MTP tensors from {len(shards)} of the shards")
     return head_config
 
 

@@ -1,26 +1,38 @@
-"""The target's own multi-token-prediction (MTP) layer as the drafter: Qwen3.5 / Qwen3.6 and
-Qwen3-Next ship one beside the model (`mtp.*` tensors, which mlx-lm drops at load).
+"""The target's own multi-token-prediction (MTP) layer as the drafter. Two layouts:
 
-The head predicts token t+2 from the target's post-final-norm hidden state at position t and
-the embedding of token t+1 (vLLM's qwen3_next_mtp.py / qwen3_5_mtp.py):
+Qwen3.5 / Qwen3.6 and Qwen3-Next ship it beside the model as `mtp.*` tensors (vLLM's
+qwen3_next_mtp.py / qwen3_5_mtp.py):
 
     x = fc(concat[pre_fc_norm_embedding(embed(s[t+1])), pre_fc_norm_hidden(h[t])])
     g = norm(layer(x))          # one full-attention decoder layer of the target's family
     logits = lm_head(g)         # the target's own embedding and head
 
-For k > 1 it runs again on its own output `g` and its own guess. Its layer keeps a KV cache of
+DeepSeek-V3 and GLM-4.5 / 4.6 / 4.7-Flash ship it as one more layer, `model.layers.{N}.*` with
+N = num_hidden_layers (vLLM's deepseek_mtp.py / glm4_moe_mtp.py, SGLang's deepseek_nextn.py):
+
+    x = eh_proj(concat[enorm(embed(s[t+1])), hnorm(h[t])])   # embedding first, plain RMS norms
+    g = layer(x)                # a decoder layer of the target's family (MLA, MoE: as its own)
+    logits = lm_head(shared_head.norm(g))
+
+h[t] is the target's post-final-norm hidden state (what its lm_head reads). For k > 1 the head
+runs again on its own output `g` and its own guess. Its layer keeps a KV cache of
 (h[t], s[t+1]) pairs built from the target's hidden states only: the entries a proposal adds
 from its own outputs are forgotten at commit, and the next proposal feeds the target's hidden
 states of the tokens the round kept (the verify pass computed them). A head directory is what
-`mlx-spec heads extract` writes: the `mtp.*` tensors without the prefix, in mlx-lm's
-convention (RMS norm weights w + 1, experts stacked), optionally quantized, and config.json.
+`mlx-spec heads extract` writes: the head's tensors in mlx-lm's convention (Qwen's RMS norm
+weights w + 1, experts stacked, DeepSeek's kv_b_proj split), optionally quantized, and
+config.json.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,9 +49,32 @@ from ..sampling import probabilities, sample
 from .base import Drafter, DrafterKind
 
 HEAD_TYPE = "mtp"
-# model types whose checkpoints carry this layout, and mlx-lm's module for their layer class
-FAMILIES = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_next"}
-# RMS norms stored zero-centred ((1 + w) x) in the original checkpoints; mlx-lm adds 1
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture's MTP layer: its layout (`head`, the class that runs it and reads its
+    tensors) and the mlx-lm module, args class and decoder layer class it is built from."""
+
+    layout: str  # "qwen": mtp.* tensors; "nextn": model.layers.{num_hidden_layers}.*
+    module: str
+    args: str
+    layer: str
+
+    def classes(self):
+        module = importlib.import_module(f"mlx_lm.models.{self.module}")
+        return module, getattr(module, self.args), getattr(module, self.layer)
+
+
+# model types whose original checkpoints carry an MTP layer mlx-lm's classes can run
+FAMILIES = {
+    "qwen3_5": Family("qwen", "qwen3_5", "TextModelArgs", "DecoderLayer"),
+    "qwen3_5_moe": Family("qwen", "qwen3_5", "TextModelArgs", "DecoderLayer"),
+    "qwen3_next": Family("qwen", "qwen3_next", "ModelArgs", "Qwen3NextDecoderLayer"),
+    "deepseek_v3": Family("nextn", "deepseek_v3", "ModelArgs", "DeepseekV3DecoderLayer"),
+    "glm4_moe": Family("nextn", "glm4_moe", "ModelArgs", "DecoderLayer"),
+}
+# RMS norms stored zero-centred ((1 + w) x) in the original Qwen checkpoints; mlx-lm adds 1
 NORMS = (
     "pre_fc_norm_embedding.weight",
     "pre_fc_norm_hidden.weight",
@@ -51,8 +86,8 @@ NORMS = (
 )
 
 
-def family(config: dict) -> str:
-    """The mlx-lm module of a config's model type, or a one-line refusal."""
+def family(config: dict) -> Family:
+    """A config's MTP family, or a one-line refusal."""
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         known = ", ".join(sorted(FAMILIES))
@@ -62,26 +97,30 @@ def family(config: dict) -> str:
 
 def layer_count(config: dict) -> int:
     text = text_config(config)
-    return int(text.get("mtp_num_hidden_layers") or text.get("num_nextn_predict_layers") or 1)
+    n = text.get("mtp_num_hidden_layers", text.get("num_nextn_predict_layers"))
+    return 1 if n is None else int(n)
+
+
+def _args(config: dict):
+    module, args_class, layer_class = family(config).classes()
+    text = json.loads(json.dumps(text_config(config)))  # from_dict may edit its input
+    return module, args_class.from_dict(text), layer_class
+
+
+def build_head(config: dict) -> nn.Module:
+    """The head of a config's family, with fresh weights."""
+    return HEADS[family(config).layout](config)
 
 
 class MTPHead(nn.Module):
-    """fc over [embedding; hidden], one decoder layer of the target's family, a norm."""
+    """Qwen's layout: fc over [embedding; hidden], one decoder layer of the target's family,
+    a norm. Its output is what the target's head reads, and what the next step chains on."""
+
+    zero_first = False  # the embedding at position 0 is used as it is
 
     def __init__(self, config: dict):
         super().__init__()
-        module = family(config)
-        text = json.loads(json.dumps(text_config(config)))  # from_dict may edit its input
-        if module == "qwen3_5":
-            from mlx_lm.models import qwen3_5
-
-            args = qwen3_5.TextModelArgs.from_dict(text)
-            layer = qwen3_5.DecoderLayer
-        else:
-            from mlx_lm.models import qwen3_next
-
-            args = qwen3_next.ModelArgs.from_dict(text)
-            layer = qwen3_next.Qwen3NextDecoderLayer
+        _, args, layer = _args(config)
         hidden, eps = args.hidden_size, args.rms_norm_eps
         self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
@@ -100,6 +139,111 @@ class MTPHead(nn.Module):
         x = self.layers[0](x, mask=create_attention_mask(x, cache[0]), cache=cache[0])
         return self.norm(x)
 
+    def final(self, x: mx.array) -> mx.array:
+        """An output -> what the target's lm_head reads (here the output itself)."""
+        return x
+
+    @staticmethod
+    def where(config: dict) -> str:
+        return "mtp.*"
+
+    @staticmethod
+    def tensor_name(key: str, config: dict) -> str | None:
+        """`mtp.fc.weight` (or `model.mtp.fc.weight`) -> `fc.weight`; None for other tensors."""
+        if key.startswith("mtp."):
+            return key[4:]
+        at = key.find(".mtp.")
+        return key[at + 5 :] if at >= 0 else None
+
+    @staticmethod
+    def weights(tensors: dict, config: dict, original: bool) -> dict:
+        return head_weights(tensors, config, original)
+
+
+class SharedHead(nn.Module):
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+
+
+class NextNHead(nn.Module):
+    """DeepSeek-V3 / GLM-4.x layout: eh_proj over [enorm(embedding); hnorm(hidden)], one decoder
+    layer of the target's family (built as layer N of the target, so MoE where the target's
+    later layers are), shared_head.norm before the target's head."""
+
+    # DeepSeek's MTP was trained with the embedding at position 0 masked: vLLM's deepseek_mtp.py
+    # and glm4_moe_mtp.py zero it ("not needed by MTP"); only the pair (h[0], s[1]) sees it
+    zero_first = True
+    OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
+    # copies of the target's embedding and head: the head uses the target's (SGLang does too)
+    SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+
+    def __init__(self, config: dict):
+        super().__init__()
+        _, args, layer = _args(config)
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        self.enorm = nn.RMSNorm(hidden, eps=eps)
+        self.hnorm = nn.RMSNorm(hidden, eps=eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = [layer(args, args.num_hidden_layers)]
+        self.shared_head = SharedHead(hidden, eps)
+        self.hidden_size = hidden
+
+    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: list) -> mx.array:
+        """(1, L, H) embeddings of s[t+1] and hidden states at t -> (1, L, H) outputs, before
+        shared_head.norm: the next step chains on these, as vLLM's proposer does (the model's
+        forward returns them and compute_logits applies shared_head.norm), which follows
+        DeepSeek-V3's report (depth k+1 reads depth k's layer output; the norm is part of the
+        output head). SGLang chains on the normed state; hnorm makes the two nearly alike."""
+        x = mx.concatenate([self.enorm(embeddings), self.hnorm(hidden)], axis=-1)
+        x = self.eh_proj(x)
+        # deepseek_v3's MLA attention masks with mx.where: it needs the mask as an array
+        mask = create_attention_mask(x, cache[0], return_array=True)
+        return self.layers[0](x, mask=mask, cache=cache[0])
+
+    def final(self, x: mx.array) -> mx.array:
+        return self.shared_head.norm(x)
+
+    @staticmethod
+    def where(config: dict) -> str:
+        return f"model.layers.{int(text_config(config)['num_hidden_layers'])}.*"
+
+    @classmethod
+    def tensor_name(cls, key: str, config: dict) -> str | None:
+        """`model.layers.{N}.eh_proj.weight` -> `eh_proj.weight`; None for other tensors."""
+        prefix = cls.where(config)[:-1]
+        return key[len(prefix) :] if key.startswith(prefix) else None
+
+    @classmethod
+    def weights(cls, tensors: dict, config: dict, original: bool) -> dict:
+        """The layer's tensors -> the head's parameters. The decoder layer goes through its
+        architecture's own `Model.sanitize` (experts stacked, kv_b_proj split into MLA's
+        embed_q / unembed_out, fp8 dequantized) as layer 0 of a one-layer model, the names
+        mlx-lm's sanitize looks for; the target's copies are dropped after a shape check."""
+        n = layer_count(config)
+        if n != 1:
+            raise SpecError(f"this checkpoint has {n} MTP layers; only one is supported")
+        module, args, _ = _args(config)
+        text = text_config(config)
+        shape = (int(text["vocab_size"]), int(text["hidden_size"]))
+        out = dict(tensors)
+        for name in cls.SHARED:
+            v = out.pop(name, None)
+            if v is not None and tuple(v.shape) != shape:
+                raise SpecError(f"the MTP layer's {name} is {tuple(v.shape)}, not {shape}")
+        one = dataclasses.replace(args, num_hidden_layers=1)
+        layer = module.Model.sanitize(
+            SimpleNamespace(args=one), {f"model.layers.0.{k}": v for k, v in out.items()}
+        )
+        weights = {}
+        for k, v in layer.items():
+            name = k.removeprefix("model.layers.0.")
+            weights[name if name.startswith(cls.OWN) else f"layers.0.{name}"] = v
+        return weights
+
+
+HEADS = {"qwen": MTPHead, "nextn": NextNHead}
+
 
 # ------------------------------------------------------------------ checkpoint -> head weights
 
@@ -113,7 +257,7 @@ def is_original(names, mlx_format: bool) -> bool:
 
 
 def head_weights(tensors: dict, config: dict, original: bool) -> dict:
-    """`mtp.*` tensors with the prefix stripped -> the MTPHead's parameters (mlx-lm's
+    """Qwen's `mtp.*` tensors with the prefix stripped -> the MTPHead's parameters (mlx-lm's
     convention: norms w + 1 in an original checkpoint, experts stacked into switch_mlp)."""
     n = layer_count(config)
     if n != 1:
@@ -177,7 +321,7 @@ def read_head(path: Path) -> tuple[dict, dict]:
     return config, weights
 
 
-def load_head(path: Path, target_config: dict) -> MTPHead:
+def load_head(path: Path, target_config: dict) -> nn.Module:
     config, weights = read_head(Path(path))
     ours, theirs = text_config(config), text_config(target_config)
     if FAMILIES.get(config.get("model_type"), 1) != FAMILIES.get(target_config.get("model_type")):
@@ -190,7 +334,7 @@ def load_head(path: Path, target_config: dict) -> MTPHead:
             raise SpecError(
                 f"the head's {field} ({ours.get(field)}) is not the target's ({theirs.get(field)})"
             )
-    head = MTPHead(config)
+    head = build_head(config)
     quantization = config.get("quantization")
     if quantization:
         nn.quantize(
@@ -253,13 +397,17 @@ class MTPDrafter(Drafter):
         if n:
             caches.rollback(self.cache, n)
 
-    def _run(self, ids, hidden: mx.array) -> mx.array:
-        """The head over pairs (hidden (L, H), token ids (L,)) -> outputs (L, H)."""
+    def _run(self, ids, hidden: mx.array, at: int | None = None) -> mx.array:
+        """The head over pairs (hidden (L, H), token ids (L,)) -> outputs (L, H); `at`: the
+        position t of the first pair (h[t], s[t+1]), None past the target's states."""
         ids = ids if isinstance(ids, mx.array) else mx.array(ids, mx.uint32)
-        return self.head(self.embed(ids)[None], hidden[None], self.cache)[0]
+        embeddings = self.embed(ids)  # (L, H)
+        if at == 0 and self.head.zero_first:
+            embeddings = embeddings * (mx.arange(embeddings.shape[0]) > 0)[:, None]
+        return self.head(embeddings[None], hidden[None], self.cache)[0]
 
     def _logits(self, g: mx.array) -> mx.array:
-        logits = self.lm_head(g[None])[0]
+        logits = self.lm_head(self.head.final(g[None]))[0]
         if self.vocab is not None and logits.shape[-1] > self.vocab:
             logits = logits[: self.vocab]
         return logits
@@ -300,11 +448,12 @@ class MTPDrafter(Drafter):
         """One head step's seconds (the second of two: the first pays one-time costs)."""
         if self.rows is None or not self.rows.shape[0]:
             return None
-        row, token = self.rows[-1:], self.tokens[self._known()]
+        known = self._known()
+        row, token = self.rows[-1:], self.tokens[known]
         seconds = None
         for _ in range(2):
             start = time.perf_counter()
-            mx.eval(self._logits(self._run([token], row)[-1]))
+            mx.eval(self._logits(self._run([token], row, known - 1)[-1]))
             seconds = time.perf_counter() - start
         self._forget(2)
         return seconds
@@ -314,7 +463,7 @@ class MTPDrafter(Drafter):
         if self.rows is None or self.rows.shape[0] < 2:
             return
         m = self.rows.shape[0] - 1
-        self._run(self.tokens[self.end + 1 : self.end + m + 1], self.rows[:m])
+        self._run(self.tokens[self.end + 1 : self.end + m + 1], self.rows[:m], self.end)
         caches.eval_state(self.cache)
         self.end += m
         self.rows = self.rows[m:]
@@ -325,7 +474,7 @@ class MTPDrafter(Drafter):
             return mx.zeros((0,), mx.uint32), None
         known, n = self._known(), len(self.tokens)
         # the target's pairs not yet in the cache, in one pass; its last output is at `known`
-        g = self._run(self.tokens[self.end + 1 : known + 1], self.rows)[-1]
+        g = self._run(self.tokens[self.end + 1 : known + 1], self.rows, self.end)[-1]
         self.ran, self.steps = True, 1
         for pos in range(known + 1, n):  # tokens the target has not handed states for yet
             g = self._run(self.tokens[pos : pos + 1], g[None])[-1]
@@ -394,7 +543,7 @@ class MTPKind(DrafterKind):
             raise SpecError("the mtp drafter has no draft-confidence setting")
 
     @classmethod
-    def load_head(cls, path, target, target_config: dict) -> MTPHead:
+    def load_head(cls, path, target, target_config: dict) -> nn.Module:
         return load_head(Path(path), target_config)
 
     @classmethod
