@@ -73,6 +73,7 @@ FAMILIES = {
     "qwen3_next": Family("qwen", "qwen3_next", "ModelArgs", "Qwen3NextDecoderLayer"),
     "deepseek_v3": Family("nextn", "deepseek_v3", "ModelArgs", "DeepseekV3DecoderLayer"),
     "glm4_moe": Family("nextn", "glm4_moe", "ModelArgs", "DecoderLayer"),
+    "glm4_moe_lite": Family("nextn", "glm4_moe_lite", "ModelArgs", "Glm4MoeLiteDecoderLayer"),
 }
 # RMS norms stored zero-centred ((1 + w) x) in the original Qwen checkpoints; mlx-lm adds 1
 NORMS = (
@@ -197,7 +198,7 @@ class NextNHead(nn.Module):
         output head). SGLang chains on the normed state; hnorm makes the two nearly alike."""
         x = mx.concatenate([self.enorm(embeddings), self.hnorm(hidden)], axis=-1)
         x = self.eh_proj(x)
-        # deepseek_v3's MLA attention masks with mx.where: it needs the mask as an array
+        # MLA attention (deepseek_v3, glm4_moe_lite) masks with mx.where: it needs an array
         mask = create_attention_mask(x, cache[0], return_array=True)
         return self.layers[0](x, mask=mask, cache=cache[0])
 
