@@ -238,8 +238,10 @@ def is_downloaded(name: str) -> bool:
 
 def pair_downloaded(spec) -> bool:
     """Whether every model of a models.toml pair is on this machine (nothing to download)."""
-    models = [spec.target] + [m for m in (spec.draft, spec.head) if m]
-    return all(is_downloaded(m) for m in models)
+    models = [spec.target] + [m for m in (spec.draft,) if m]
+    if not all(is_downloaded(m) for m in models):
+        return False
+    return spec.head is None or spec.kind.head_downloaded(spec.head, spec.target)
 
 
 def first_vocab_difference(target_vocab: dict, draft_vocab: dict) -> str | None:
@@ -572,7 +574,9 @@ def load_pair(
         if diff is not None:
             raise SpecError(f"draft and target vocabularies differ: {diff}")
 
-    head_path = resolve_head(config.head, progress) if config.head else None
+    head_path = None
+    if config.head:  # the kind's: an MTP head may be extracted here from its original
+        head_path = config.kind.resolve_head(config.head, target_config, progress)
     if not force:
         shards = group.size() if group is not None else 1
         check_memory(

@@ -293,3 +293,89 @@ def test_head_directory_checks(checkpoint, tmp_path):
     with pytest.raises(mtp.SpecError, match="vocab_size"):
         mtp.load_head(head, other)
     assert np.isfinite(float(mtp.load_head(head, config).fc.weight.sum()))
+
+
+def cached_heads(root) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+def listed(capsys, name: str) -> str:
+    """The line `mlx-spec models` printed for a pair."""
+    return next(line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == [name])
+
+
+def test_a_pair_names_the_original_checkpoint(checkpoint, tmp_path, monkeypatch, capsys):
+    """`draft = { head = "mtp", path = ORIGINAL }`: the head is extracted once into the cache
+    ($MLX_SPEC_CACHE/heads), the same head `heads extract` writes, and reused after; an
+    interrupted extract leaves nothing behind; `mlx-spec models` says whether it is there."""
+    from mlx_spec.commands import heads
+
+    target, head, _ = checkpoint
+    monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path / "cache"))
+    root = heads.cache_root()
+    toml = tmp_path / "models.toml"
+    draft = f'{{ head = "mtp", path = "{target}" }}'
+    toml.write_text(f'[pairs.own]\ntarget = "{target}"\ndraft = {draft}\n')
+    monkeypatch.setenv("MLX_SPEC_MODELS", str(toml))
+    assert cli_main(["models"]) == 0
+    assert listed(capsys, "own").split()[2] == "no"
+
+    real = heads.extract
+
+    def interrupted(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt  # after the files are written, before they are in place
+
+    monkeypatch.setattr(heads, "extract", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_pair("own")
+    assert cached_heads(root) == []  # no half-written head, no hidden partial directory
+    monkeypatch.setattr(heads, "extract", real)
+
+    pair = load_pair("own")
+    assert pair.config.head == str(target)
+    [name] = cached_heads(root)
+    assert name.endswith("-float")  # the tiny target is not quantized
+    saved = mx.load(str(root / name / "model.safetensors"))
+    direct = mx.load(str(head / "model.safetensors"))
+    assert sorted(saved) == sorted(direct)
+    assert all(mx.array_equal(saved[k], direct[k]) for k in saved)
+    res = generate(pair, PROMPTS[0], max_tokens=12, num_draft_tokens=3)
+    assert res.tokens == reference(pair, PROMPTS[0], 12) and res.stats.drafted > 0
+    assert cli_main(["models"]) == 0
+    assert listed(capsys, "own").split()[2] == "yes"
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("extracted again")
+
+    monkeypatch.setattr(heads, "extract", refuse)
+    assert load_pair("own").head is not None  # reused
+    monkeypatch.setattr(heads, "extract", real)
+    # a quantized target gets a head quantized like it, in a directory of its own
+    q4 = {"quantization": {"group_size": 64, "bits": 4}}
+    quantized = mtp.MTPKind.resolve_head(str(target), q4)
+    assert quantized.parent == root and quantized.name.endswith("-4bit-g64")
+    assert json.loads((quantized / "config.json").read_text())["quantization"] == q4["quantization"]
+    assert len(cached_heads(root)) == 2
+
+
+def test_an_original_named_by_hub_id_while_offline_is_one_line(
+    checkpoint, tmp_path, monkeypatch, capsys
+):
+    target, _, _ = checkpoint
+    monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = one_line(capsys, "generate", "--target", target, "--drafter", "mtp",
+                   "--head", "Qwen/Qwen3.5-27B", "hi")  # fmt: skip
+    assert "Qwen/Qwen3.5-27B is not downloaded and HF_HUB_OFFLINE is set" in err
+
+
+def test_each_curated_qwen35_target_has_an_mtp_pair():
+    from mlx_spec.registry import load_registry
+
+    pairs = load_registry().pairs.values()
+    targets = {p.target for p in pairs if "/Qwen3.5-" in p.target and p.drafter != "mtp"}
+    heads = {p.target: p.head for p in pairs if p.drafter == "mtp"}
+    assert targets and set(heads) == targets
+    for target, head in heads.items():  # the original repository of the same model
+        assert head.startswith("Qwen/Qwen3.5-") and head.split("/")[1] + "-" in target

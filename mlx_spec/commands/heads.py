@@ -170,6 +170,73 @@ def extract(source: str, out: Path, bits: int | None = None, group_size: int = 6
     return head_config
 
 
+# ------------------------------------------------------------------ the extracted-head cache
+
+
+def cache_root() -> Path:
+    """Where heads extracted for a pair are kept: $MLX_SPEC_CACHE/heads, else
+    ~/.cache/mlx-spec/heads (beside the GGUF conversions)."""
+    env = os.environ.get("MLX_SPEC_CACHE")
+    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return (base if env else base / "mlx-spec") / "heads"
+
+
+def cache_name(source: str, bits: int | None, group_size: int) -> str:
+    """One directory per source (a hub id, or a directory's absolute path) and quantization."""
+    import hashlib
+    import re
+
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "--", source.strip("/"))[-60:]
+    digest = hashlib.sha256(source.encode()).hexdigest()[:10]
+    return f"{slug}-{digest}-{f'{bits}bit-g{group_size}' if bits else 'float'}"
+
+
+def is_head(path: Path) -> bool:
+    """Whether a directory is a complete head directory (what extract writes)."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    from ..drafters import mtp
+
+    head = isinstance(config, dict) and config.get("head_type") == mtp.HEAD_TYPE
+    return head and (path / SINGLE).is_file()
+
+
+def cached_head(source: str, bits: int | None, group_size: int = 64, report=None) -> Path:
+    """The head of an original checkpoint, extracted on first use into the cache (only its
+    MTP shards read or downloaded) and reused after. The extract is written to a hidden
+    directory and renamed into place, under a file lock: an interrupted one leaves no
+    half-written head, and a second process waits for the first, then reuses its result."""
+    import shutil
+
+    from filelock import FileLock
+
+    root = cache_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SpecError(f"cannot use the head cache {root}: {err.strerror}") from None
+    out = root / cache_name(source, bits, group_size)
+    if is_head(out):
+        return out
+    with FileLock(f"{out}.lock"):
+        if is_head(out):
+            return out
+        for partial in (*root.glob(f".{out.name}.*"), out):  # a killed run's, a damaged one
+            if partial.is_dir():
+                shutil.rmtree(partial, ignore_errors=True)
+        tmp = root / f".{out.name}.{os.getpid()}"
+        say = report or (lambda _: None)
+        say(f"Extracting the MTP head of {source} (once; cached in {root})…")
+        try:
+            extract(source, tmp, bits, group_size, report=say)
+            tmp.rename(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def main(args):
     out = new_output_dir(args.out)
     start = time.perf_counter()

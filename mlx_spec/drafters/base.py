@@ -109,6 +109,21 @@ class DrafterKind:
         """Refuse (SpecError, one line) a pair configuration this kind cannot run."""
 
     @classmethod
+    def resolve_head(cls, name: str, target_config: dict, progress=None):
+        """The head directory a pair names (a path, package:MODULE/DIR or a hub id),
+        downloaded when missing; called by load_pair before any weights are loaded."""
+        from ..loading import resolve_head
+
+        return resolve_head(name, progress)
+
+    @classmethod
+    def head_downloaded(cls, name: str, target: str) -> bool:
+        """Whether `resolve_head` would find the head here, without the network."""
+        from ..loading import is_downloaded
+
+        return is_downloaded(name)
+
+    @classmethod
     def load_head(cls, path, target, target_config: dict):
         """A head directory -> the loaded head (an nn.Module), checked against the target;
         called once by load_pair, which evaluates its arrays (threads.py)."""

@@ -533,10 +533,80 @@ class MTPDrafter(Drafter):
         return caches.nbytes(self.cache) + rows
 
 
+def target_quantization(config: dict | None) -> tuple[int | None, int]:
+    """(bits, group size) of a quantized target's config; (None, 64) for a float one."""
+    q = (config or {}).get("quantization")
+    bits = q.get("bits") if isinstance(q, dict) else None
+    if not isinstance(bits, int) or isinstance(bits, bool):
+        return None, 64
+    return bits, int(q.get("group_size") or 64)
+
+
+def head_source(name: str) -> tuple[Path | None, str | None]:
+    """A pair's head name -> (a head directory to read as it is, None) or (None, the original
+    checkpoint to extract it from: a directory's absolute path or a hub id). MTP heads are not
+    published as repositories: a hub id names the model's original repository."""
+    from ..commands.heads import is_head
+    from ..loading import _expand, looks_like_path
+
+    if name.startswith("package:"):
+        return Path(name), None
+    path = _expand(name)
+    if path.is_dir() and (is_head(path) or not (path / "config.json").is_file()):
+        return path, None  # a head directory (or none at all: read_head says what is wrong)
+    if path.exists() or looks_like_path(name):
+        if not path.is_dir():
+            raise SpecError(f"the head {name} is not a directory")
+        return None, str(path.resolve())
+    return None, name
+
+
+def _local_config(target: str) -> dict | None:
+    """A target's config.json when it is on this machine (no network), else None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        path = Path(target).expanduser() / "config.json"
+        if not path.is_file():
+            found = try_to_load_from_cache(target, "config.json")
+            path = Path(found) if isinstance(found, str) else None
+        return json.loads(path.read_text(encoding="utf-8")) if path else None
+    except Exception:  # a GGUF file, a bad id, a damaged file: treated as a float target
+        return None
+
+
 class MTPKind(DrafterKind):
     name = "mtp"
     needs_head = True
-    help = "the target's own multi-token-prediction layer (--head DIR: mlx-spec heads extract)"
+    help = (
+        "the target's own multi-token-prediction layer (--head DIR from mlx-spec heads "
+        "extract, or the original checkpoint: extracted once into the cache)"
+    )
+
+    @classmethod
+    def resolve_head(cls, name: str, target_config: dict, progress=None) -> Path:
+        """A head directory as it is; an original checkpoint's head (its directory or hub id)
+        extracted once into the head cache, quantized as the target is."""
+        _, source = head_source(name)
+        if source is None:
+            return super().resolve_head(name, target_config, progress)
+        from ..commands.heads import cached_head
+
+        bits, group_size = target_quantization(target_config)
+        return cached_head(source, bits, group_size, report=progress)
+
+    @classmethod
+    def head_downloaded(cls, name: str, target: str) -> bool:
+        from ..commands.heads import cache_name, cache_root, is_head
+
+        try:
+            _, source = head_source(name)
+        except SpecError:
+            return False
+        if source is None:
+            return super().head_downloaded(name, target)
+        bits, group_size = target_quantization(_local_config(target))
+        return is_head(cache_root() / cache_name(source, bits, group_size))
 
     @classmethod
     def validate(cls, config) -> None:
