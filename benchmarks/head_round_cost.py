@@ -2,10 +2,12 @@
 
 Tiny random float32 models in the published layouts (the test suite's builders): a llama target
 (hidden 256, 8 layers) drafted by its 2-layer truncation, an EAGLE-3 head and a DFlash head; a
-Qwen3.5 target (hybrid) with its MTP head. Random heads are nearly always rejected, so what
-this compares is cost, not acceptance: the median ms of a round at fixed k = 3 (the draft and
-one verify pass of 4 rows) divided by the median ms of a plain target step on the same target,
-interleaved runs in one process.
+Qwen3.5 target (hybrid) with its MTP head; a DeepSeek-V3 target (MLA, MoE; hidden 256, 8
+layers) drafted by its 2-layer truncation and by its MTP layer in the DeepSeek layout
+(`model.layers.{N}`: enorm / hnorm / eh_proj / shared_head). Random heads are nearly always
+rejected, so what this compares is cost, not acceptance: the median ms of a round at fixed
+k = 3 (the draft and one verify pass of 4 rows) divided by the median ms of a plain target
+step on the same target, interleaved runs in one process.
 Run: flock /tmp/bench.lock python benchmarks/head_round_cost.py
 """
 
@@ -22,12 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import mlx_spec  # noqa: E402, I001  (first: OpenBLAS before mlx.core)
 
 # isort: split
+import real_configs  # noqa: E402
 import tiny  # noqa: E402
 from test_dflash import head_config  # noqa: E402
 from test_dflash import write_head as write_dflash  # noqa: E402
 from test_eagle import head_weights, subset  # noqa: E402
 from test_eagle import write_head as write_eagle  # noqa: E402
 from test_mtp import original_checkpoint  # noqa: E402
+from test_mtp_nextn import write_original  # noqa: E402
 
 from mlx_spec.cli import main as cli  # noqa: E402
 
@@ -48,6 +52,14 @@ def pairs(root: Path) -> dict:
     dflash = write_dflash(root / "dflash", head_config(llama, [1, 4, 6], block_size=8))
     original_checkpoint(root / "qwen35", 320, tok)
     assert cli(["heads", "extract", str(root / "qwen35"), str(root / "mtp")]) == 0
+    wide = {"hidden_size": 256, "num_hidden_layers": 8, "intermediate_size": 512}
+    wide |= {"moe_intermediate_size": 128, "kv_lora_rank": 64, "q_lora_rank": 96}
+    ds = real_configs.mtp_configs(320)["deepseek-v3"] | wide
+    ds, ds_weights, _ = write_original(root / "dsv3-original", "deepseek-v3", 320, tok, config=ds)
+    ds_target = tiny.write_model(root / "dsv3", ds, ds_weights, tok)
+    dw, dc = tiny.truncated(ds_weights, ds, layers=2)
+    ds_draft = tiny.write_model(root / "dsv3-draft", dc, dw, tok)
+    assert cli(["heads", "extract", str(root / "dsv3-original"), str(root / "dsv3-mtp")]) == 0
     load = mlx_spec.load_pair
     return {
         "llama": {
@@ -57,6 +69,12 @@ def pairs(root: Path) -> dict:
         },
         "qwen3.5": {
             "mtp head": load(target=str(root / "qwen35"), drafter="mtp", head=str(root / "mtp"))
+        },
+        "dsv3": {
+            "draft model (2 of 8 layers)": load(target=str(ds_target), draft=str(ds_draft)),
+            "mtp head (DeepSeek layout)": load(
+                target=str(ds_target), drafter="mtp", head=str(root / "dsv3-mtp")
+            ),
         },
     }
 

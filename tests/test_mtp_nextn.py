@@ -51,15 +51,17 @@ def original_names(weights: dict, config: dict) -> dict:
     return out
 
 
-def write_original(path, name: str, vocab: int, tokenizer, seed=0, head_scale=4.0, agree=None):
-    """A checkpoint in the original layout; returns (config, the target's mlx-lm weights, the
-    head's parameters in mlx-lm's names).
+def write_original(
+    path, name: str, vocab: int, tokenizer, seed=0, head_scale=4.0, agree=None, config=None
+):
+    """A checkpoint in the original layout (`config`: another than the family's tiny one);
+    returns (config, the target's mlx-lm weights, the head's parameters in mlx-lm's names).
 
     `agree` (a noise level): a head that predicts well. The target's layers are damped so it
     is nearly a bigram model (its hidden state at t+1 ~ norm(embed(s[t+1]))), and the head
     computes that: eh_proj takes the embedding half, its layer adds nothing (zero output
     projections; its attention still fills the cache), shared_head.norm is the final norm."""
-    config = real_configs.mtp_configs(vocab)[name]
+    config = config or real_configs.mtp_configs(vocab)[name]
     n = config["num_hidden_layers"]
     weights = tiny.family_weights(config, seed=seed, head_scale=head_scale)
     if agree is not None:
