@@ -206,6 +206,18 @@ def test_the_head_cache_stays_consistent_through_rejections(family):
     assert mx.allclose(plain[0].keys[..., 1:3, :], keys[..., 1:3, :], atol=1e-4)
 
 
+def test_a_quantized_head(family, tmp_path):
+    """--bits 4: the layer's linears (MLA's unembed_out, the stacked experts) quantized."""
+    _, original, _, _, pair = family
+    out = tmp_path / "q4"
+    argv = ["heads", "extract", str(original), str(out), "--bits", "4", "--group-size", "32"]
+    assert cli_main(argv) == 0
+    assert "layers.0.mlp.switch_mlp.down_proj.scales" in mx.load(str(out / "model.safetensors"))
+    quantized = load_pair(target=str(pair.target_path), drafter="mtp", head=str(out))
+    res = generate(quantized, PROMPTS[1], max_tokens=12, num_draft_tokens=3)
+    assert res.tokens == reference(quantized, PROMPTS[1], 12) and res.stats.accepted > 0
+
+
 def rms(x: mx.array, w: mx.array, eps: float) -> mx.array:
     return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps) * w
 

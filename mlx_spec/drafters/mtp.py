@@ -546,19 +546,31 @@ def head_source(name: str) -> tuple[Path | None, str | None]:
     """A pair's head name -> (a head directory to read as it is, None) or (None, the original
     checkpoint to extract it from: a directory's absolute path or a hub id). MTP heads are not
     published as repositories: a hub id names the model's original repository."""
-    from ..commands.heads import is_head
     from ..loading import _expand, looks_like_path
 
     if name.startswith("package:"):
         return Path(name), None
     path = _expand(name)
-    if path.is_dir() and (is_head(path) or not (path / "config.json").is_file()):
-        return path, None  # a head directory (or none at all: read_head says what is wrong)
+    if path.is_dir() and not _is_original(path):
+        return path, None  # a head directory (or not one: read_head says what is wrong)
     if path.exists() or looks_like_path(name):
         if not path.is_dir():
             raise SpecError(f"the head {name} is not a directory")
         return None, str(path.resolve())
     return None, name
+
+
+def _is_original(path: Path) -> bool:
+    """A model directory of a family with an MTP layout (not a head directory)."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return (
+        isinstance(config, dict)
+        and "head_type" not in config
+        and config.get("model_type") in FAMILIES
+    )
 
 
 def _local_config(target: str) -> dict | None:
