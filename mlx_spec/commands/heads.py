@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -207,7 +208,8 @@ def cached_head(source: str, bits: int | None, group_size: int = 64, report=None
     """The head of an original checkpoint, extracted on first use into the cache (only its
     MTP shards read or downloaded) and reused after. The extract is written to a hidden
     directory and renamed into place, under a file lock: an interrupted one leaves no
-    half-written head, and a second process waits for the first, then reuses its result."""
+    half-written head, and a second process waits for the first, then reuses its result.
+    `report(line)` gets its lines (default: stderr)."""
     import shutil
 
     from filelock import FileLock
@@ -227,7 +229,7 @@ def cached_head(source: str, bits: int | None, group_size: int = 64, report=None
             if partial.is_dir():
                 shutil.rmtree(partial, ignore_errors=True)
         tmp = root / f".{out.name}.{os.getpid()}"
-        say = report or (lambda _: None)
+        say = report or (lambda line: print(line, file=sys.stderr))  # as GGUF conversions
         say(f"Extracting the MTP head of {source} (once; cached in {root})…")
         try:
             extract(source, tmp, bits, group_size, report=say)
