@@ -230,6 +230,7 @@ def cached_head(source: str, bits: int | None, group_size: int = 64, report=None
                 shutil.rmtree(partial, ignore_errors=True)
         tmp = root / f".{out.name}.{os.getpid()}"
         say = report or (lambda line: print(line, file=sys.stderr))  # as GGUF conversions
+        locate(source)  # a checkpoint that cannot give a head: its one line, and no other
         say(f"Extracting the MTP head of {source} (once; cached in {root})…")
         try:
             extract(source, tmp, bits, group_size, report=say)
