@@ -74,7 +74,7 @@ def _tensor_names(path: Path) -> list[str]:
 
 
 def locate(source: str) -> tuple[Path, dict, list[Path], list[str]]:
-    """The checkpoint's folder, config, the shards holding mtp tensors and their names."""
+    """The checkpoint's folder, config, the shards holding its MTP layer and their names."""
     from ..drafters import mtp
     from ..loading import looks_like_path
     from ..model_dir import json_object
@@ -153,7 +153,7 @@ def extract(source: str, out: Path, bits: int | None = None, group_size: int = 6
         head.load_weights(list(weights.items()), strict=True)
     except (ValueError, KeyError) as err:
         raise SpecError(
-            f"the mtp tensors do not fit the {config.get('model_type')} layout: {err}"
+            f"the MTP tensors do not fit the {config.get('model_type')} layout: {err}"
         ) from None
     head_config = {
         "head_type": mtp.HEAD_TYPE,
