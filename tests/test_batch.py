@@ -101,6 +101,18 @@ def test_greedy_rows_equal_each_alone(tiny_models, qwen3_dirs, family, drafter, 
         assert decoder.drafted > 0
 
 
+def test_long_rows_past_the_cache_allocation_step(tiny_models):
+    """Past 256 positions mlx-lm's BatchKVCache grows its buffer and a row's roll wraps
+    into the left padding: still each row's own output (a noisy draft: mixed rejections)."""
+    pair = load_pair(target=str(tiny_models.target), draft=str(tiny_models.noisy))
+    prompts, lengths = [TEXTS[2], TEXTS[4], TEXTS[0]], [300, 200, 260]
+    configs = [GenerationConfig(max_tokens=m, num_draft_tokens=5) for m in lengths]
+    results = mlx_spec.batch_generate(pair, prompts, configs)
+    for prompt, m, res in zip(prompts, lengths, results, strict=True):
+        assert res.tokens == reference(pair, prompt, m)
+    assert any(0 < r.stats.accepted < r.stats.drafted for r in results)
+
+
 def test_batch_generate_equals_generate_per_prompt(pair):
     """Same tokens, text and stats per prompt as `generate` alone; with max_batch=2 the later
     prompts join as the first ones finish; a list of configs mixes settings per prompt."""
