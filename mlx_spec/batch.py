@@ -534,8 +534,9 @@ def batch_generate(
             stats.num_draft_tokens = decoder.fixed_k or 0
             if decoder.controller is not None:
                 stats.num_draft_tokens = decoder.controller.k_max
+            stats.adaptive = decoder.controller is not None
             if not (decoder.drafting and configs[i].use_draft):
-                stats.num_draft_tokens = 0
+                stats.num_draft_tokens, stats.adaptive = 0, False
             begin = time.perf_counter()
             row = decoder.add(tokens, configs[i], max_tokens=max_tokens)
             stats.prefill_seconds = time.perf_counter() - begin

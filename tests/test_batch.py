@@ -113,6 +113,57 @@ def test_long_rows_past_the_cache_allocation_step(tiny_models):
     assert any(0 < r.stats.accepted < r.stats.drafted for r in results)
 
 
+class PlainThen:
+    """A draft-length policy (policies.Policy): `plain` plain tokens first, then k a round."""
+
+    def __init__(self, plain: int, k: int):
+        self.left, self.k = plain, k
+        self.k_max = k
+
+    def next(self, available=None) -> int:
+        return 0 if self.left else self.k
+
+    def plain_burst(self) -> int:
+        n, self.left = self.left, 0
+        return n or 1  # 1: a reply's last token, which no round may draft past
+
+    def update(self, *args, **kwargs) -> None:
+        pass
+
+    update_plain = update
+
+    def wants_split(self) -> bool:
+        return False
+
+
+def test_rows_join_after_plain_rounds_and_draft_at_once(pair, monkeypatch):
+    """The batch decodes plainly for 6 rounds (as `auto` may), so the draft falls behind on the
+    first row; rows join after that (the draft catches up in one pass) and every row drafts.
+    Each row keeps its own output and its own draft context: its rounds (what the draft
+    proposed, what was accepted) are those of a single-stream decoder under the same k."""
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS]
+    decoder = make_batch_decoder(pair, 4)
+    rnd = 0
+    monkeypatch.setattr(decoder, "_choose_k", lambda: 0 if rnd < 6 else 4)
+    rows, out = {}, {}
+    while rnd == 0 or len(decoder):
+        if rnd in (0, 6, 9):
+            row = decoder.add(prompts[rnd // 3], GenerationConfig(max_tokens=20))
+            rows[row], out[row] = rnd // 3, []
+        for row, u in decoder.step().items():
+            out[row].append((u.round.proposal, u.round.accepted, u.tokens))
+        rnd += 1
+    for row, p in rows.items():
+        alone = mlx_spec.make_decoder(pair)
+        alone.prefill(prompts[p])
+        policy = PlainThen(6 if p == 0 else 0, 4)
+        rounds = alone.rounds(20, GenerationConfig().sampling, policy)
+        expected = [(r.proposal, r.accepted, r.tokens) for r in rounds]
+        assert out[row] == expected
+        assert sum(len(t) for *_, t in out[row]) == 20
+    assert len(rows) == 3
+
+
 def test_batch_generate_equals_generate_per_prompt(pair):
     """Same tokens, text and stats per prompt as `generate` alone; with max_batch=2 the later
     prompts join as the first ones finish; a list of configs mixes settings per prompt."""
