@@ -241,8 +241,11 @@ class BatchDecoder:
         draft_cache = None
         if self.draft is not None:
             self._catch_up()  # the batch's draft to lag 2, where the new row starts
-            # a one-token prompt: the draft sees its token twice (only its guesses change)
+            # a one-token prompt: the draft sees its token twice (only its guesses change); a
+            # row that never drafts is not prefilled (its draft row holds only what each
+            # draft pass feeds every row, and its guesses are never used)
             context = prompt if len(prompt) >= 2 else prompt * 2
+            context = context if row.use_draft else context[-2:]
             draft_cache = make_prompt_cache(self.draft)
             prefill_cache(self.draft, draft_cache, context[:-2])
         if self.lookup is not None:

@@ -167,9 +167,14 @@ def test_rows_join_after_plain_rounds_and_draft_at_once(pair, monkeypatch):
 def test_batch_generate_equals_generate_per_prompt(pair):
     """Same tokens, text and stats per prompt as `generate` alone; with max_batch=2 the later
     prompts join as the first ones finish; a list of configs mixes settings per prompt."""
-    configs = [
-        GenerationConfig(max_tokens=m, num_draft_tokens=4, temperature=t, seed=s)
-        for m, t, s in [(30, 0.0, None), (12, 1.0, 7), (25, 0.7, 3), (18, 0.0, None)]
+    configs = [  # the last one does not draft (its draft row is never prefilled)
+        GenerationConfig(max_tokens=m, num_draft_tokens=4, temperature=t, seed=s, use_draft=d)
+        for m, t, s, d in [
+            (30, 0.0, None, True),
+            (12, 1.0, 7, True),
+            (25, 0.7, 3, True),
+            (18, 0.0, None, False),
+        ]
     ]
     prompts = TEXTS[:4]
     results = mlx_spec.batch_generate(pair, prompts, configs, max_batch=2)
