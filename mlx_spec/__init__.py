@@ -5,6 +5,7 @@ from .blas import preload_openblas
 
 preload_openblas()
 
+from .batch import BatchDecoder, batch_generate, make_batch_decoder
 from .config import GenerationConfig, PairConfig
 from .engine import Decoder, Event, Result, generate, make_decoder, stream, stream_rounds
 from .errors import SpecError
@@ -13,6 +14,7 @@ from .sampling import SamplingParams
 from .stats import Stats
 
 __all__ = [
+    "BatchDecoder",
     "Decoder",
     "Event",
     "GenerationConfig",
@@ -22,8 +24,10 @@ __all__ = [
     "SamplingParams",
     "SpecError",
     "Stats",
+    "batch_generate",
     "generate",
     "load_pair",
+    "make_batch_decoder",
     "make_decoder",
     "stream",
     "stream_rounds",

@@ -1,0 +1,371 @@
+"""Continuous batching that still speculates: every row's output is what it would be alone.
+
+Rows join at different rounds (prefilled alone, merged in), reject different numbers of draft
+tokens (each rolled back by its own count), and leave when they finish or are cancelled. The
+references are mlx-lm on the target alone (greedy) and the exact joint distribution of the
+first two tokens (sampled), as in test_greedy_equality.py and test_distribution.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tiny
+from test_distribution import PROMPT, VOCAB, accept_everything, chi_square, exact_joint
+from test_greedy_equality import reference
+
+import mlx_spec
+from mlx_spec import GenerationConfig, SpecError, generate, load_pair
+from mlx_spec.batch import BatchDecoder, BatchTiming, make_batch_decoder
+from mlx_spec.policies import BatchController, choose_batch_k, interpolate
+
+TEXTS = [
+    "The quick brown fox",
+    "def add(a, b):\n    return a + b\n\ndef add(",
+    "Paris is the capital of France. Berlin is the capital of",
+    "Once",
+    "Speculative decoding drafts tokens with a small model and verifies them",
+]
+# (prompt, joins before round, max_tokens): rows join at different rounds and leave at
+# different rounds (their max_tokens), one is cancelled (below)
+SCHEDULE = [(0, 0, 40), (1, 0, 24), (2, 2, 36), (3, 3, 12), (4, 6, 30)]
+CANCELLED = 1  # the schedule index cancelled after round 5
+
+
+@pytest.fixture(scope="module")
+def qwen3_dirs(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch_qwen3")
+    cfg = tiny.family_configs(320)["qwen3"]
+    weights = tiny.family_weights(cfg, seed=0)
+    target = tiny.write_model(root / "qwen3", cfg, weights, tiny_models.tokenizer)
+    draft = tiny.write_model(
+        root / "qwen3-draft", cfg, tiny.noisy(weights, 0.05), tiny_models.tokenizer
+    )
+    return target, draft
+
+
+def pair_of(tiny_models, qwen3_dirs, family: str, drafter: str | None):
+    target, draft = (tiny_models.target, tiny_models.draft) if family == "llama" else qwen3_dirs
+    if drafter == "model":
+        return load_pair(target=str(target), draft=str(draft))
+    pair = load_pair(target=str(target))
+    return pair.configured(drafter="ngram") if drafter == "ngram" else pair
+
+
+def run_schedule(decoder: BatchDecoder, prompts: list[list[int]], cancel_at: int | None = 5):
+    """Drive the decoder through SCHEDULE: {schedule index: tokens, finish reason}."""
+    ids, out, reasons, rnd = {}, {}, {}, 0
+    decoder.drafted = 0
+    while len(reasons) < len(SCHEDULE):
+        for i, (p, start, max_tokens) in enumerate(SCHEDULE):
+            if start == rnd:
+                config = GenerationConfig(max_tokens=max_tokens)
+                ids[decoder.add(prompts[p], config)] = i
+                out[i] = []
+        if rnd == cancel_at:
+            decoder.cancel(next(r for r, i in ids.items() if i == CANCELLED))
+        for row, u in decoder.step().items():
+            out[ids[row]] += u.tokens
+            decoder.drafted += u.round.drafted
+            if u.done:
+                reasons[ids[row]] = u.finish_reason
+        rnd += 1
+        assert rnd < 200
+    return out, reasons
+
+
+@pytest.mark.parametrize(
+    "family,drafter,k",
+    [
+        (family, drafter, k)
+        for family, drafter in [("llama", "model"), ("llama", "ngram"), ("qwen3", "model")]
+        for k in (3, "auto")
+    ]
+    + [("llama", None, 0), ("qwen3", None, 0)],
+)
+def test_greedy_rows_equal_each_alone(tiny_models, qwen3_dirs, family, drafter, k):
+    pair = pair_of(tiny_models, qwen3_dirs, family, drafter)
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS]
+    decoder = make_batch_decoder(pair, k if k else None)
+    out, reasons = run_schedule(decoder, prompts)
+    for i, (p, _, max_tokens) in enumerate(SCHEDULE):
+        expected = reference(pair, prompts[p], max_tokens)
+        if i == CANCELLED:
+            assert reasons[i] == "cancelled"
+            assert 0 < len(out[i]) < len(expected) and out[i] == expected[: len(out[i])]
+        else:
+            assert out[i] == expected, f"row {i}"
+            assert reasons[i] == ("length" if len(expected) == max_tokens else "stop")
+    assert len(decoder) == 0 and decoder.cache is None
+    if k == 3:  # the rows did draft (else the test would show nothing of speculation)
+        assert decoder.drafted > 0
+
+
+def test_long_rows_past_the_cache_allocation_step(tiny_models):
+    """Past 256 positions mlx-lm's BatchKVCache grows its buffer and a row's roll wraps
+    into the left padding: still each row's own output (a noisy draft: mixed rejections)."""
+    pair = load_pair(target=str(tiny_models.target), draft=str(tiny_models.noisy))
+    prompts, lengths = [TEXTS[2], TEXTS[4], TEXTS[0]], [300, 200, 260]
+    configs = [GenerationConfig(max_tokens=m, num_draft_tokens=5) for m in lengths]
+    results = mlx_spec.batch_generate(pair, prompts, configs)
+    for prompt, m, res in zip(prompts, lengths, results, strict=True):
+        assert res.tokens == reference(pair, prompt, m)
+    assert any(0 < r.stats.accepted < r.stats.drafted for r in results)
+
+
+class PlainThen:
+    """A draft-length policy (policies.Policy): `plain` plain tokens first, then k a round."""
+
+    def __init__(self, plain: int, k: int):
+        self.left, self.k = plain, k
+        self.k_max = k
+
+    def next(self, available=None) -> int:
+        return 0 if self.left else self.k
+
+    def plain_burst(self) -> int:
+        n, self.left = self.left, 0
+        return n or 1  # 1: a reply's last token, which no round may draft past
+
+    def update(self, *args, **kwargs) -> None:
+        pass
+
+    update_plain = update
+
+    def wants_split(self) -> bool:
+        return False
+
+
+def test_rows_join_after_plain_rounds_and_draft_at_once(pair, monkeypatch):
+    """The batch decodes plainly for 6 rounds (as `auto` may), so the draft falls behind on the
+    first row; rows join after that (the draft catches up in one pass) and every row drafts.
+    Each row keeps its own output and its own draft context: its rounds (what the draft
+    proposed, what was accepted) are those of a single-stream decoder under the same k."""
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS]
+    decoder = make_batch_decoder(pair, 4)
+    rnd = 0
+    monkeypatch.setattr(decoder, "_choose_k", lambda: 0 if rnd < 6 else 4)
+    rows, out = {}, {}
+    while rnd == 0 or len(decoder):
+        if rnd in (0, 6, 9):
+            row = decoder.add(prompts[rnd // 3], GenerationConfig(max_tokens=20))
+            rows[row], out[row] = rnd // 3, []
+        for row, u in decoder.step().items():
+            out[row].append((u.round.proposal, u.round.accepted, u.tokens))
+        rnd += 1
+    for row, p in rows.items():
+        alone = mlx_spec.make_decoder(pair)
+        alone.prefill(prompts[p])
+        policy = PlainThen(6 if p == 0 else 0, 4)
+        rounds = alone.rounds(20, GenerationConfig().sampling, policy)
+        expected = [(r.proposal, r.accepted, r.tokens) for r in rounds]
+        assert out[row] == expected
+        assert sum(len(t) for *_, t in out[row]) == 20
+    assert len(rows) == 3
+
+
+def test_batch_generate_equals_generate_per_prompt(pair):
+    """Same tokens, text and stats per prompt as `generate` alone; with max_batch=2 the later
+    prompts join as the first ones finish; a list of configs mixes settings per prompt."""
+    configs = [  # the last one does not draft (its draft row is never prefilled)
+        GenerationConfig(max_tokens=m, num_draft_tokens=4, temperature=t, seed=s, use_draft=d)
+        for m, t, s, d in [
+            (30, 0.0, None, True),
+            (12, 1.0, 7, True),
+            (25, 0.7, 3, True),
+            (18, 0.0, None, False),
+        ]
+    ]
+    prompts = TEXTS[:4]
+    results = mlx_spec.batch_generate(pair, prompts, configs, max_batch=2)
+    for prompt, config, res in zip(prompts, configs, results, strict=True):
+        alone = generate(pair, prompt, config)
+        assert res.tokens == alone.tokens
+        assert res.text == alone.text
+        assert res.kinds == alone.kinds and res.accepted == alone.accepted
+        assert res.finish_reason == alone.finish_reason
+        for name in ("generated_tokens", "drafted", "accepted", "target_passes", "prompt_tokens"):
+            assert getattr(res.stats, name) == getattr(alone.stats, name), name
+        assert [r.to_json() for r in res.rounds] == [r.to_json() for r in alone.rounds]
+    assert sum(r.stats.drafted for r in results) > 0
+
+
+def test_end_of_sequence_ends_a_row_mid_round(tiny_models):
+    pair = load_pair(target=str(tiny_models.target), draft=str(tiny_models.draft))
+    free_run = reference(pair, TEXTS[2], 40)
+    position = next(i for i in range(8, 40) if free_run[i] not in free_run[:i])
+    pair.tokenizer.add_eos_token(str(free_run[position]))
+    results = mlx_spec.batch_generate(pair, TEXTS[:3], max_tokens=40, num_draft_tokens=5)
+    assert results[2].tokens == free_run[:position] and results[2].finish_reason == "stop"
+    for text, res in zip(TEXTS[:3], results, strict=True):
+        assert res.tokens == reference(pair, text, 40)
+
+
+def test_seeded_rows_sample_the_same_whatever_the_batch(pair):
+    """A seed belongs to its request: alone, beside other rows, joining later, and in
+    `generate`, the same seed samples the same tokens."""
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS]
+    mine = GenerationConfig(max_tokens=24, temperature=1.0, seed=11)
+
+    def in_batch(others: list[tuple[int, int, float]]) -> list[int]:
+        decoder = make_batch_decoder(pair, 3)
+        got, rnd, me = [], 0, None
+        while me is None or rnd < 100:
+            for p, start, temp in others:
+                if start == rnd:
+                    cfg = GenerationConfig(max_tokens=15, temperature=temp, seed=rnd)
+                    decoder.add(prompts[p], cfg)
+            if rnd == 2:
+                me = decoder.add(prompts[2], mine)
+            updates = decoder.step()
+            if me in updates:
+                got += updates[me].tokens
+                if updates[me].done:
+                    return got
+            rnd += 1
+        raise AssertionError("the row never finished")
+
+    alone = in_batch([])
+    assert alone == in_batch([(0, 0, 0.0), (1, 1, 0.8), (3, 4, 1.0)])
+    assert alone == in_batch([(4, 0, 1.0), (0, 3, 0.0)])
+    assert alone == generate(pair, TEXTS[2], mine, num_draft_tokens=3).tokens
+
+
+JOINING = 4  # sampled rows joining per round
+
+
+def sampled_first_two(pair, params, runs: int, neighbours: bool = True) -> np.ndarray:
+    """Counts of a temperature-`params` row's first two tokens over `runs` seeded rows that
+    join a long-running batch one per round, beside a greedy row and a temperature-0.6 row
+    that keep joining and leaving too; one decoder all along."""
+    decoder = make_batch_decoder(pair, 2)
+    counts = np.zeros((VOCAB, VOCAB))
+    tokens: dict[int, list[int]] = {}
+    seed, done = 0, 0
+    others = 0
+    while done < runs:
+        for _ in range(min(JOINING, runs - seed)):  # a few join each round
+            config = GenerationConfig(
+                max_tokens=2, temperature=params.temperature, top_p=params.top_p, seed=seed
+            )
+            tokens[decoder.add(PROMPT, config)] = []
+            seed += 1
+        if neighbours and others < 2:  # neighbours of other settings and prompt lengths
+            temp = 0.0 if seed % 2 else 0.6
+            prompt = PROMPT[: 2 + seed % 4]
+            decoder.add(prompt, GenerationConfig(max_tokens=7, temperature=temp, seed=seed))
+            others += 1
+        for row, u in decoder.step().items():
+            if row in tokens:
+                tokens[row] += u.tokens
+                if u.done:
+                    t = tokens.pop(row)
+                    counts[t[0], t[1]] += 1
+                    done += 1
+            elif u.done:
+                others -= 1
+    return counts
+
+
+def test_a_sampled_row_in_a_mixed_batch_follows_the_target(tiny_models, monkeypatch):
+    pair = load_pair(target=str(tiny_models.small_target), draft=str(tiny_models.small_draft))
+    params = GenerationConfig(temperature=1.0, top_p=0.9).sampling
+    probs = exact_joint(pair, params)
+    stat, threshold = chi_square(sampled_first_two(pair, params, 2000), probs)
+    print(f"batched: chi-square {stat:.1f} (99.9% threshold {threshold:.1f})")
+    assert stat < threshold
+    # the same harness rejects a wrong acceptance rule, so the check can fail
+    monkeypatch.setattr(mlx_spec.batch, "verify_stochastic", accept_everything)
+    stat, threshold = chi_square(sampled_first_two(pair, params, 800), probs)
+    assert stat > threshold
+
+
+def test_caches_a_batch_cannot_roll_back_are_refused(tiny_models, tmp_path):
+    """Recurrent, sliding-window and chunked targets are refused by name; single-stream
+    decoding of the same pair still works (speculating, where its caches roll back)."""
+    cfg = tiny.family_configs(320)["llama_sliding"]
+    weights = tiny.family_weights(cfg, 0)
+    sliding = tiny.write_model(tmp_path / "sliding", cfg, weights, tiny_models.tokenizer)
+    cases = [
+        (tiny_models.mamba, "recurrent state", True),
+        (sliding, "sliding-window", True),
+        (tiny_models.chunked, "chunked attention", False),
+    ]
+    for target, why, speculates in cases:
+        pair = load_pair(target=str(target))
+        pair = pair.configured(drafter="ngram") if speculates else pair  # chunked: plain only
+        with pytest.raises(SpecError, match=why):
+            mlx_spec.batch_generate(pair, TEXTS[:2], max_tokens=4)
+        res = generate(pair, TEXTS[1], max_tokens=8, num_draft_tokens=2, use_draft=speculates)
+        assert len(res.tokens) == 8
+
+
+def test_what_is_not_batched_yet_is_refused(pair):
+    with pytest.raises(SpecError, match="ngram\\+model drafter is not batched yet"):
+        make_batch_decoder(pair.configured(drafter="ngram+model"))
+    decoder = make_batch_decoder(pair, 2)
+    for settings in ({"logprobs": 2}, {"regex": "[ab]+"}):
+        with pytest.raises(SpecError, match="cannot be batched yet"):
+            decoder.add([5, 6, 7], GenerationConfig(**settings))
+    with pytest.raises(SpecError, match="one num_draft_tokens"):
+        mlx_spec.batch_generate(
+            pair, TEXTS[:2], [GenerationConfig(num_draft_tokens=2), GenerationConfig()]
+        )
+
+
+# ------------------------------------------------------------------ the controller knows the batch
+
+
+def test_interpolated_pass_costs():
+    points = {2: 1.0, 4: 2.0}
+    assert interpolate(points, 3, 0.1) == pytest.approx(1.5)
+    assert interpolate(points, 8, 0.1) == pytest.approx(4.0)  # the last segment's slope
+    assert interpolate({4: 2.0}, 8, 0.1) == pytest.approx(2.4)  # one point: the prior slope
+    assert interpolate({}, 8, 0.1) is None
+
+
+@pytest.mark.parametrize("per_row", [0.01, 0.05])
+def test_k_shrinks_as_the_batch_grows_and_reaches_plain(per_row):
+    """A pass of `rows` rows costs 1 + per_row * rows (memory-bound until the rows add up):
+    the best k falls with B and reaches 0, where verifying drafts costs more than they save."""
+    acceptance = [0.8] * 8
+    ks = [
+        choose_batch_k(b, 8, lambda rows: 1 + per_row * rows, 0.05, acceptance)
+        for b in (1, 2, 4, 8, 16, 32, 64, 128, 512)
+    ]
+    assert ks[0] >= 3
+    assert all(a >= b for a, b in zip(ks, ks[1:], strict=False)), ks
+    assert ks[-1] == 0
+
+
+def test_compute_bound_passes_and_empty_lookups_choose_plain():
+    acceptance = [0.9] * 8
+    assert choose_batch_k(1, 8, lambda rows: 0.1 * rows, 0.0, acceptance) == 0  # rows cost alike
+    never = [[0.0] * 8] * 4  # lookup has nothing for any row: drafts would only cost rows
+    assert choose_batch_k(4, 8, lambda rows: 1 + 0.01 * rows, 0.0, acceptance, never) == 0
+    assert BatchController(8, draft_model=False).next(4, [False] * 4) == 0
+
+
+def test_the_controller_learns_costs_per_row_count():
+    """Fed the costs of a pass per row count (given numbers, no clock: 1 + 0.1 x rows) and
+    rows whose drafts are accepted with probability 0.75 each (seeded), the controller
+    settles on a long draft at B = 1, a short one at B = 16 and none at B = 256, as
+    choose_batch_k does for the true costs (4-5, 1, 0)."""
+    rng = np.random.default_rng(0)
+
+    def settle(batch: int) -> int:
+        c, chosen = BatchController(8, draft_model=True), []
+        for _ in range(80):
+            k = c.next(batch)
+            chosen.append(k)
+            rows = batch * (k + 1)
+            timing = BatchTiming(rows, k, 0.02 * k, 1 + 0.1 * rows)
+            if k:
+                runs = (rng.random((batch, k)) < 0.75).cumprod(axis=1).sum(axis=1)
+                c.update(batch, timing, [(k, k, int(a)) for a in runs])
+            else:
+                c.update_plain(batch, timing)
+        return max(set(chosen[40:]), key=chosen[40:].count)  # its usual choice, once settled
+
+    small, mid, large = settle(1), settle(16), settle(256)
+    assert small >= 3 and 1 <= mid < small and large == 0, (small, mid, large)
