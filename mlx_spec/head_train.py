@@ -175,11 +175,33 @@ def new_head(pair, config: dict, draft_ids: list[int], where: Path, seed: int) -
     mx.random.seed(seed)
     hidden = int(config["target_hidden_size"])
     head = Eagle3Head(config, hidden, len(draft_ids), fc_bias=False)
+    # the output layer starts as the target's own (its rows for the draft vocabulary, its final
+    # norm): the head then learns features in the target's space, not a vocabulary from zero
+    rows = output_rows(pair.target, mx.array(draft_ids, mx.uint32))
+    if rows is not None and rows.shape == head.lm_head.weight.shape:
+        head.lm_head.weight = rows.astype(mx.float32)
+        norm = decoder_stack(pair.target).get("norm")
+        if type(norm) is nn.RMSNorm and norm.weight.shape == head.norm.weight.shape:
+            head.norm.weight = norm.weight.astype(mx.float32)
     head._to_target = mx.array(draft_ids, mx.uint32)
     head._gather = mx.zeros((int(config["vocab_size"]),), mx.uint32)
     where.mkdir(parents=True, exist_ok=True)
     write_head(where, head, config)
     return load_head(where, pair.target, pair.target_config)
+
+
+def output_rows(target, ids: mx.array) -> mx.array | None:
+    """The target's output-layer rows for `ids` (an untied lm_head, else the tied embedding),
+    dequantized; None where neither is found."""
+    for node in (target, target.get("language_model")):
+        lm = node.get("lm_head") if isinstance(node, nn.Module) else None
+        if isinstance(lm, nn.QuantizedLinear):
+            w = mx.dequantize(lm.weight, lm.scales, lm.biases, lm.group_size, lm.bits)
+            return w[ids]
+        if isinstance(lm, nn.Linear):
+            return lm.weight[ids]
+    embed = decoder_stack(target).get("embed_tokens")
+    return embed(ids) if isinstance(embed, nn.Module) else None
 
 
 def init_config(path: Path, target_config: dict) -> dict:

@@ -53,8 +53,9 @@ def targets(tiny_models, tmp_path_factory):
     made = {}
     for family in ("qwen3", "qwen3_5"):
         cfg = tiny.family_configs(320)[family]
-        # peaked distributions (a random qwen3_5's are near uniform: nothing to learn)
-        weights = tiny.family_weights(cfg, 0, head_scale=4.0 if family == "qwen3" else 16.0)
+        if family == "qwen3_5":  # tied: it tends to echo, so its greedy replies are regular
+            cfg = {**cfg, "tie_word_embeddings": True}  # (untied, they are chaotic: unlearnable)
+        weights = tiny.family_weights(cfg, 0)
         made[family] = tiny.write_model(root / family, cfg, weights, tiny_models.tokenizer)
     return made
 
@@ -102,12 +103,13 @@ def test_the_written_head_loads_and_is_lossless(targets, trained, family):
     ids = (mx.arange(d2t.shape[0]) + d2t).tolist()
     assert sorted(ids) == [t for t in range(320) if bool(t2d[t])]
     pair = load_pair(target=str(targets[family]), drafter="eagle3", head=str(out))
+    held = json.loads((out / "sequences.json").read_text())["measured_prompts"][:2]
     accepted = 0
-    for prompt in PROMPTS[:2]:
+    for prompt in [*held, PROMPTS[0]]:  # held-out chat prompts, and raw text
         res = generate(pair, prompt, max_tokens=24, num_draft_tokens=3)
         assert res.tokens == reference(pair, prompt, 24)
         accepted += res.stats.accepted
-    assert accepted > 0 or family == "qwen3_5"  # (these raw-text prompts: qwen3_5's guesses miss)
+    assert accepted > 0
 
 
 def test_resume_continues_the_run(targets, trained, tmp_path, capsys):
