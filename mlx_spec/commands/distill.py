@@ -1,4 +1,5 @@
-"""mlx-spec distill: train a LoRA adapter that makes the draft agree with its target."""
+"""mlx-spec distill: train a LoRA adapter that makes the draft agree with its target, or with
+--drafter eagle3 an EAGLE-3 head for the target (head_train.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ..cli import add_pair_args, nonnegative_int, pair_from_args, positive_int
 from ..errors import SpecError
 
 DEFAULT_OUT = "draft-adapter"
+DEFAULT_HEAD_OUT = "eagle3-head"
 
 
 def fraction(text: str) -> float:
@@ -26,8 +28,13 @@ def fraction(text: str) -> float:
 
 def setup_arg_parser(parser):
     from ..distill import LOSSES, Settings
+    from ..head_train import HeadSettings
 
-    d = Settings()
+    d, h = Settings(), HeadSettings()
+
+    def both(name):
+        return f"(default: {getattr(d, name)}; {getattr(h, name)} with --drafter eagle3)"
+
     add_pair_args(parser, adapter=False)
     parser.add_argument(
         "--data",
@@ -36,12 +43,16 @@ def setup_arg_parser(parser):
         "text file or a folder (e.g. a code repository: its text files cut into prompts); "
         "default: a built-in mixed set",
     )
-    parser.add_argument("--out", default=DEFAULT_OUT, help="the adapter folder to write")
+    parser.add_argument(
+        "--out",
+        help=f"the folder to write: the adapter (default: {DEFAULT_OUT}) or, with --drafter "
+        f"eagle3, the head (default: {DEFAULT_HEAD_OUT})",
+    )
     parser.add_argument("--resume", action="store_true", help="continue the run in --out")
     g = parser.add_argument_group("training")
-    g.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps")
-    g.add_argument("--batch-size", type=positive_int, default=d.batch_size)
-    g.add_argument("--learning-rate", type=float, default=d.learning_rate)
+    g.add_argument("--steps", type=positive_int, help=f"optimizer steps {both('steps')}")
+    g.add_argument("--batch-size", type=positive_int, help=both("batch_size"))
+    g.add_argument("--learning-rate", type=float, help=both("learning_rate"))
     g.add_argument("--rank", type=positive_int, default=d.rank, help="LoRA rank")
     g.add_argument(
         "--lora-layers",
@@ -56,7 +67,7 @@ def setup_arg_parser(parser):
         help="tv: 1 - Σ min(p, q), what acceptance measures; kl: forward KL(p || q)",
     )
     g.add_argument(
-        "--reply-tokens", type=positive_int, default=d.reply_tokens, help="tokens per reply"
+        "--reply-tokens", type=positive_int, help=f"tokens per reply {both('reply_tokens')}"
     )
     g.add_argument(
         "--max-length", type=positive_int, default=d.max_length, help="longest sequence trained"
@@ -84,20 +95,56 @@ def setup_arg_parser(parser):
         default=d.eval_prompts,
         help="held-out prompts decoded with the pair before and after to count tokens per pass",
     )
+    e = parser.add_argument_group(
+        "an EAGLE-3 head (--drafter eagle3; --head DIR fine-tunes that published head)"
+    )
+    e.add_argument(
+        "--ttt-steps",
+        type=positive_int,
+        default=h.ttt_steps,
+        help="draft steps of test-time training (EAGLE-3's recipe: 7)",
+    )
+    e.add_argument(
+        "--draft-vocab",
+        type=positive_int,
+        default=h.draft_vocab,
+        help="tokens the head can propose: the training replies' most frequent",
+    )
+    e.add_argument(
+        "--head-intermediate",
+        type=positive_int,
+        help="the head's MLP width (default: the target's)",
+    )
+    e.add_argument(
+        "--float32", action="store_true", help="write float32 weights (default: float16)"
+    )
+    parser.add_argument("--plot", metavar="FILE.png", help="plot the held-out acceptance curve")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
 def settings_from_args(args):
     from ..distill import Settings
+    from ..head_train import HeadSettings
 
-    return Settings(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
+    head = args.drafter == "eagle3"
+    d = HeadSettings() if head else Settings()
+    extra = {}
+    if head:
+        extra = {
+            "ttt_steps": args.ttt_steps,
+            "draft_vocab": args.draft_vocab,
+            "intermediate": args.head_intermediate,
+            "half": not args.float32,
+        }
+    return (HeadSettings if head else Settings)(
+        **extra,
+        steps=args.steps or d.steps,
+        batch_size=args.batch_size or d.batch_size,
+        learning_rate=d.learning_rate if args.learning_rate is None else args.learning_rate,
         rank=args.rank,
         num_layers=args.lora_layers,
         loss=args.loss,
-        reply_tokens=args.reply_tokens,
+        reply_tokens=args.reply_tokens or d.reply_tokens,
         max_length=args.max_length,
         held_out=args.held_out,
         eval_every=args.eval_every,
@@ -154,13 +201,21 @@ def main(args):
     from ..drafters import KINDS
     from ..loading import NO_ADAPTER
 
+    if args.drafter == "eagle3":
+        return main_head(args)
+    if args.head:
+        raise SpecError("--head is for --drafter eagle3 (the head to fine-tune)")
     if args.no_draft or (args.drafter and not KINDS[args.drafter].needs_model):
         flag = "--no-draft" if args.no_draft else f"--drafter {args.drafter}"
         raise SpecError(f"distill trains a draft model; drop {flag}")
     settings = settings_from_args(args)
     settings.check()
     prompts = read_data(args.data, args.max_prompts, args.seed)  # bad data fails before loading
-    out = Path(args.out).expanduser()
+    out = Path(args.out or DEFAULT_OUT).expanduser()
+    if args.plot:
+        from ..plotting import pyplot
+
+        pyplot()
     bar = Bar()
     # train from the bare draft, whatever models.toml names
     pair = pair_from_args(args, progress=bar.message, draft_adapter=NO_ADAPTER)
@@ -177,4 +232,61 @@ def main(args):
             f"\nadapter: {out} (replies {seconds['replies']:.0f} s, training "
             f"{seconds['training']:.0f} s); use it with --draft-adapter {out}"
         )
+    if args.plot:
+        plot_report(report, args.plot)
     return 0
+
+
+def main_head(args):
+    """--drafter eagle3: an EAGLE-3 head for the target, on its own replies."""
+    from ..distill import read_data
+    from ..head_train import check_out, format_table, train_head
+    from ..loading import resolve_head
+
+    if args.no_draft or args.draft or args.draft_bits:
+        raise SpecError("an EAGLE-3 head drafts from the target alone; drop the draft flags")
+    settings = settings_from_args(args)
+    settings.check()
+    prompts = read_data(args.data, args.max_prompts, args.seed)  # bad data fails before loading
+    out = Path(args.out or DEFAULT_HEAD_OUT).expanduser()
+    init = resolve_head(args.head) if args.head else None
+    check_target(args)  # a target a head can read, before its weights load
+    check_out(out, args.resume)
+    if args.plot:
+        from ..plotting import pyplot
+
+        pyplot()  # no matplotlib: said before the training, not after
+    bar = Bar()
+    pair = pair_from_args(args, progress=bar.message, drafter=None, head=None, skip_draft=True)
+    report = train_head(pair, prompts, out, settings, init, args.resume, bar.message, bar)
+    bar.end()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_table(report))
+        seconds = report["seconds"]
+        print(
+            f"\nhead: {out} (replies {seconds['replies']:.0f} s, training "
+            f"{seconds['training']:.0f} s); use it with --drafter eagle3 --head {out}"
+        )
+    if args.plot:
+        plot_report(report, args.plot)
+    return 0
+
+
+def check_target(args) -> None:
+    from ..cli import pair_config_from_args
+    from ..head_train import head_config
+    from ..loading import resolve_model
+    from ..model_dir import json_object
+
+    config = pair_config_from_args(args, drafter=None, head=None, skip_draft=True)
+    path = resolve_model(config.target, config.dtype)
+    if (path / "config.json").is_file():
+        head_config(json_object(path / "config.json", "config.json"), (0, 0, 0), 2)
+
+
+def plot_report(report: dict, path: str) -> None:
+    from ..head_train import plot
+
+    plot(report, path)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
@@ -213,6 +214,10 @@ def _rename(weights: dict, speculators: bool) -> dict:
     return out
 
 
+def _float32(w: mx.array) -> mx.array:
+    return w.astype(mx.float32) if w.dtype in (mx.float16, mx.bfloat16) else w
+
+
 def load_head(path: Path, target, target_config: dict) -> Eagle3Head:
     if not (path / "config.json").is_file():
         raise SpecError(f"the head {path} has no config.json")
@@ -254,6 +259,8 @@ def load_head(path: Path, target, target_config: dict) -> Eagle3Head:
         head.load_weights(list(weights.items()), strict=True)
     except ValueError as err:
         raise SpecError(f"the head {path} does not fit its config.json: {err}") from None
+    if not mx.metal.is_available():  # the CPU backend's half-precision matmuls are slow
+        head.update(tree_map(_float32, head.parameters()))  # (measured: a step 2.6x faster)
     # the vocabulary check: every draft id must land on a token of the target
     ids = mx.arange(draft_vocab)
     if d2t is not None:

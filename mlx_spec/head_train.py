@@ -1,0 +1,763 @@
+"""Train an EAGLE-3 head for a target on its own replies (`mlx-spec distill --drafter eagle3`).
+
+The recipe is EAGLE-3's (SafeAILab/EAGLE `cnets.py`, SpecForge `core/eagle3.py`): the target
+answers the user's prompts; its features at three layers (drafters/eagle.py's convention), its
+logits and the tokens are kept; the head is trained by *test-time training* over `ttt_steps`
+draft steps. Step 0 reads the target's fused features; step i > 0 reads the head's own output of
+step i-1 for the same position (as drafting chains), with the next ground-truth token, and its
+attention sees the real entries up to its position plus the chained entries of the steps
+before it (the "diagonal"), at the positions drafting gives them (entry j of step i sits at
+j + i). The loss of step i is weighted 0.8^i: a soft cross-entropy against the target's
+distribution restricted to the draft vocabulary (renormalised), at positions whose target
+argmax the draft vocabulary holds (EAGLE's position mask). The draft vocabulary is the most
+frequent tokens of the training replies (`d2t` / `t2d`).
+
+The output is a head directory in the EAGLE / SpecForge layout (`config.json` of a
+`LlamaForCausalLMEagle3`, `model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head`,
+`d2t`, `t2d`; the target's embedding), which `--drafter eagle3 --head DIR` loads, as it loads a
+published head; a published head is fine-tuned by starting from it (`--head DIR`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .distill import (
+    CHECKPOINT,
+    REPORT_FILE,
+    SEQUENCES_FILE,
+    Sequence,
+    Settings,
+    State,
+    _json,
+    _read_text,
+    batch_indices,
+    checkpoint_dir,
+    prompt_ids,
+    split,
+    write_json,
+)
+from .drafters.eagle import Eagle3Head, capture_layers, load_head
+from .errors import SpecError
+from .hidden import capturing, decoder_stack
+from .model_dir import text_config
+
+HEAD_WEIGHTS = "model.safetensors"
+OPTIMIZER = "optimizer/moments.safetensors"  # not in the head's folder: it loads *.safetensors
+STEP_WEIGHT = 0.8  # EAGLE-3: step i's loss weighs 0.8^i
+
+
+@dataclasses.dataclass
+class HeadSettings(Settings):
+    """distill's settings (data, replies, held-out share, checkpoints) and the head's."""
+
+    steps: int = 300
+    batch_size: int = 8
+    learning_rate: float = 5e-4
+    ttt_steps: int = 7  # draft steps trained (EAGLE-3: 7)
+    draft_vocab: int = 4096  # tokens the head can propose (the replies' most frequent)
+    intermediate: int | None = None  # the head's MLP width (default: the target's)
+    half: bool = True  # write float16 weights
+    reply_tokens: int = 96
+
+    def check(self) -> None:
+        super().check()
+        if self.ttt_steps < 1 or self.draft_vocab < 2:
+            raise SpecError("--ttt-steps must be >= 1 and --draft-vocab >= 2")
+
+
+# ----------------------------------------------------------------------------- the head
+
+
+def head_config(target_config: dict, layers: tuple, draft_vocab: int, intermediate=None) -> dict:
+    """config.json of a new head for this target: one llama layer as wide as the target,
+    reading the outputs of `layers` (SpecForge's convention, named in eagle_config)."""
+    t = text_config(target_config)
+    try:
+        hidden, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
+        int(t["intermediate_size"]), int(t["vocab_size"]), int(t["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError):
+        kind = target_config.get("model_type", "this")
+        raise SpecError(
+            f"an EAGLE-3 head is a transformer layer as wide as its target; a {kind} target "
+            "names no hidden_size, num_attention_heads and intermediate_size"
+        ) from None
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(intermediate or t["intermediate_size"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(t.get("num_key_value_heads") or heads),
+        "head_dim": hidden // heads,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": float(t.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(t.get("rope_theta", 10000.0)),
+        "max_position_embeddings": int(t.get("max_position_embeddings") or 8192),
+        "vocab_size": int(t["vocab_size"]),
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": hidden,
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layers)},
+    }
+
+
+def default_layers(target_layers: int) -> tuple[int, int, int]:
+    """EAGLE's choice, the inputs of layers 2, N/2 and N-3 (outputs of 1, N/2-1, N-4); a
+    shallow target (under 8 layers, tests' tiny ones) reads its first, middle and last."""
+    if target_layers < 8:
+        return (0, (target_layers - 1) // 2, target_layers - 1)
+    return (1, target_layers // 2 - 1, target_layers - 4)
+
+
+def choose_vocab(seqs: list[Sequence], vocab: int, size: int) -> list[int]:
+    """The draft vocabulary: the `size` most frequent reply tokens (ties by id), filled up
+    with the prompts' tokens and then the lowest ids when the replies hold fewer."""
+    size = min(size, vocab)
+    replies = Counter(t for s in seqs for t in s.tokens[s.start :])
+    prompts = Counter(t for s in seqs for t in s.tokens[: s.start])
+    chosen = [t for t, _ in sorted(replies.items(), key=lambda kv: (-kv[1], kv[0]))][:size]
+    seen = set(chosen)
+    for t, _ in sorted(prompts.items(), key=lambda kv: (-kv[1], kv[0])):
+        if len(chosen) >= size:
+            break
+        if t not in seen:
+            chosen.append(t)
+            seen.add(t)
+    t = 0
+    while len(chosen) < size:
+        if t not in seen:
+            chosen.append(t)
+        t += 1
+    return sorted(chosen)
+
+
+def head_weights(head: Eagle3Head, dtype=None) -> dict:
+    """The head's weights under the published names, with d2t and t2d."""
+    from mlx.utils import tree_flatten
+
+    weights = {
+        k: (v.astype(dtype) if dtype is not None else v)
+        for k, v in tree_flatten(head.parameters())
+        if not k.startswith("embedding.")  # a head's own embedding: kept as it came
+    }
+    if getattr(head, "embedding", None) is not None:
+        weights["embed_tokens.weight"] = head.embedding.weight
+    ids = head._to_target.astype(mx.int64)  # (draft_vocab,)
+    weights["d2t"] = ids - mx.arange(ids.shape[0], dtype=mx.int64)
+    t2d = mx.zeros((head._gather.shape[0],), mx.bool_)
+    t2d[ids] = True
+    weights["t2d"] = t2d
+    return weights
+
+
+def write_head(out: Path, head: Eagle3Head, config: dict, dtype=None) -> None:
+    """config.json and model.safetensors, each replaced whole."""
+    tmp = out / "model.tmp.safetensors"
+    mx.save_safetensors(str(tmp), head_weights(head, dtype))
+    tmp.replace(out / HEAD_WEIGHTS)
+    write_json(out / "config.json", config)
+
+
+def new_head(pair, config: dict, draft_ids: list[int], where: Path, seed: int) -> Eagle3Head:
+    """A randomly initialised head (mlx's default init), written to `where` and loaded back by
+    the drafter's own loader: what it trains is what `--head` loads."""
+    mx.random.seed(seed)
+    hidden = int(config["target_hidden_size"])
+    head = Eagle3Head(config, hidden, len(draft_ids), fc_bias=False)
+    # the output layer starts as the target's own (its rows for the draft vocabulary, its final
+    # norm): the head then learns features in the target's space, not a vocabulary from zero
+    rows = output_rows(pair.target, mx.array(draft_ids, mx.uint32))
+    if rows is not None and rows.shape == head.lm_head.weight.shape:
+        head.lm_head.weight = rows.astype(mx.float32)
+        norm = decoder_stack(pair.target).get("norm")
+        if type(norm) is nn.RMSNorm and norm.weight.shape == head.norm.weight.shape:
+            head.norm.weight = norm.weight.astype(mx.float32)
+    head._to_target = mx.array(draft_ids, mx.uint32)
+    head._gather = mx.zeros((int(config["vocab_size"]),), mx.uint32)
+    where.mkdir(parents=True, exist_ok=True)
+    write_head(where, head, config)
+    return load_head(where, pair.target, pair.target_config)
+
+
+def output_rows(target, ids: mx.array) -> mx.array | None:
+    """The target's output-layer rows for `ids` (an untied lm_head, else the tied embedding),
+    dequantized; None where neither is found."""
+    for node in (target, target.get("language_model")):
+        lm = node.get("lm_head") if isinstance(node, nn.Module) else None
+        if isinstance(lm, nn.QuantizedLinear):
+            w = mx.dequantize(lm.weight, lm.scales, lm.biases, lm.group_size, lm.bits)
+            return w[ids]
+        if isinstance(lm, nn.Linear):
+            return lm.weight[ids]
+    embed = decoder_stack(target).get("embed_tokens")
+    return embed(ids) if isinstance(embed, nn.Module) else None
+
+
+def init_config(path: Path, target_config: dict) -> dict:
+    """The config of a published head to fine-tune, in the EAGLE layout this module writes."""
+    config = json_config(path)
+    if "transformer_layer_config" in config or "speculators_model_type" in config:
+        layer = dict(config.get("transformer_layer_config") or {})
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        config = {**layer, **{k: config[k] for k in ("norm_before_residual",) if k in config}}
+        if ids is not None:
+            config["eagle_aux_hidden_state_layer_ids"] = ids
+        config["architectures"] = ["LlamaForCausalLMEagle3"]
+    if int(config.get("num_hidden_layers") or 1) != 1:
+        raise SpecError(f"the head {path} has several layers; only one-layer heads train here")
+    t = text_config(target_config)
+    layers = capture_layers(config, int(t["num_hidden_layers"]))
+    config.pop("eagle_aux_hidden_state_layer_ids", None)
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(layers)}
+    return config
+
+
+def json_config(path: Path) -> dict:
+    from .model_dir import json_object
+
+    if not (path / "config.json").is_file():
+        raise SpecError(f"the head {path} has no config.json")
+    return json_object(path / "config.json", "config.json")
+
+
+# ----------------------------------------------------------------------------- features
+
+
+@dataclasses.dataclass
+class Batch:
+    feats: mx.array  # (B, T, 3H) the target's three layers
+    tokens: mx.array  # (B, T)
+    logits: mx.array  # (B, T, Vd) the target's logits over the draft vocabulary
+    lse: mx.array  # (B, T) logsumexp of the target's full logits
+    argmax: mx.array  # (B, T) the target's argmax (target ids)
+    reply: mx.array  # (B, T) 1 where row m predicts a reply token (m + 1 >= start)
+    in_vocab: mx.array  # (B, T) 1 where the target's argmax is in the draft vocabulary
+
+
+def target_features(pair, head: Eagle3Head, seqs: list[Sequence], batch_size: int,
+                    progress) -> list[dict]:  # fmt: skip
+    """One target pass per batch of sequences (right-padded; causal, so padding changes
+    nothing before it): per sequence its features, restricted logits and argmax (numpy)."""
+    draft_ids = head._to_target
+    gather = head._gather
+    out = []
+    for i in range(0, len(seqs), batch_size):
+        progress(f"the target's features: {min(i + batch_size, len(seqs))}/{len(seqs)} sequences")
+        part = seqs[i : i + batch_size]
+        width = max(len(s.tokens) for s in part)
+        tokens = np.zeros((len(part), width), np.int32)
+        for b, s in enumerate(part):
+            tokens[b, : len(s.tokens)] = s.tokens
+        with capturing(pair.target, head.layers_read) as hidden:
+            logits = pair.target(mx.array(tokens)).astype(mx.float32)  # (B, T, V)
+        feats = mx.concatenate([hidden[j] for j in head.layers_read], -1).astype(mx.float16)
+        restricted = logits[..., draft_ids].astype(mx.float16)  # (B, T, Vd)
+        lse = mx.logsumexp(logits, -1)
+        argmax = mx.argmax(logits, -1)
+        in_vocab = gather[argmax] < draft_ids.shape[0]
+        mx.eval(feats, restricted, lse, argmax, in_vocab)
+        for b, s in enumerate(part):
+            n = len(s.tokens)
+            out.append({
+                "feats": np.array(feats[b, :n]),
+                "logits": np.array(restricted[b, :n]),
+                "lse": np.array(lse[b, :n]),
+                "argmax": np.array(argmax[b, :n]),
+                "in_vocab": np.array(in_vocab[b, :n]),
+                "tokens": np.array(s.tokens, np.int32),
+                "start": s.start,
+            })  # fmt: skip
+    return out
+
+
+def make_batch(items: list[dict]) -> Batch:
+    width = max(len(it["tokens"]) for it in items)
+    B = len(items)
+
+    def pad(key, shape, dtype):
+        a = np.zeros((B, width, *shape), dtype)
+        for b, it in enumerate(items):
+            a[b, : len(it[key])] = it[key]
+        return mx.array(a)
+
+    reply = np.zeros((B, width), np.float32)
+    for b, it in enumerate(items):
+        reply[b, it["start"] - 1 : len(it["tokens"]) - 1] = 1  # row m predicts token m + 1
+    return Batch(
+        feats=pad("feats", items[0]["feats"].shape[1:], np.float16),
+        tokens=pad("tokens", (), np.int32),
+        logits=pad("logits", items[0]["logits"].shape[1:], np.float16),
+        lse=pad("lse", (), np.float32),
+        argmax=pad("argmax", (), np.int32),
+        reply=mx.array(reply),
+        in_vocab=pad("in_vocab", (), np.float32),
+    )
+
+
+# ----------------------------------------------------------------------------- test-time training
+
+
+def _attention(attn, x, offset: int, keys: list, values: list):
+    """The head's attention at one TTT step. x (B, n, 2H): entries 0..n-1 of this step, at
+    positions j + offset. keys/values hold the earlier steps' (step 0: every real entry;
+    later steps: their entry j, the chained entry a query at j sees); this step's are added."""
+    B, n, _ = x.shape
+    nh, nkv = attn.n_heads, attn.n_kv_heads
+    q = attn.q_proj(x).reshape(B, n, nh, -1).transpose(0, 2, 1, 3)
+    k = attn.k_proj(x).reshape(B, n, nkv, -1).transpose(0, 2, 1, 3)
+    v = attn.v_proj(x).reshape(B, n, nkv, -1).transpose(0, 2, 1, 3)
+    q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
+    keys.append(k)
+    values.append(v)
+    d = q.shape[-1]
+    q = q.reshape(B, nkv, nh // nkv, n, d) * attn.scale  # (B, kv, rep, n, d)
+    k0, v0 = keys[0][:, :, None, :n], values[0][:, :, None, :n]  # (B, kv, 1, n, d)
+    scores = (q @ k0.swapaxes(-1, -2)).astype(mx.float32)  # (B, kv, rep, n, n)
+    causal = mx.tril(mx.ones((n, n), mx.bool_))
+    scores = mx.where(causal, scores, -mx.inf)
+    diag = [(q * ks[:, :, None, :n]).sum(-1, keepdims=True) for ks in keys[1:]]  # (.., n, 1)
+    probs = mx.softmax(mx.concatenate([scores, *diag], -1) if diag else scores, -1)
+    probs = probs.astype(q.dtype)
+    o = probs[..., :n] @ v0  # (B, kv, rep, n, d)
+    for s, vs in enumerate(values[1:]):
+        o = o + probs[..., n + s : n + s + 1] * vs[:, :, None, :n]
+    o = o.reshape(B, nh, n, d).transpose(0, 2, 1, 3).reshape(B, n, nh * d)
+    return attn.o_proj(o)
+
+
+def _layer(layer, embeds, h, offset, keys, values):
+    """FirstLayer's forward (drafters/eagle.py) with the TTT attention."""
+    if layer.norm_before_residual:
+        h = residual = layer.hidden_norm(h)
+    else:
+        residual, h = h, layer.hidden_norm(h)
+    x = mx.concatenate([layer.input_layernorm(embeds), h], axis=-1)
+    h = residual + _attention(layer.self_attn, x, offset, keys, values)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def ttt_forward(head: Eagle3Head, batch: Batch, steps: int):
+    """Per step i: (the head's draft-vocabulary logits (B, n_i, Vd), the rows of the target
+    they are scored against), n_i = T - 1 - i. Entry j of step i reads token j + 1 + i and
+    predicts token j + i + 2, scored against the target's row j + i + 1."""
+    B, T, _ = batch.feats.shape
+    embeds = mx.stop_gradient(head.embed(batch.tokens)).astype(head.fc.weight.dtype)
+    h = head.fc(batch.feats.astype(head.fc.weight.dtype))  # (B, T, H)
+    keys, values, outs = [], [], []
+    for i in range(steps):
+        n = T - 1 - i
+        if n <= 0:
+            break
+        g = _layer(head.midlayer, embeds[:, 1 + i : 1 + i + n], h[:, :n], i, keys, values)
+        outs.append((head.lm_head(head.norm(g)).astype(mx.float32), slice(1 + i, 1 + i + n)))
+        h = g  # the head's own output: the next step's features (drafting chains so)
+    return outs
+
+
+def ttt_loss(head: Eagle3Head, batch: Batch, steps: int) -> mx.array:
+    total = mx.array(0.0)
+    for i, (logits, rows) in enumerate(ttt_forward(head, batch, steps)):
+        target = batch.logits[:, rows].astype(mx.float32)
+        p = mx.softmax(target, -1)  # the target restricted to the draft vocabulary
+        ce = -(p * (logits - mx.logsumexp(logits, -1, keepdims=True))).sum(-1)  # (B, n)
+        mask = batch.reply[:, rows] * batch.in_vocab[:, rows]
+        total = total + STEP_WEIGHT**i * (ce * mask).sum() / mx.maximum(mask.sum(), 1)
+    return total
+
+
+def evaluate(head: Eagle3Head, items: list[dict], steps: int, batch_size: int) -> dict:
+    """Offline, teacher-forced on held-out sequences, per draft step: greedy agreement (the
+    head's argmax is the target's, out-of-vocabulary targets counted as misses) and
+    Σ min(p, q) against the target's full distribution; and the tokens per target pass a
+    greedy chain of `steps` drafts would give (1 + the mean run of agreeing steps)."""
+    agree = np.zeros(steps)
+    accept = np.zeros(steps)
+    count = np.zeros(steps)
+    runs = 0.0
+    starts = 0.0
+    for i in range(0, len(items), batch_size):
+        batch = make_batch(items[i : i + batch_size])
+        run = None
+        for s, (logits, rows) in enumerate(ttt_forward(head, batch, steps)):
+            mask = batch.reply[:, rows]  # (B, n)
+            guess = head._to_target[mx.argmax(logits, -1)].astype(mx.int32)
+            same = (guess == batch.argmax[:, rows]).astype(mx.float32)
+            p = mx.exp(batch.logits[:, rows].astype(mx.float32) - batch.lse[:, rows, None])
+            overlap = mx.minimum(p, mx.softmax(logits, -1)).sum(-1)
+            n = same.shape[1]
+            run = same if run is None else run[:, :n] * same  # all steps so far agreed
+            if s == 0:
+                base = mask
+            a, o, c, r = mx.stack([
+                (same * mask).sum(), (overlap * mask).sum(), mask.sum(),
+                (run * base[:, :n]).sum(),
+            ]).tolist()  # fmt: skip
+            agree[s] += a
+            accept[s] += o
+            count[s] += c
+            runs += r
+        starts += float(base.sum().item())
+    count = np.maximum(count, 1)
+    return {
+        "greedy_agreement": (agree / count).tolist(),
+        "acceptance_t1": (accept / count).tolist(),
+        "tokens_per_pass_offline": 1 + runs / max(starts, 1),
+        "positions": int(count[0]),
+    }
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def batch_replies(pair, prompts: list[list[int]], settings, seed: int, progress, what: str):
+    """The target's replies, several prompts at once (mlx-lm's batched generation): on a CPU
+    a batch of rows costs little more than one. Sampled at settings.temperature."""
+    from mlx_lm.generate import batch_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    seqs = []
+    size = 32
+    for i in range(0, len(prompts), size):
+        part = prompts[i : i + size]
+        progress(f"the target's replies: {i + len(part)}/{len(prompts)} {what} prompts")
+        mx.random.seed(seed + i)
+        res = batch_generate(
+            pair.target,
+            pair.tokenizer,
+            part,
+            max_tokens=settings.reply_tokens,
+            return_token_ids=True,
+            sampler=make_sampler(settings.temperature),
+        )
+        seqs += [
+            Sequence(ids + list(out), len(ids))
+            for ids, out in zip(part, res.token_ids, strict=True)
+        ]
+    return seqs
+
+
+def engine_pair(pair, head: Eagle3Head, where: Path):
+    """The pair drafting with `head` (in memory) through the engine, as `--head` would."""
+    from .caches import make_cache
+
+    make_cache(pair.target, "target")
+    config = pair.config.with_drafter("eagle3", head=str(where))
+    return dataclasses.replace(pair, config=config, head=head)
+
+
+def tokens_per_pass(pair, prompts: list[list[int]], settings, temperature: float) -> float:
+    from .engine import generate
+
+    tokens = passes = 0
+    for i, ids in enumerate(prompts):
+        res = generate(
+            pair, ids, max_tokens=settings.reply_tokens, temperature=temperature,
+            num_draft_tokens=settings.k, seed=settings.seed + 10_000 + i,
+        )  # fmt: skip
+        tokens, passes = tokens + res.stats.generated_tokens, passes + res.stats.target_passes
+    return tokens / max(passes, 1)
+
+
+def prepare(pair, prompts, settings, out: Path, progress) -> dict:
+    cached = out / SEQUENCES_FILE
+    if cached.is_file():
+        data = _json(_read_text(cached), str(cached))
+        data["train"] = [Sequence(**s) for s in data["train"]]
+        data["held_out"] = [Sequence(**s) for s in data["held_out"]]
+        return data
+    train, held = split(prompts, settings.held_out, settings.seed)
+    tok = pair.tokenizer
+    started = time.perf_counter()
+    train_ids, held_ids = [prompt_ids(tok, p) for p in train], [prompt_ids(tok, p) for p in held]
+    train_seqs = batch_replies(pair, train_ids, settings, settings.seed, progress, "training")
+    held_seqs = batch_replies(pair, held_ids, settings, settings.seed + 5_000, progress, "held-out")
+    data = {
+        "train": train_seqs,
+        "held_out": held_seqs,
+        "measured_prompts": held_ids[: settings.eval_prompts],
+        "seconds": time.perf_counter() - started,
+    }
+    write_json(cached, {**data, "train": [asdict(s) for s in train_seqs],
+                        "held_out": [asdict(s) for s in held_seqs]})  # fmt: skip
+    return data
+
+
+def save_checkpoint(out: Path, head, config, optimizer, state: State, settings) -> None:
+    """The head (its own layout), optimizer moments and progress, replaced as a whole."""
+    from mlx.utils import tree_flatten
+
+    tmp = out / f"{CHECKPOINT}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write_head(tmp, head, config)  # a head directory itself: the moments go beside it
+    (tmp / "optimizer").mkdir()
+    mx.save_safetensors(str(tmp / OPTIMIZER), dict(tree_flatten(optimizer.state)))
+    (tmp / "state.json").write_text(
+        json.dumps({"state": asdict(state), "settings": settings.training_key()})
+    )
+    final, old = out / CHECKPOINT, out / f"{CHECKPOINT}.old"
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(where: Path, optimizer, settings) -> State:
+    from mlx.utils import tree_unflatten
+
+    saved = _json(_read_text(where / "state.json"), str(where / "state.json"))
+    if saved.get("settings") != json.loads(json.dumps(settings.training_key())):
+        raise SpecError(
+            f"the checkpoint in {where} was made with other settings; resume with the same "
+            "options (only --steps may change) or choose another --out"
+        )
+    try:
+        moments = mx.load(str(where / OPTIMIZER))
+        optimizer.state = tree_unflatten(list(moments.items()))
+        mx.eval(optimizer.state)
+        return State(**saved["state"])
+    except (ValueError, RuntimeError, OSError, TypeError) as err:
+        raise SpecError(
+            f"the checkpoint in {where} is damaged ({err}); remove it to restart"
+        ) from None
+
+
+def check_out(out: Path, resume: bool) -> None:
+    """The output folder: new, empty, or a run to --resume; writable."""
+    if out.exists() and not out.is_dir():
+        raise SpecError(f"--out {out} exists and is not a folder")
+    has_run = out.is_dir() and (out / SEQUENCES_FILE).exists()
+    if out.is_dir() and any(out.iterdir()) and not (resume and has_run):
+        hint = "pass --resume to continue it" if has_run else "it is not a distill run"
+        raise SpecError(f"--out {out} is not empty; {hint}, or choose another folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write-test").touch()
+        (out / ".write-test").unlink()
+    except OSError as err:
+        raise SpecError(f"cannot write to --out {out}: {err.strerror}") from None
+
+
+def train_head(
+    pair,
+    prompts,
+    out: Path,
+    settings,
+    init: Path | None = None,
+    resume: bool = False,
+    progress=lambda message: None,
+    bar=lambda state, loss, settings: None,
+) -> dict:
+    """Train (or fine-tune, from the head in `init`), measure before and after, write the head
+    and the report into `out`."""
+    import mlx.optimizers as optim
+
+    settings.check()
+    check_out(out, resume)
+    t = text_config(pair.target_config)
+    head_config(pair.target_config, (0, 0, 0), 2)  # a target a head can read: said first
+    decoder_stack(pair.target)
+    target_layers = int(t["num_hidden_layers"])
+    init_cfg = init_config(init, pair.target_config) if init is not None else None
+    if init is not None:  # a published head: its vocabulary must fit this target now
+        load_head(init, pair.target, pair.target_config)
+
+    data = prepare(pair, prompts, settings, out, progress)
+    train = [s.window(settings.max_length) for s in data["train"]]
+    held = [s.window(settings.max_length) for s in data["held_out"]]
+
+    where = checkpoint_dir(out) if resume else None
+    if where is not None:  # other settings: refused before any work
+        saved = _json(_read_text(where / "state.json"), str(where / "state.json"))
+        if saved.get("settings") != json.loads(json.dumps(settings.training_key())):
+            raise SpecError(
+                f"the checkpoint in {where} was made with other settings; resume with the same "
+                "options (only --steps may change) or choose another --out"
+            )
+    start_dir = out / "init"
+    if where is not None:
+        config = json_config(where)
+        head = load_head(where, pair.target, pair.target_config)
+    elif init is not None:
+        config = init_cfg
+        head = load_head(init, pair.target, pair.target_config)
+        start_dir.mkdir(exist_ok=True)
+        write_head(start_dir, head, config)
+        head = load_head(start_dir, pair.target, pair.target_config)  # the same, our layout
+    else:
+        layers = default_layers(target_layers)
+        draft_ids = choose_vocab(train, int(t["vocab_size"]), settings.draft_vocab)
+        config = head_config(pair.target_config, layers, len(draft_ids), settings.intermediate)
+        head = new_head(pair, config, draft_ids, start_dir, settings.seed)
+    config = {**config, "mlx_spec": {"target": pair.config.target, "ttt_steps": settings.ttt_steps}}
+    mx.eval(head.parameters())
+    head.train()
+    if getattr(head, "embedding", None) is not None:
+        head.embedding.freeze()  # EAGLE-3 keeps the embedding fixed
+
+    progress("the target's features of the training and held-out sequences…")
+    train_items = target_features(pair, head, train, settings.batch_size, progress)
+    held_items = target_features(pair, head, held, settings.batch_size, progress)
+
+    optimizer = optim.Adam(learning_rate=settings.learning_rate)
+    optimizer.init(head.trainable_parameters())
+    state = State()
+    if where is not None:
+        state = load_checkpoint(where, optimizer, settings)
+        progress(f"resumed at step {state.step}")
+    measured = data["measured_prompts"]
+    if state.before is None:
+        progress("held-out acceptance before training (drafting with the head)…")
+        drafting = engine_pair(pair, head, start_dir)
+        state.before = {
+            **evaluate(head, held_items, settings.ttt_steps, settings.batch_size),
+            "tokens_per_pass_t0": tokens_per_pass(drafting, measured, settings, 0.0),
+            "tokens_per_pass_sampled": tokens_per_pass(
+                drafting, measured, settings, settings.temperature
+            ),
+        }
+        state.history.append({"step": 0, "loss": None, **state.before})
+
+    loss_and_grad = nn.value_and_grad(head, lambda b: ttt_loss(head, b, settings.ttt_steps))
+    recent = []
+    started = time.perf_counter() - state.seconds
+    while state.step < settings.steps:
+        picked = batch_indices(len(train_items), settings, state.step)
+        loss, grads = loss_and_grad(make_batch([train_items[i] for i in picked]))
+        optimizer.update(head, grads)
+        mx.eval(loss, head.trainable_parameters(), optimizer.state)
+        state.step += 1
+        recent.append(loss.item())
+        state.seconds = time.perf_counter() - started
+        last = state.step == settings.steps
+        if state.step % settings.eval_every == 0 or last:
+            now = evaluate(head, held_items, settings.ttt_steps, settings.batch_size)
+            state.history.append({"step": state.step, "loss": float(np.mean(recent)), **now})
+            recent = []
+        shown = float(np.mean(recent)) if recent else state.history[-1]["loss"]
+        bar(_BarState(state), shown, settings)
+        if state.step % settings.save_every == 0 or last:
+            save_checkpoint(out, head, config, optimizer, state, settings)
+
+    head.eval()
+    write_head(out, head, config, mx.float16 if settings.half else None)
+    progress("held-out: tokens per target pass after, drafting with the trained head…")
+    final = load_head(out, pair.target, pair.target_config)  # as `--head out` loads it
+    drafting = engine_pair(pair, final, out)
+    after = {
+        **evaluate(final, held_items, settings.ttt_steps, settings.batch_size),
+        "tokens_per_pass_t0": tokens_per_pass(drafting, measured, settings, 0.0),
+        "tokens_per_pass_sampled": tokens_per_pass(
+            drafting, measured, settings, settings.temperature
+        ),
+    }
+    shutil.rmtree(start_dir, ignore_errors=True)
+    report = {
+        "kind": "eagle3",
+        "target": pair.config.target,
+        "init": str(init) if init is not None else None,
+        "settings": asdict(settings),
+        "draft_vocab": int(head._to_target.shape[0]),
+        "capture_layers": list(head.layers_read),
+        "train_sequences": len(train),
+        "held_out_sequences": len(held),
+        "held_out_positions": after["positions"],
+        "measured_prompts": len(measured),
+        "before": state.before,
+        "after": after,
+        "seconds": {"replies": data["seconds"], "training": state.seconds},
+        "history": state.history,
+    }
+    write_json(out / REPORT_FILE, report)
+    return report
+
+
+class _BarState:
+    """distill's Bar reads acceptance_t1 as one number: give it step 0's."""
+
+    def __init__(self, state: State):
+        self.step, self.seconds = state.step, state.seconds
+        self.history = [
+            {**h, "acceptance_t1": h["acceptance_t1"][0]}
+            for h in state.history
+            if h["loss"] is not None
+        ]
+
+
+def format_table(report: dict) -> str:
+    s = report["settings"]
+    b, a = report["before"], report["after"]
+    rows = [
+        ("greedy agreement, draft step 1", lambda r: r["greedy_agreement"][0], "{:.3f}"),
+        ("acceptance at temperature 1, step 1", lambda r: r["acceptance_t1"][0], "{:.3f}"),
+        (
+            f"tokens per pass, offline greedy chain of {s['ttt_steps']}",
+            lambda r: r["tokens_per_pass_offline"],
+            "{:.2f}",
+        ),
+        (
+            f"tokens per target pass, temperature 0, k={s['k']}",
+            lambda r: r["tokens_per_pass_t0"],
+            "{:.2f}",
+        ),
+        (
+            f"tokens per target pass, temperature {s['temperature']:g}, k={s['k']}",
+            lambda r: r["tokens_per_pass_sampled"],
+            "{:.2f}",
+        ),
+    ]
+    width = max(len(r[0]) for r in rows)
+    head = (
+        f"held out (never trained on): {report['held_out_sequences']} prompts, "
+        f"{report['held_out_positions']} positions; tokens per pass drafted with the head "
+        f"through the engine over {report['measured_prompts']} of them"
+    )
+    lines = [head, f"{'':<{width}}  before   after"]
+    for label, get, fmt in rows:
+        lines.append(f"{label:<{width}}  {fmt.format(get(b)):>6}  {fmt.format(get(a)):>6}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """The held-out acceptance curve over training: greedy agreement per draft step and the
+    offline tokens per pass (a LoRA run: its agreement and acceptance)."""
+    from .plotting import pyplot
+
+    plt = pyplot()
+    hist = report["history"]
+    steps = [h["step"] for h in hist]
+    if not isinstance(hist[0]["greedy_agreement"], list):  # a LoRA run: one curve each
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key in ("greedy_agreement", "acceptance_t1"):
+            ax.plot(steps, [h[key] for h in hist], marker="o", label=key.replace("_", " "))
+        ax.set_xlabel("training step")
+        ax.set_ylabel("held-out")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for i in range(len(hist[0]["greedy_agreement"])):
+        left.plot(steps, [h["greedy_agreement"][i] for h in hist], label=f"draft step {i + 1}")
+    left.set_xlabel("training step")
+    left.set_ylabel("held-out greedy agreement")
+    left.legend(fontsize=7)
+    right.plot(steps, [h["tokens_per_pass_offline"] for h in hist], marker="o")
+    right.set_xlabel("training step")
+    right.set_ylabel("tokens per target pass (offline, greedy)")
+    fig.suptitle(f"EAGLE-3 head for {report['target']}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
