@@ -29,7 +29,7 @@ from mlx_spec.processors import make_processors
 KEY_A, KEY_B = "key-a", "key-b"
 K = 3
 TOKENS = 40
-LONG = 300  # a reply that runs for a second or so (the grace period is 10 s)
+LONG = 200  # a reply that runs for a second or so (the grace period is 10 s)
 PROMPTS = [
     "The quick brown fox",
     "def add(a, b):\n    return",
@@ -152,6 +152,7 @@ def test_batched_requests_equal_each_alone(server, pair):
         assert got["tokens"] == settings["max_tokens"] and got["finish"] == "length"
         assert got["spec"]["batched"] is True
         assert got["spec"]["drafted"] > 0  # the rows did draft
+        assert got["spec"]["target_passes"] <= got["tokens"]  # its own rounds, not the batch's
     m = metrics(url)
     assert m["mlx_spec_batch_size_max"] >= 3 and m["mlx_spec_batch_size"] == 0
     assert m["mlx_spec_cancelled_total"] >= 1
@@ -197,6 +198,43 @@ def test_a_stop_string_ends_a_row_and_the_others_go_on(server, pair):
     for g, e in zip(got[1:], expected[1:], strict=True):
         assert g["text"] == e  # the others ran to max_tokens, unchanged
     wait_until(lambda: metrics(url)["mlx_spec_batch_size"] == 0, "a row stayed in the batch")
+
+
+SECRET = "Berlin is the capital of Germany. Speculative decoding drafts tokens with a small model"
+
+
+def test_rows_look_up_only_their_own_text(models, pair):
+    """Prompt lookup in a batch is per row: Bob's probes of Alice's text (3-token slices),
+    batched beside her running request, draft exactly what they draft with nobody beside."""
+    root, target, _ = models
+    args = ["--target", str(target), "--drafter", "ngram", "--num-draft-tokens", "4",
+            "--max-batch", "4", "--api-key", KEY_A, "--api-key", KEY_B]  # fmt: skip
+    ids = pair.tokenizer.encode(SECRET)
+    probes = [ids[i : i + 3] for i in range(0, len(ids) - 3, 3)]
+    (root / "lookup").mkdir(exist_ok=True)
+    with serving(args, root / "lookup") as (_, url):
+
+        def observe() -> list[tuple]:
+            out = []
+            for probe in probes:
+                r = client(url, KEY_B).completions.create(
+                    model="long", prompt=probe, max_tokens=3, temperature=0
+                )
+                spec = r.model_extra["speculation"]
+                assert spec["batched"] is True
+                out.append((r.choices[0].text, spec["drafted"], spec["accepted"]))
+            return out
+
+        alone = observe()
+        alice = client(url, KEY_A).completions.create(
+            model="long", prompt=SECRET * 3, max_tokens=5000, stream=True, temperature=0
+        )
+        chunks = iter(alice)
+        next(chunks)  # her row runs, her text in its lookup
+        beside = observe()
+        assert metrics(url)["mlx_spec_batch_size_max"] >= 2  # the probes shared her passes
+        alice.close()
+    assert beside == alone
 
 
 @pytest.mark.parametrize("value", ["0", "-3"])
