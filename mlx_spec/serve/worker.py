@@ -1,8 +1,15 @@
-"""One generation worker: queued jobs, one stream at a time, caches kept across requests.
+"""One generation worker: queued jobs, one stream or one batch at a time, caches kept across
+requests.
 
-Single-stream decoding is the memory-bound regime speculation is for, so requests queue and one
-thread decodes. The HTTP side (app.py) talks to the worker through `Job`: the worker puts
-("delta", output.Delta) items, then ("done", Outcome) or ("error", ApiError) on the job's
+Requests queue and one thread decodes: one stream at a time (single-stream decoding is the
+memory-bound regime speculation is for), or, with --max-batch N and a pair that batches, up to N
+requests together as rows of one `batch.BatchDecoder` that still drafts (`_serve_batch`): rows
+join between rounds as they are taken from the queue and leave as they finish. A request the
+batch cannot take waits until the running rows finish, then runs alone. Batched rows prefill
+their whole prompt and look up only their own text (no prompt cache or history hand-off yet).
+
+The HTTP side (app.py) talks to the worker through `Job`: the worker puts ("delta",
+output.Delta) items, then ("done", Outcome) or ("error", ApiError) on the job's
 asyncio queue; the HTTP side calls `Engine.withdraw` (a queued job leaves the queue at once) or
 sets `job.cancelled` when its client leaves. The worker checks that flag, the job's deadline and
 shutdown between verify rounds and between prefill chunks, so a stopped job frees the engine
@@ -10,7 +17,8 @@ within a round or a chunk.
 
 Partitions: every API key (one partition when there is no key, or with --shared-history) has
 its own prompt cache and history index, so no request drafts from, reuses the KV cache of, or
-can time another key's text. The queue is one per partition, served round robin.
+can time another key's text. The queue is one per partition, served round robin. Rows of
+different partitions share batched passes, but each drafts from its own text only.
 """
 
 from __future__ import annotations
@@ -174,7 +182,7 @@ class Metrics:
 
 
 class Engine:
-    """Holds the resident pair and serves jobs one at a time on its own thread.
+    """Holds the resident pair and serves jobs on its own thread, one at a time or batched.
 
     `loader(name)` loads a pair by name (the startup pair or one from models.toml): a request
     for another model than the resident one swaps it (one pair resident at a time). Pairs are
@@ -381,16 +389,21 @@ class Engine:
                 if self.closing:
                     return None
                 self.ready.wait()
-            key = self.turns.popleft()
-            waiting = self.queues[key]
-            job = waiting.popleft()
-            if waiting:
-                self.turns.append(key)  # its next job after the other partitions' next ones
-            else:
-                del self.queues[key]
-            self.waiting -= 1
+            job = self._pop()
             self.busy, self.running = True, [job]
             return job
+
+    def _pop(self) -> Job:
+        """(With the lock.) The first job of the partition whose turn it is."""
+        key = self.turns.popleft()
+        waiting = self.queues[key]
+        job = waiting.popleft()
+        if waiting:
+            self.turns.append(key)  # its next job after the other partitions' next ones
+        else:
+            del self.queues[key]
+        self.waiting -= 1
+        return job
 
     def _take_batchable(self) -> Job | None:
         """The next job if it can join the running batch (None: none waits, or the next in
@@ -398,17 +411,9 @@ class Engine:
         with self.lock:
             if self.closing or not self.turns:
                 return None
-            key = self.turns[0]
-            waiting = self.queues[key]
-            if not self.batchable(waiting[0].request):
+            if not self.batchable(self.queues[self.turns[0]][0].request):
                 return None
-            self.turns.popleft()
-            job = waiting.popleft()
-            if waiting:
-                self.turns.append(key)
-            else:
-                del self.queues[key]
-            self.waiting -= 1
+            job = self._pop()
             self.running.append(job)
             return job
 
