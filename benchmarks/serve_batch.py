@@ -150,6 +150,48 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
+def report(args, servers: dict, clients: list[int], cells: dict, done: int) -> None:
+    """The table so far (after every repetition: a cut-short run still leaves one)."""
+    reference = {}  # prompt index -> the serial mlx-spec server's text
+    for cell in cells[("mlx-spec serial", max(clients))]:
+        for i, r in enumerate(cell["results"]):
+            reference.setdefault(i, r["text"])
+    print(f"\n{args.pair}, greedy, {args.max_tokens} max tokens a request, {done} reps"
+          " (medians)\n")  # fmt: skip
+    print("| clients | server | aggregate tok/s | × serial | TTFT p50 / p95 (s) |"
+          " latency p50 / p95 (s) | tokens / request | identical |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for c in clients:
+        serial = None
+        for name in servers:
+            reps = cells[(name, c)]
+            rate = statistics.median(
+                sum(r["tokens"] for r in x["results"]) / x["wall"] for x in reps
+            )
+            ttft = [
+                percentile([r["ttft"] for r in x["results"]], q) for x in reps for q in (0.5, 0.95)
+            ]
+            lat = [
+                percentile([r["latency"] for r in x["results"]], q)
+                for x in reps
+                for q in (0.5, 0.95)
+            ]
+            t50, t95 = statistics.median(ttft[0::2]), statistics.median(ttft[1::2])
+            l50, l95 = statistics.median(lat[0::2]), statistics.median(lat[1::2])
+            same = sum(r["text"] == reference[i] for x in reps for i, r in enumerate(x["results"]))
+            total = sum(len(x["results"]) for x in reps)
+            mean_tokens = statistics.mean(r["tokens"] for x in reps for r in x["results"])
+            serial = serial or rate
+            print(f"| {c} | {name} | {rate:.1f} | {rate / serial:.2f} | {t50:.2f} / {t95:.2f} |"
+                  f" {l50:.2f} / {l95:.2f} | {mean_tokens:.0f} | {same}/{total} |")  # fmt: skip
+            rows.append({"clients": c, "server": name, "tokens_per_second": rate,
+                         "ttft_p50": t50, "ttft_p95": t95, "latency_p50": l50,
+                         "latency_p95": l95, "identical": same, "requests": total})  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pair", default="smollm2-demo")
@@ -195,6 +237,8 @@ def main():
                     tokens = sum(r["tokens"] for r in cell["results"])
                     print(f"rep {rep} c={c} {name}: {tokens / cell['wall']:.1f} tok/s",
                           file=sys.stderr)  # fmt: skip
+            report(args, servers, clients, cells, rep + 1)
+            sys.stdout.flush()
     finally:
         for proc in procs.values():
             proc.send_signal(signal.SIGTERM)
@@ -203,44 +247,6 @@ def main():
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    reference = {}  # prompt index -> the serial mlx-spec server's text
-    for cell in cells[("mlx-spec serial", max(clients))]:
-        for i, r in enumerate(cell["results"]):
-            reference.setdefault(i, r["text"])
-    print(f"\n{args.pair}, greedy, {args.max_tokens} max tokens a request, {args.reps} reps"
-          " (medians)\n")  # fmt: skip
-    print("| clients | server | aggregate tok/s | × serial | TTFT p50 / p95 (s) |"
-          " latency p50 / p95 (s) | tokens / request | identical |")  # fmt: skip
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
-    rows = []
-    for c in clients:
-        serial = None
-        for name in servers:
-            reps = cells[(name, c)]
-            rate = statistics.median(
-                sum(r["tokens"] for r in x["results"]) / x["wall"] for x in reps
-            )
-            ttft = [
-                percentile([r["ttft"] for r in x["results"]], q) for x in reps for q in (0.5, 0.95)
-            ]
-            lat = [
-                percentile([r["latency"] for r in x["results"]], q)
-                for x in reps
-                for q in (0.5, 0.95)
-            ]
-            t50, t95 = statistics.median(ttft[0::2]), statistics.median(ttft[1::2])
-            l50, l95 = statistics.median(lat[0::2]), statistics.median(lat[1::2])
-            same = sum(r["text"] == reference[i] for x in reps for i, r in enumerate(x["results"]))
-            total = sum(len(x["results"]) for x in reps)
-            mean_tokens = statistics.mean(r["tokens"] for x in reps for r in x["results"])
-            serial = serial or rate
-            print(f"| {c} | {name} | {rate:.1f} | {rate / serial:.2f} | {t50:.2f} / {t95:.2f} |"
-                  f" {l50:.2f} / {l95:.2f} | {mean_tokens:.0f} | {same}/{total} |")  # fmt: skip
-            rows.append({"clients": c, "server": name, "tokens_per_second": rate,
-                         "ttft_p50": t50, "ttft_p95": t95, "latency_p50": l50,
-                         "latency_p95": l95, "identical": same, "requests": total})  # fmt: skip
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":
