@@ -15,9 +15,10 @@ from ..errors import SpecError, one_line
 
 API_KEY_ENV = "MLX_SPEC_API_KEY"
 DEFAULT_MAX_TOKENS = 512
-# requests decoded together: on this machine a target pass over 8 rows costs little more than
-# over one (memory-bound), and the batch controller stops drafting where passes get dear
-DEFAULT_MAX_BATCH = 8
+# requests decoded together. 1 (serial) until batching pays for one client too: in
+# benchmarks/serve_batch.py (smollm2-demo, this CPU) a batch of one row ran at 0.33x the serial
+# server and 8 clients batched at 0.97x, and batched rows lose the prompt cache and history
+DEFAULT_MAX_BATCH = 1
 
 
 def seconds(text: str) -> float:
@@ -101,8 +102,7 @@ def setup_arg_parser(parser):
         type=positive_int,
         default=DEFAULT_MAX_BATCH,
         help=f"requests decoded together in one batch that still drafts (default"
-        f" {DEFAULT_MAX_BATCH}; 1: one at a time). Pairs or requests a batch cannot take run"
-        " alone",
+        f" {DEFAULT_MAX_BATCH}: one at a time). Pairs or requests a batch cannot take run alone",
     )
     g.add_argument(
         "--request-timeout", type=seconds, default=600.0, help="seconds, queue wait included"
