@@ -772,12 +772,22 @@ def token_kind(r: Round, i: int) -> tuple[str, list[int]]:
     return TARGET, []
 
 
-def _events(rounds, detokenizer, stats, start, max_tokens) -> Iterator[list[Event]]:
-    """Rounds -> batches of events: detokenized text, provenance, live stats."""
-    held: Event | None = None  # an event whose token's text the detokenizer still holds
-    finished = False
-    for index, r in enumerate(rounds):
-        stats.add_round(r, time.perf_counter() - start)
+class EventMaker:
+    """Rounds -> batches of events, for one reply: detokenized text, provenance, live stats.
+    `feed` one round, `close` at the end; a token whose text the detokenizer still holds is
+    kept back until a later one completes it. `stream_rounds` and the server's batched rows
+    (one maker a row) share it."""
+
+    def __init__(self, detokenizer, stats: Stats, start: float, max_tokens: int):
+        self.detokenizer, self.stats = detokenizer, stats
+        self.start, self.max_tokens = start, max_tokens
+        self.held: Event | None = None  # an event whose token's text is not complete yet
+        self.index = 0  # rounds fed
+
+    def feed(self, r: Round) -> list[Event]:
+        stats, detokenizer, index = self.stats, self.detokenizer, self.index
+        self.index += 1
+        stats.add_round(r, time.perf_counter() - self.start)
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         finished = r.finished
         stats.finish_reason = "stop" if finished else "length"
@@ -792,24 +802,34 @@ def _events(rounds, detokenizer, stats, start, max_tokens) -> Iterator[list[Even
             if r.logprobs is not None:
                 event.logprob, event.top_logprobs = r.logprobs[i], r.top_logprobs[i]
             events.append(event)
-        if finished or stats.generated_tokens >= max_tokens:
+        if finished or stats.generated_tokens >= self.max_tokens:
             detokenizer.finalize()
             tail = detokenizer.last_segment
             if events:
                 events[-1].text += tail
-            elif held is not None:
-                held.text += tail
+            elif self.held is not None:
+                self.held.text += tail
         batch = []
-        if events and held is not None:
-            batch.append(held)
-            held = None
+        if events and self.held is not None:
+            batch.append(self.held)
+            self.held = None
         if events and not events[-1].text and not finished:
-            held = events.pop()
-        batch += events
-        if batch:
+            self.held = events.pop()
+        return batch + events
+
+    def close(self) -> list[Event]:
+        held, self.held = self.held, None
+        return [held] if held is not None else []
+
+
+def _events(rounds, detokenizer, stats, start, max_tokens) -> Iterator[list[Event]]:
+    """Rounds -> batches of events (`EventMaker`), one batch per round that completes text."""
+    maker = EventMaker(detokenizer, stats, start, max_tokens)
+    for r in rounds:
+        if batch := maker.feed(r):
             yield batch
-    if held is not None:
-        yield [held]
+    if last := maker.close():
+        yield last
 
 
 def stream(

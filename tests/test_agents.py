@@ -271,7 +271,7 @@ def lookup_server(request, tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("lookup")
     args = [
         "--target", str(tiny_models.target), "--drafter", "ngram", "--num-draft-tokens", "4",
-        "--api-key", KEY_A, "--api-key", KEY_B,
+        "--api-key", KEY_A, "--api-key", KEY_B, "--max-batch", "1",  # history: single-stream
     ]  # fmt: skip
     if request.param == "shared":
         args.append("--shared-history")
@@ -359,7 +359,7 @@ def queue_server(tiny_models, tmp_path_factory):
     weights["lm_head.weight"][2] = 0
     path = tiny.write_model(root / "long", cfg, weights, tiny_models.tokenizer)
     log = open(root / "stderr.log", "w")  # noqa: SIM115
-    args = ["--target", str(path), "--no-draft", "--max-queue", "4"]
+    args = ["--target", str(path), "--no-draft", "--max-queue", "4", "--max-batch", "1"]
     proc, url = start_server(args + ["--api-key", KEY_A, "--api-key", KEY_B], log)
     yield url
     stop_server(proc)

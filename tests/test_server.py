@@ -556,7 +556,7 @@ def slow(tiny_models, tmp_path_factory):
     weights["lm_head.weight"][2] = 0  # <|im_end|>: never the argmax of a peaked head
     path = tiny.write_model(root / "long", cfg, weights, tiny_models.tokenizer)
     args = [
-        "--target", str(path), "--no-draft", "--max-queue", str(SLOW_QUEUE),
+        "--target", str(path), "--no-draft", "--max-queue", str(SLOW_QUEUE), "--max-batch", "1",
         "--request-timeout", "2",
         "--shutdown-timeout", "8",
     ]  # fmt: skip

@@ -15,6 +15,10 @@ from ..errors import SpecError, one_line
 
 API_KEY_ENV = "MLX_SPEC_API_KEY"
 DEFAULT_MAX_TOKENS = 512
+# requests decoded together. 1 (serial) until batching pays for one client too: in
+# benchmarks/serve_batch.py (smollm2-demo, this CPU) a batch of one row ran at 0.33x the serial
+# server and 8 clients batched at 0.97x, and batched rows lose the prompt cache and history
+DEFAULT_MAX_BATCH = 1
 
 
 def seconds(text: str) -> float:
@@ -92,6 +96,13 @@ def setup_arg_parser(parser):
     )
     g.add_argument(
         "--max-queue", type=nonnegative_int, default=16, help="requests that may wait (429 past it)"
+    )
+    g.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=DEFAULT_MAX_BATCH,
+        help=f"requests decoded together in one batch that still drafts (default"
+        f" {DEFAULT_MAX_BATCH}: one at a time). Pairs or requests a batch cannot take run alone",
     )
     g.add_argument(
         "--request-timeout", type=seconds, default=600.0, help="seconds, queue wait included"
@@ -231,6 +242,7 @@ def main(args):
         history_tokens=0 if args.no_history else args.history_tokens,
         max_queue_per_key=per_key_queue(args, keys),
         raw_reasoning=args.raw_reasoning,
+        max_batch=args.max_batch,
     )
     settings = Settings(
         api_keys=keys,
@@ -262,7 +274,13 @@ def main(args):
     host, bound = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{bound}/v1"
     history = "on" if engine.history is not None else "off"
-    print(f"mlx-spec serve: {name} (drafter {engine.drafter}, history lookup {history}) on {url}")
+    batch = f"batch {args.max_batch}" if engine.batch is not None else "not batched"
+    print(
+        f"mlx-spec serve: {name} (drafter {engine.drafter}, history lookup {history}, {batch})"
+        f" on {url}"
+    )
+    if engine.batch is None and args.max_batch > 1:
+        print(f"mlx-spec serve: not batched: {one_line(engine.batch_refusal)}", file=sys.stderr)
     sys.stdout.flush()
     # uvicorn re-raises the signal that stopped it once it is done; after a graceful
     # shutdown that must not kill the process before the engine thread is joined

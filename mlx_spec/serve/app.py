@@ -36,7 +36,7 @@ from .protocol import (
     parse_chat,
     parse_completion,
 )
-from .worker import Engine, Job, timeout_error
+from .worker import BATCH_BUCKETS, Engine, Job, timeout_error
 
 DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to this, then cut off
 KEEPALIVE_SECONDS = 2.0  # a queued or prefilling stream gets its headers, then a comment this often
@@ -410,8 +410,11 @@ def metrics_text(engine: Engine) -> str:
         ("generated_tokens_total", "Generated tokens.", m.generated_tokens),
         ("drafted_tokens_total", "Draft tokens proposed.", m.drafted),
         ("accepted_tokens_total", "Draft tokens the target accepted.", m.accepted),
-        ("target_passes_total", "Target forward passes while generating.", m.target_passes),
-        ("generation_seconds_total", "Seconds spent generating.", round(m.generation_seconds, 4)),
+        ("target_passes_total", "Target forward passes while generating (a batched pass once).",
+         m.target_passes),
+        ("batch_passes_total", "Batched target passes (--max-batch).", m.batch_passes),
+        ("generation_seconds_total", "Seconds spent generating, summed over requests.",
+         round(m.generation_seconds, 4)),
         ("prefill_seconds_total", "Seconds spent prefilling prompts.", round(m.prefill_seconds, 4)),
         ("cancelled_total", "Jobs stopped because their client disconnected.", m.cancelled),
         ("timeouts_total", "Jobs stopped by the request timeout.", m.timeouts),
@@ -429,9 +432,26 @@ def metrics_text(engine: Engine) -> str:
          sum(c.bytes for c in engine.all_caches())),
         ("history_tokens", "Tokens in the history lookup indexes (all partitions).",
          engine.history_size()),
+        ("running", "Requests being generated (several when batched).", len(engine.running)),
+        ("max_batch", "Requests one batch may hold (1: not batched, or the pair cannot be).",
+         engine.max_batch if engine.batch is not None else 1),
+        ("batch_size", "Requests in the last batched pass (0: no batch running).", m.batch_size),
+        ("batch_size_max", "Most requests in one batched pass since start.", m.batch_size_max),
+        ("batch_rows_per_pass", "Mean requests per batched pass since start.",
+         round(m.batch_rows / m.batch_passes, 4) if m.batch_passes else 0.0),
+        ("batch_target_rows_per_pass",
+         "Mean target rows per batched pass since start: requests x (drafted + 1).",
+         round(m.batch_target_rows / m.batch_passes, 4) if m.batch_passes else 0.0),
     ]  # fmt: skip
     for name, help_text, value in gauges:
         metric(name, "gauge", help_text, [("", value)])
+    buckets, total = [], 0
+    for bound, n in zip(BATCH_BUCKETS, m.batch_hist, strict=True):
+        total += n
+        buckets.append((f'_bucket{{le="{bound}"}}', total))
+    buckets += [('_bucket{le="+Inf"}', m.batch_passes), ("_sum", m.batch_rows)]
+    buckets.append(("_count", m.batch_passes))
+    metric("batch_size_passes", "histogram", "Batched passes by their requests.", buckets)
     return "\n".join(lines) + "\n"
 
 

@@ -1,8 +1,15 @@
-"""One generation worker: queued jobs, one stream at a time, caches kept across requests.
+"""One generation worker: queued jobs, one stream or one batch at a time, caches kept across
+requests.
 
-Single-stream decoding is the memory-bound regime speculation is for, so requests queue and one
-thread decodes. The HTTP side (app.py) talks to the worker through `Job`: the worker puts
-("delta", output.Delta) items, then ("done", Outcome) or ("error", ApiError) on the job's
+Requests queue and one thread decodes: one stream at a time (single-stream decoding is the
+memory-bound regime speculation is for), or, with --max-batch N and a pair that batches, up to N
+requests together as rows of one `batch.BatchDecoder` that still drafts (`_serve_batch`): rows
+join between rounds as they are taken from the queue and leave as they finish. A request the
+batch cannot take waits until the running rows finish, then runs alone. Batched rows prefill
+their whole prompt and look up only their own text (no prompt cache or history hand-off yet).
+
+The HTTP side (app.py) talks to the worker through `Job`: the worker puts ("delta",
+output.Delta) items, then ("done", Outcome) or ("error", ApiError) on the job's
 asyncio queue; the HTTP side calls `Engine.withdraw` (a queued job leaves the queue at once) or
 sets `job.cancelled` when its client leaves. The worker checks that flag, the job's deadline and
 shutdown between verify rounds and between prefill chunks, so a stopped job frees the engine
@@ -10,7 +17,8 @@ within a round or a chunk.
 
 Partitions: every API key (one partition when there is no key, or with --shared-history) has
 its own prompt cache and history index, so no request drafts from, reuses the KV cache of, or
-can time another key's text. The queue is one per partition, served round robin.
+can time another key's text. The queue is one per partition, served round robin. Rows of
+different partitions share batched passes, but each drafts from its own text only.
 """
 
 from __future__ import annotations
@@ -32,7 +40,15 @@ from jinja2 import TemplateError
 from mlx_lm.utils import common_prefix_len
 
 from .. import caches
-from ..engine import constraint_for, encode_prompt, make_decoder, stream_rounds
+from ..batch import make_batch_decoder
+from ..engine import (
+    EventMaker,
+    constraint_for,
+    encode_prompt,
+    make_decoder,
+    prompt_tokens,
+    stream_rounds,
+)
 from ..errors import Aborted, SpecError
 from ..history import HistoryIndex
 from ..processors import make_processors
@@ -40,6 +56,8 @@ from ..stats import Stats
 from .output import Output, check_tool_choice, forced_prefix, tool_grammar
 from .protocol import ApiError, GenRequest, speculation, usage
 from .stops import StopText
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the batch-size histogram's upper bounds
 
 
 @dataclass
@@ -131,20 +149,40 @@ class Metrics:
     prefill_seconds: float = 0.0
     cancelled: int = 0
     timeouts: int = 0
+    batch_size: int = 0  # rows in the batch's last pass (0 when no batch runs)
+    batch_size_max: int = 0
+    batch_passes: int = 0  # batched target passes
+    batch_rows: int = 0  # requests in them, summed over passes
+    batch_target_rows: int = 0  # target rows in them (B x (k+1)), summed over passes
+    batch_hist: list[int] = field(default_factory=lambda: [0] * len(BATCH_BUCKETS))
 
-    def add(self, stats: Stats) -> None:
+    def add(self, stats: Stats, passes: bool = True) -> None:
         self.prompt_tokens += stats.prompt_tokens
         self.prompt_tokens_cached += stats.prompt_tokens_reused
         self.generated_tokens += stats.generated_tokens
         self.drafted += stats.drafted
         self.accepted += stats.accepted
-        self.target_passes += stats.target_passes
+        if passes:  # a batched pass is counted once by add_pass, not once per row
+            self.target_passes += stats.target_passes
         self.generation_seconds += stats.generation_seconds
         self.prefill_seconds += stats.prefill_seconds
 
+    def add_pass(self, rows: int, target_rows: int) -> None:
+        """One batched target pass over `rows` requests (`target_rows` token rows)."""
+        self.batch_size = rows
+        self.batch_size_max = max(self.batch_size_max, rows)
+        self.target_passes += 1
+        self.batch_passes += 1
+        self.batch_rows += rows
+        self.batch_target_rows += target_rows
+        for i, bound in enumerate(BATCH_BUCKETS):
+            if rows <= bound:
+                self.batch_hist[i] += 1
+                break
+
 
 class Engine:
-    """Holds the resident pair and serves jobs one at a time on its own thread.
+    """Holds the resident pair and serves jobs on its own thread, one at a time or batched.
 
     `loader(name)` loads a pair by name (the startup pair or one from models.toml): a request
     for another model than the resident one swaps it (one pair resident at a time). Pairs are
@@ -164,12 +202,16 @@ class Engine:
         history_tokens: int = 0,
         max_queue_per_key: int | None = None,
         raw_reasoning: bool = False,
+        max_batch: int = 1,
     ):
         self.loader, self.models = loader, models
         self.max_queue, self.prompt_cache_bytes = max_queue, prompt_cache_bytes
         self.history_tokens = history_tokens  # 0: no history lookup
         self.max_queue_per_key = max_queue_per_key  # None: the whole queue
         self.raw_reasoning = raw_reasoning  # think text stays in content
+        self.max_batch = max_batch  # 1: one stream at a time
+        self.batch = None  # the resident pair's BatchDecoder, when it batches
+        self.batch_refusal = "--max-batch 1"  # why the pair is not batched
         self.metrics = Metrics()
         self.queues: dict[str, deque] = {}  # partition -> its waiting jobs
         self.turns: deque = deque()  # partitions with waiting jobs, next to serve first
@@ -179,7 +221,7 @@ class Engine:
         self.waiting = 0  # jobs queued, not yet taken
         self.busy = False
         self.closing = False
-        self.current: Job | None = None
+        self.running: list[Job] = []  # the jobs being generated (several when batched)
         self.recent_seconds: list[float] = []  # durations of the last jobs (Retry-After)
         self.thread = threading.Thread(target=self._run, name="mlx-spec-engine", daemon=True)
         self.loaded: Future = Future()  # the start-up pair is resident (or failed to load)
@@ -191,6 +233,12 @@ class Engine:
         self.pair, self.name = pair, name
         self.history = self._new_history()
         self.cache = PromptCache(pair, self.prompt_cache_bytes, self.history)
+        self.batch = None
+        if pair is not None and self.max_batch > 1:
+            try:  # checked once: the caches' kinds and the drafter's (batch.BATCHED_KINDS)
+                self.batch = make_batch_decoder(pair)
+            except SpecError as err:
+                self.batch_refusal = str(err)
 
     def _new_history(self) -> HistoryIndex | None:
         """A history for lookup across requests, when the drafter kind uses one."""
@@ -341,16 +389,38 @@ class Engine:
                 if self.closing:
                     return None
                 self.ready.wait()
-            key = self.turns.popleft()
-            waiting = self.queues[key]
-            job = waiting.popleft()
-            if waiting:
-                self.turns.append(key)  # its next job after the other partitions' next ones
-            else:
-                del self.queues[key]
-            self.waiting -= 1
-            self.busy, self.current = True, job
+            job = self._pop()
+            self.busy, self.running = True, [job]
             return job
+
+    def _pop(self) -> Job:
+        """(With the lock.) The first job of the partition whose turn it is."""
+        key = self.turns.popleft()
+        waiting = self.queues[key]
+        job = waiting.popleft()
+        if waiting:
+            self.turns.append(key)  # its next job after the other partitions' next ones
+        else:
+            del self.queues[key]
+        self.waiting -= 1
+        return job
+
+    def _take_batchable(self) -> Job | None:
+        """The next job if it can join the running batch (None: none waits, or the next in
+        turn cannot be batched, so it waits for the batch to finish). Never blocks."""
+        with self.lock:
+            if self.closing or not self.turns:
+                return None
+            if not self.batchable(self.queues[self.turns[0]][0].request):
+                return None
+            job = self._pop()
+            self.running.append(job)
+            return job
+
+    def _done(self, job: Job) -> None:
+        with self.lock:
+            if job in self.running:
+                self.running.remove(job)
 
     def begin_shutdown(self, grace: float) -> None:
         """Refuse new jobs, answer queued ones 503, give the running one `grace` seconds."""
@@ -362,9 +432,8 @@ class Engine:
             self.queues.clear()
             self.turns.clear()
             self.waiting = 0
-            current = self.current
-            if current is not None:
-                current.deadline = min(current.deadline, time.monotonic() + grace)
+            for job in self.running:
+                job.deadline = min(job.deadline, time.monotonic() + grace)
             self.ready.notify_all()
 
     def stop(self, grace: float = 0.0, timeout: float | None = None) -> None:
@@ -385,12 +454,17 @@ class Engine:
             if job is None:
                 return
             start = time.monotonic()
+            batched = self.batchable(job.request)
             try:
-                self._serve(job)
+                if batched:
+                    self._serve_batch(job)
+                else:
+                    self._serve(job)
             finally:
                 with self.lock:
-                    self.busy, self.current = False, None
-                self.recent_seconds = [*self.recent_seconds[-7:], time.monotonic() - start]
+                    self.busy, self.running = False, []
+                if not batched:  # (batched jobs are timed as each leaves)
+                    self.recent_seconds = [*self.recent_seconds[-7:], time.monotonic() - start]
 
     # ------------------------------------------------------------------ one job
 
@@ -464,68 +538,235 @@ class Engine:
                 message = f"the tools cannot constrain the call: {err}"
                 raise ApiError(400, message, "tools", "invalid_value") from None
         decoder = cache.take(tokens)
-        stats, stops = Stats(), StopText(req.stop)
-        output = Output(pair.tokenizer, req, tokens, self.raw_reasoning)
+        stats = Stats()
+        reply = Reply(job, pair, tokens, self.raw_reasoning)
         config = req.generation.replace(
             processors=make_processors(**req.penalties), grammar=constraint
         )
         rounds = stream_rounds(pair, tokens, config, decoder=decoder, stats=stats, abort=abort)
-        ended = None  # why generation stopped early: "stop", "cancelled", "timeout"
-        held: list = []  # (start offset in the raw text, logprob entry) not yet released
-        produced = released = 0  # characters generated / let through the stop strings
         try:
-            for batch in rounds:
-                text = stops.feed("".join(e.text for e in batch))
-                entries = None
-                if req.logprobs is not None:
-                    for e in batch:
-                        held.append((produced, output.entry(e.token, e.logprob, e.top_logprobs)))
-                        produced += len(e.text)
-                    released += len(text)
-                    nothing_held = not stops.pending and not stops.stopped
-                    ready = [
-                        x for x in held if x[0] < released or (nothing_held and x[0] <= released)
-                    ]
-                    held = held[len(ready) :]
-                    entries = [x[1] for x in ready]
-                delta = output.feed(text, entries)
-                if delta:
-                    job.put("delta", delta)
-                if stops.stopped:
-                    ended = "stop"
-                elif job.cancelled.is_set():
-                    ended = "cancelled"
-                elif time.monotonic() > job.deadline:
-                    ended = "timeout"
-                if ended:
+            for events in rounds:
+                if reply.feed(events):
                     break
         except Aborted:
-            ended = "cancelled" if job.cancelled.is_set() else "timeout"
+            reply.ended = "cancelled" if job.cancelled.is_set() else "timeout"
         finally:
             rounds.close()  # between rounds: the decoder stays consistent for the next job
             self.trim_caches()
         self.metrics.add(stats)
         if history is not None:
             history.add(decoder.sequence)
-        if ended == "cancelled":
-            self.metrics.cancelled += 1
-            return
-        if ended == "timeout":
-            self.metrics.timeouts += 1
-            job.put("error", timeout_error())
-            return
-        if ended is None:
-            tail = output.feed(stops.flush(), [x[1] for x in held] if held else None)
-            if tail:
-                job.put("delta", tail)
-        last = output.finish()
-        if last:
-            job.put("delta", last)
-        finish = ended or stats.finish_reason
-        if output.calls and finish == "stop":
-            finish = "tool_calls"
         spec = speculation(stats, self.drafter, history is not None)
-        job.put("done", Outcome(finish, usage(stats), spec))
+        spec["batched"] = False
+        self._conclude(reply, stats, spec)
+
+    def _conclude(self, reply: Reply, stats: Stats, spec: dict) -> None:
+        """The job's last items (or nothing, when its client left) and its counters."""
+        if reply.ended == "cancelled":
+            self.metrics.cancelled += 1
+        elif reply.ended == "timeout":
+            self.metrics.timeouts += 1
+        reply.finish(stats, spec)
+
+    # ------------------------------------------------------------------ a batch of jobs
+
+    def batchable(self, req: GenRequest) -> bool:
+        """Whether this request may join the batch: the resident pair batches, and it asks
+        for nothing a batch row cannot do yet (processors, logprobs, constraints, a swap)."""
+        if self.batch is None or req.model != self.name:
+            return False
+        forced_tool = req.kind == "chat" and req.tools and req.tool_choice not in ("auto", "none")
+        return (
+            req.logprobs is None
+            and req.constraint is None
+            and not forced_tool
+            and not make_processors(**req.penalties)
+        )
+
+    def _serve_batch(self, first: Job) -> None:
+        """Serve `first` and every batchable job queued while it runs in one BatchDecoder,
+        up to max_batch rows, until no row is left. The queue is served in its order: when
+        the next job cannot be batched, no more rows join; it runs alone once these finish."""
+        live: dict[int, BatchRow] = {}
+        pending = [first]
+        try:
+            while True:
+                while len(live) < self.max_batch:
+                    job = pending.pop() if pending else self._take_batchable()
+                    if job is None:
+                        break
+                    self._admit(job, live)
+                for rid, row in list(live.items()):  # the client left, or time ran out
+                    if row.reply.check():
+                        self.batch.cancel(rid)
+                        self._leave(rid, live)
+                if not live:
+                    if len(self.batch):
+                        self.batch.step()  # drops the rows cancelled above
+                    self.metrics.batch_size = 0
+                    return
+                self._round(live)
+        except Exception as err:  # a bug: every row answers 500; the next batch starts anew
+            traceback.print_exc(file=sys.stderr)
+            for row in live.values():
+                row.job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+                self._done(row.job)
+            self.metrics.batch_size = 0
+            self.batch = make_batch_decoder(self.pair)
+
+    def _admit(self, job: Job, live: dict) -> None:
+        """Prefill a job's prompt and add it to the batch (or answer it: left, late, bad)."""
+        try:
+            if job.cancelled.is_set():  # the client left while queued
+                self.metrics.cancelled += 1
+                return
+            if time.monotonic() > job.deadline:
+                self.metrics.timeouts += 1
+                job.put("error", timeout_error())
+                return
+            req, pair = job.request, self.pair
+            config = req.generation
+            try:
+                tokens, max_tokens = prompt_tokens(pair, self._prompt(pair, req), config)
+            except ApiError as err:
+                job.put("error", err)
+                return
+            except SpecError as err:  # a prompt too long, a token id out of range, ...
+                job.put("error", ApiError(400, str(err), code="invalid_value"))
+                return
+            decoder = self.batch
+            stats = Stats(prompt_tokens=len(tokens))
+            if decoder.drafting:
+                stats.num_draft_tokens = decoder.fixed_k or decoder.controller.k_max
+                stats.adaptive = decoder.controller is not None
+            begin = time.perf_counter()
+            rid = decoder.add(tokens, config, max_tokens=max_tokens)
+            stats.prefill_seconds = time.perf_counter() - begin
+            # a copy of the detokenizer per row: rows are detokenized side by side
+            maker = EventMaker(pair.tokenizer.detokenizer, stats, time.perf_counter(), max_tokens)
+            reply = Reply(job, pair, tokens, self.raw_reasoning)
+            live[rid] = BatchRow(job, reply, stats, maker, list(tokens), time.monotonic())
+            job = None  # a row now: `_leave` ends it
+        except Exception as err:  # a bug (the batch starts anew): this job answers 500 too
+            job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+            raise
+        finally:
+            if job is not None:
+                self._done(job)
+
+    def _round(self, live: dict) -> None:
+        """One batch step: every row's tokens through its own reply; finished rows leave."""
+        decoder = self.batch
+        updates = decoder.step()
+        stepped = sum(u.finish_reason != "cancelled" for u in updates.values())
+        if stepped:  # (a step that only dropped cancelled rows ran no pass)
+            self.metrics.add_pass(stepped, decoder.timing.rows)
+        for rid, u in updates.items():
+            row = live.get(rid)
+            if row is None or u.finish_reason == "cancelled":  # left before this round
+                continue
+            row.sequence += u.tokens
+            events = row.maker.feed(u.round)
+            if u.done:
+                events += row.maker.close()
+            if row.reply.feed(events) == "stop" and not u.done:
+                decoder.cancel(rid)  # a stop string: the row leaves at the next step
+            if u.done or row.reply.ended:
+                self._leave(rid, live)
+
+    def _leave(self, rid: int, live: dict) -> None:
+        row = live.pop(rid)
+        self.metrics.add(row.stats, passes=False)  # the batch counts its passes itself
+        _, history = self._partition(row.job.request.partition)
+        if history is not None:  # later single-stream requests may draft from it
+            history.add(row.sequence)
+        spec = speculation(row.stats, self.drafter, False)  # rows look up their own text only
+        spec["batched"] = True
+        self._conclude(row.reply, row.stats, spec)
+        self.recent_seconds = [*self.recent_seconds[-7:], time.monotonic() - row.started]
+        self._done(row.job)
+
+
+@dataclass
+class BatchRow:
+    """A job decoding as one row of the batch."""
+
+    job: Job
+    reply: Reply
+    stats: Stats
+    maker: EventMaker  # its rounds -> events, with its own detokenizer
+    sequence: list[int]  # prompt + reply tokens (for the partition's history)
+    started: float
+
+
+class Reply:
+    """One job's reply as it streams: the text through its stop strings, logprobs released
+    with the text they belong to, deltas and the outcome put on the job's queue. The
+    single-stream and the batched paths both feed it events."""
+
+    def __init__(self, job: Job, pair, tokens: list[int], raw_reasoning: bool):
+        req = job.request
+        self.job, self.req = job, req
+        self.stops = StopText(req.stop)
+        self.output = Output(pair.tokenizer, req, tokens, raw_reasoning)
+        self.ended: str | None = None  # why generation stopped early: stop, cancelled, timeout
+        self.held: list = []  # (start offset in the raw text, logprob entry) not yet released
+        self.produced = self.released = 0  # characters generated / let through the stops
+
+    def check(self) -> str | None:
+        """Whether the reply must end now: a stop string, the client gone, the deadline."""
+        if self.ended is None:
+            if self.stops.stopped:
+                self.ended = "stop"
+            elif self.job.cancelled.is_set():
+                self.ended = "cancelled"
+            elif time.monotonic() > self.job.deadline:
+                self.ended = "timeout"
+        return self.ended
+
+    def feed(self, events: list) -> str | None:
+        """A round's events -> a delta for the client; why the reply ends now, if it does."""
+        text = self.stops.feed("".join(e.text for e in events))
+        entries = None
+        if self.req.logprobs is not None:
+            for e in events:
+                entry = self.output.entry(e.token, e.logprob, e.top_logprobs)
+                self.held.append((self.produced, entry))
+                self.produced += len(e.text)
+            self.released += len(text)
+            nothing_held = not self.stops.pending and not self.stops.stopped
+            ready = [
+                x
+                for x in self.held
+                if x[0] < self.released or (nothing_held and x[0] <= self.released)
+            ]
+            self.held = self.held[len(ready) :]
+            entries = [x[1] for x in ready]
+        delta = self.output.feed(text, entries)
+        if delta:
+            self.job.put("delta", delta)
+        return self.check()
+
+    def finish(self, stats: Stats, spec: dict) -> None:
+        """The rest of the text and the outcome (a 504 after a timeout; nothing once the
+        client left)."""
+        if self.ended == "cancelled":
+            return
+        if self.ended == "timeout":
+            self.job.put("error", timeout_error())
+            return
+        if self.ended is None:
+            held = [x[1] for x in self.held] if self.held else None
+            tail = self.output.feed(self.stops.flush(), held)
+            if tail:
+                self.job.put("delta", tail)
+        last = self.output.finish()
+        if last:
+            self.job.put("delta", last)
+        finish = self.ended or stats.finish_reason
+        if self.output.calls and finish == "stop":
+            finish = "tool_calls"
+        self.job.put("done", Outcome(finish, usage(stats), spec))
 
 
 def timeout_error() -> ApiError:

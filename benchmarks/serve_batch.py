@@ -1,0 +1,253 @@
+"""Concurrent streaming clients against four servers, interleaved (issue 25, item 6).
+
+Servers, all on the same pair (default smollm2-demo: SmolLM2 135M drafted by itself at 4 bits):
+- mlx-spec serial: `mlx-spec serve --max-batch 1` (one stream at a time, drafting: today's);
+- mlx-spec batched: `mlx-spec serve --max-batch 8` (a batch that still drafts);
+- mlx-lm batched: `python -m mlx_lm.server` on the target alone (its BatchGenerator);
+- mlx-lm draft: `python -m mlx_lm.server --draft-model` (mlx-lm turns batching off with a draft).
+mlx-lm's server reads MLX directories, so the pair's target and draft are written as such
+first (same weights: the target as loaded, the draft as quantized).
+
+For each repetition, each concurrency (1, 2, 4, 8) and each server in turn: that many
+streaming chat requests start at once (greedy, --max-tokens each, different prompts); we
+record the wall time, every request's time to first token and latency, and its text.
+Reported: medians over repetitions of aggregate tokens/s, p50/p95 TTFT and latency, and
+whether every reply equals the serial mlx-spec server's for the same prompt.
+
+Run (the machine is shared: one benchmark at a time):
+    flock /tmp/bench.lock python benchmarks/serve_batch.py [--reps 3] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator works, step by step, for a curious child.",
+    "Describe a walk through a busy market in a coastal town at dawn.",
+    "Write a letter from a retired astronaut to their younger self.",
+    "Explain the rules of chess to someone who has never played a board game.",
+    "Describe the life cycle of a star, from its birth to its death.",
+    "Write a recipe for a vegetable soup and explain why each step matters.",
+    "Tell the history of the bicycle as if you were a tour guide in a museum.",
+]
+
+
+def write_mlx_dirs(pair_name: str, root: Path) -> tuple[Path, Path]:
+    """The pair's target and draft as MLX model directories (config, weights, tokenizer)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_spec import load_pair
+
+    pair = load_pair(pair_name)
+    out = []
+    for role, model in (("target", pair.target), ("draft", pair.draft)):
+        path = root / role
+        path.mkdir(parents=True, exist_ok=True)
+        config = {k: v for k, v in asdict(model.args).items() if v is not None}
+        config["eos_token_id"] = list(pair.tokenizer.eos_token_ids)
+        weights = dict(tree_flatten(model.parameters()))
+        if any(k.endswith(".scales") for k in weights):  # the quantized draft
+            q = next(m for _, m in model.named_modules() if hasattr(m, "bits"))
+            config["quantization"] = {"group_size": q.group_size, "bits": q.bits}
+        mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (path / "config.json").write_text(json.dumps(config, indent=2))
+        pair.tokenizer._tokenizer.save_pretrained(str(path))
+        out.append(path)
+    return out[0], out[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server {proc.args} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server {proc.args} never answered")
+
+
+def start(cmd: list[str], port: int, log: Path) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLX_SPEC_API_KEY": ""}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, proc)
+    return proc, url
+
+
+def one_request(url: str, model: str, prompt: str, max_tokens: int, go: threading.Event) -> dict:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    go.wait()
+    start = time.perf_counter()
+    first, text, tokens, pieces = None, [], None, 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for c in chunk.get("choices") or []:
+                content = (c.get("delta") or {}).get("content")
+                if content:
+                    if first is None:
+                        first = time.perf_counter() - start
+                    text.append(content)
+                    pieces += 1
+    latency = time.perf_counter() - start
+    return {"ttft": first or latency, "latency": latency, "text": "".join(text),
+            "tokens": tokens if tokens is not None else pieces}  # fmt: skip
+
+
+def run_cell(url: str, model: str, clients: int, max_tokens: int) -> dict:
+    go = threading.Event()
+    results: list = [None] * clients
+
+    def work(i):
+        results[i] = one_request(url, model, PROMPTS[i], max_tokens, go)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    begin = time.perf_counter()
+    go.set()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - begin
+    return {"wall": wall, "results": results}
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def report(args, servers: dict, clients: list[int], cells: dict, done: int) -> None:
+    """The table so far (after every repetition: a cut-short run still leaves one)."""
+    reference = {}  # prompt index -> the serial mlx-spec server's text
+    for cell in cells[("mlx-spec serial", max(clients))]:
+        for i, r in enumerate(cell["results"]):
+            reference.setdefault(i, r["text"])
+    print(f"\n{args.pair}, greedy, {args.max_tokens} max tokens a request, {done} reps"
+          " (medians)\n")  # fmt: skip
+    print("| clients | server | aggregate tok/s | × serial | TTFT p50 / p95 (s) |"
+          " latency p50 / p95 (s) | tokens / request | identical |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for c in clients:
+        serial = None
+        for name in servers:
+            reps = cells[(name, c)]
+            rate = statistics.median(
+                sum(r["tokens"] for r in x["results"]) / x["wall"] for x in reps
+            )
+            ttft = [
+                percentile([r["ttft"] for r in x["results"]], q) for x in reps for q in (0.5, 0.95)
+            ]
+            lat = [
+                percentile([r["latency"] for r in x["results"]], q)
+                for x in reps
+                for q in (0.5, 0.95)
+            ]
+            t50, t95 = statistics.median(ttft[0::2]), statistics.median(ttft[1::2])
+            l50, l95 = statistics.median(lat[0::2]), statistics.median(lat[1::2])
+            same = sum(r["text"] == reference[i] for x in reps for i, r in enumerate(x["results"]))
+            total = sum(len(x["results"]) for x in reps)
+            mean_tokens = statistics.mean(r["tokens"] for x in reps for r in x["results"])
+            serial = serial or rate
+            print(f"| {c} | {name} | {rate:.1f} | {rate / serial:.2f} | {t50:.2f} / {t95:.2f} |"
+                  f" {l50:.2f} / {l95:.2f} | {mean_tokens:.0f} | {same}/{total} |")  # fmt: skip
+            rows.append({"clients": c, "server": name, "tokens_per_second": rate,
+                         "ttft_p50": t50, "ttft_p95": t95, "latency_p50": l50,
+                         "latency_p95": l95, "identical": same, "requests": total})  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pair", default="smollm2-demo")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--clients", default="1,2,4,8")
+    p.add_argument("--num-draft-tokens", default="auto", help="mlx-spec's k (mlx-lm: 3 if auto)")
+    p.add_argument("--port", type=int, default=18300)
+    p.add_argument("--json", type=Path, help="write every measurement here")
+    args = p.parse_args()
+    clients = [int(c) for c in args.clients.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="serve_batch_"))
+    target, draft = write_mlx_dirs(args.pair, root)
+    k = args.num_draft_tokens
+    mlx_lm_k = "3" if k == "auto" else k
+    spec = [sys.executable, "-m", "mlx_spec", "serve", "--pair", args.pair,
+            "--num-draft-tokens", k, "--log-level", "warning"]  # fmt: skip
+    lm = [sys.executable, "-m", "mlx_lm.server", "--model", str(target), "--log-level", "WARNING"]
+    servers = {
+        "mlx-spec serial": (spec + ["--max-batch", "1"], args.pair),
+        "mlx-spec batched": (spec + ["--max-batch", "8"], args.pair),
+        "mlx-lm batched (no draft)": (lm, str(target)),
+        "mlx-lm draft (serial)": (
+            lm + ["--draft-model", str(draft), "--num-draft-tokens", mlx_lm_k],
+            str(target),
+        ),
+    }
+    procs, urls = {}, {}
+    try:
+        for i, (name, (cmd, _)) in enumerate(servers.items()):
+            port = args.port + i
+            procs[name], urls[name] = start(cmd + ["--port", str(port)], port, root / f"{i}.log")
+            print(f"started {name} on {urls[name]}", file=sys.stderr)
+        for name, (_, model) in servers.items():  # warm-up: first passes compile and page in
+            run_cell(urls[name], model, 2, 16)
+        cells: dict = {}
+        for rep in range(args.reps):
+            for c in clients:
+                order = list(servers) if rep % 2 == 0 else list(reversed(servers))
+                for name in order:
+                    cell = run_cell(urls[name], servers[name][1], c, args.max_tokens)
+                    cells.setdefault((name, c), []).append(cell)
+                    tokens = sum(r["tokens"] for r in cell["results"])
+                    print(f"rep {rep} c={c} {name}: {tokens / cell['wall']:.1f} tok/s",
+                          file=sys.stderr)  # fmt: skip
+            report(args, servers, clients, cells, rep + 1)
+            sys.stdout.flush()
+    finally:
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()

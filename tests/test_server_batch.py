@@ -1,0 +1,272 @@
+"""`mlx-spec serve --max-batch`: concurrent requests share one batch that still drafts.
+
+One server (a tiny target whose end-of-sequence row is muted, so greedy replies run to
+max_tokens, and a noisy copy of it as the draft, k fixed at 3, two API keys). A long "anchor"
+stream keeps the batch running while the other requests join at staggered times and leave;
+every reply must equal the same request decoded alone by the single-stream engine
+(`mlx_spec.generate`) or served alone. Requests a batch cannot take (logprobs, penalties) wait
+for the batch to finish and run single-stream, still equal to `generate`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+import tiny
+from conftest import VOCAB
+from test_server import metrics as read_metrics
+from test_server import serving
+
+from mlx_spec import generate, load_pair
+from mlx_spec.processors import make_processors
+
+KEY_A, KEY_B = "key-a", "key-b"
+K = 3
+TOKENS = 40
+LONG = 200  # a reply that runs for a second or so (the grace period is 10 s)
+PROMPTS = [
+    "The quick brown fox",
+    "def add(a, b):\n    return",
+    "Paris is the capital of France. Berlin is the capital of",
+    "Once upon a time",
+]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch_models")
+    cfg = {**tiny.llama_config(VOCAB, layers=4), "max_position_embeddings": 8192}
+    weights = tiny.random_weights(cfg, seed=0)
+    weights["lm_head.weight"][2] = 0  # <|im_end|>: never the argmax of a peaked head
+    draft = tiny.noisy(weights, 0.05)
+    draft["lm_head.weight"][2] = 0
+    target = tiny.write_model(root / "long", cfg, weights, tiny_models.tokenizer)
+    draft = tiny.write_model(root / "long-draft", cfg, draft, tiny_models.tokenizer)
+    return root, target, draft
+
+
+@pytest.fixture(scope="module")
+def pair(models):
+    _, target, draft = models
+    return load_pair(target=str(target), draft=str(draft))
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    root, target, draft = models
+    args = [
+        "--target", str(target), "--draft", str(draft), "--drafter", "model",
+        "--num-draft-tokens", str(K), "--max-batch", "4", "--api-key", KEY_A, "--api-key", KEY_B,
+        "--max-queue", "16",
+    ]  # fmt: skip
+    with serving(args, root) as (proc, url):
+        yield proc, url
+
+
+def client(url: str, key: str = KEY_A) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60)
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def streamed(url: str, key: str, kind: str, text: str, delay: float = 0.0, **kw) -> dict:
+    """A streaming request after `delay` seconds: its text, finish reason, usage, speculation."""
+    time.sleep(delay)
+    c = client(url, key)
+    common = {"model": "long", "max_tokens": TOKENS, "stream": True, **kw}
+    common["stream_options"] = {"include_usage": True}
+    if kind == "chat":
+        chunks = list(c.chat.completions.create(messages=chat(text), **common))
+        out = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    else:
+        chunks = list(c.completions.create(prompt=text, **common))
+        out = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+    return {
+        "text": out,
+        "finish": finish,
+        "tokens": chunks[-1].usage.completion_tokens,
+        "spec": chunks[-1].model_extra["speculation"],
+    }
+
+
+def metrics(url: str) -> dict[str, float]:
+    return read_metrics(url, KEY_A)
+
+
+def wait_until(condition, what: str, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_batched_requests_equal_each_alone(server, pair):
+    """Rows of two keys join a running batch at staggered times and leave; an anchor stream is
+    then closed by its client; a logprobs and a penalty request queued behind them wait and run
+    single-stream. Every reply equals its request decoded alone."""
+    _, url = server
+    anchor = client(url).completions.create(
+        model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
+    )
+    anchor_chunks = iter(anchor)
+    next(anchor_chunks)  # generating now (greedy, no end of sequence: for seconds)
+    jobs = [  # (key, kind, prompt, settings)
+        (KEY_A, "chat", PROMPTS[0], {"temperature": 0}),
+        (KEY_B, "completion", PROMPTS[1], {"temperature": 0}),
+        (KEY_A, "completion", PROMPTS[2], {"temperature": 0.8, "seed": 5}),
+        (KEY_B, "chat", PROMPTS[3], {"temperature": 0}),
+        (KEY_A, "completion", PROMPTS[0], {"temperature": 0, "max_tokens": 9}),  # leaves early
+    ]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [
+            pool.submit(streamed, url, key, kind, text, 0.05 * i, **kw)
+            for i, (key, kind, text, kw) in enumerate(jobs)
+        ]
+        wait_until(lambda: metrics(url)["mlx_spec_batch_size"] >= 3, "the rows never batched")
+        batched = [f.result() for f in futures]  # while the anchor still runs
+        wait_until(lambda: metrics(url)["mlx_spec_batch_size"] == 1, "the anchor is not alone")
+        # not batchable: wait in the queue while the anchor's batch runs
+        alone = [
+            pool.submit(streamed, url, KEY_B, "chat", PROMPTS[1], temperature=0, logprobs=True),
+            pool.submit(
+                streamed, url, KEY_A, "chat", PROMPTS[2], temperature=0, frequency_penalty=0.5
+            ),
+        ]
+        wait_until(lambda: metrics(url)["mlx_spec_queue_waiting"] == 2, "they did not wait")
+        anchor.close()  # the client leaves: the batch ends, the waiting requests run alone
+        single = [f.result() for f in alone]
+    for (_, kind, text, kw), got in zip(jobs, batched, strict=True):
+        settings = {"max_tokens": TOKENS, **kw}
+        expected = generate(pair, chat(text) if kind == "chat" else text, **settings)
+        if "seed" not in kw:  # greedy: the target's own reply, whatever the batch
+            assert got["text"] == expected.text
+        assert got["tokens"] == settings["max_tokens"] and got["finish"] == "length"
+        assert got["spec"]["batched"] is True
+        assert got["spec"]["drafted"] > 0  # the rows did draft
+        assert got["spec"]["target_passes"] <= got["tokens"]  # its own rounds, not the batch's
+    m = metrics(url)
+    assert m["mlx_spec_batch_size_max"] >= 3 and m["mlx_spec_batch_size"] == 0
+    assert m["mlx_spec_cancelled_total"] >= 1
+    assert 1 < m["mlx_spec_batch_rows_per_pass"] <= 4
+    assert m["mlx_spec_batch_size_passes_count"] == m["mlx_spec_batch_passes_total"] > 0
+    assert m['mlx_spec_batch_size_passes_bucket{le="4"}'] == m["mlx_spec_batch_passes_total"]
+    # the single-stream requests, beside the batch's: equal to generate with their settings
+    expected = generate(pair, chat(PROMPTS[1]), max_tokens=TOKENS, temperature=0)
+    assert single[0]["text"] == expected.text and single[0]["spec"]["batched"] is False
+    penalty = make_processors(frequency_penalty=0.5)
+    expected = generate(
+        pair, chat(PROMPTS[2]), max_tokens=TOKENS, temperature=0, processors=penalty
+    )
+    assert single[1]["text"] == expected.text and single[1]["spec"]["batched"] is False
+    # the seeded sampled row: served alone (a batch of one), it samples what it did in the batch
+    key, kind, text, kw = jobs[2]
+    again = streamed(url, key, kind, text, **kw)
+    assert again["text"] == batched[2]["text"] and again["spec"]["batched"] is True
+    sampled = generate(pair, text, max_tokens=TOKENS, num_draft_tokens=K, **kw)
+    assert again["text"] == sampled.text
+
+
+def test_a_stop_string_ends_a_row_and_the_others_go_on(server, pair):
+    _, url = server
+    expected = [generate(pair, chat(t), max_tokens=TOKENS, temperature=0).text for t in PROMPTS]
+    stop = expected[0][len(expected[0]) // 2 :][:3]  # a piece of the first reply's second half
+    cut = expected[0][: expected[0].find(stop)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [
+            pool.submit(
+                streamed,
+                url,
+                KEY_A,
+                "chat",
+                t,
+                temperature=0,
+                **({"stop": [stop]} if i == 0 else {}),
+            )
+            for i, t in enumerate(PROMPTS)
+        ]
+        got = [f.result() for f in futures]
+    assert got[0]["text"] == cut and got[0]["finish"] == "stop"
+    for g, e in zip(got[1:], expected[1:], strict=True):
+        assert g["text"] == e  # the others ran to max_tokens, unchanged
+    wait_until(lambda: metrics(url)["mlx_spec_batch_size"] == 0, "a row stayed in the batch")
+
+
+SECRET = "Berlin is the capital of Germany. Speculative decoding drafts tokens with a small model"
+
+
+def test_rows_look_up_only_their_own_text(models, pair):
+    """Prompt lookup in a batch is per row: Bob's probes of Alice's text (3-token slices),
+    batched beside her running request, draft exactly what they draft with nobody beside."""
+    root, target, _ = models
+    args = ["--target", str(target), "--drafter", "ngram", "--num-draft-tokens", "4",
+            "--max-batch", "4", "--api-key", KEY_A, "--api-key", KEY_B]  # fmt: skip
+    ids = pair.tokenizer.encode(SECRET)
+    probes = [ids[i : i + 3] for i in range(0, len(ids) - 3, 3)]
+    (root / "lookup").mkdir(exist_ok=True)
+    with serving(args, root / "lookup") as (_, url):
+
+        def observe() -> list[tuple]:
+            out = []
+            for probe in probes:
+                r = client(url, KEY_B).completions.create(
+                    model="long", prompt=probe, max_tokens=3, temperature=0
+                )
+                spec = r.model_extra["speculation"]
+                assert spec["batched"] is True
+                out.append((r.choices[0].text, spec["drafted"], spec["accepted"]))
+            return out
+
+        alone = observe()
+        alice = client(url, KEY_A).completions.create(
+            model="long", prompt=SECRET * 3, max_tokens=5000, stream=True, temperature=0
+        )
+        chunks = iter(alice)
+        next(chunks)  # her row runs, her text in its lookup
+        beside = observe()
+        assert metrics(url)["mlx_spec_batch_size_max"] >= 2  # the probes shared her passes
+        alice.close()
+    assert beside == alone
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_max_batch_must_be_positive(value, tiny_models):
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_spec", "serve", "--target", str(tiny_models.target),
+         f"--max-batch={value}"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--max-batch" in lines[0] and value in lines[0]
+
+
+def test_sigterm_lets_the_running_rows_finish(server, pair):
+    """Last (it stops the server): rows running when SIGTERM comes finish within the grace
+    period, as a single stream does; the process then exits cleanly."""
+    proc, url = server
+    streams = [
+        iter(
+            client(url).completions.create(
+                model="long", prompt=t, max_tokens=LONG, stream=True, temperature=0
+            )
+        )
+        for t in PROMPTS[:2]
+    ]
+    firsts = [next(s) for s in streams]
+    wait_until(lambda: metrics(url)["mlx_spec_running"] == 2, "the rows never ran together")
+    proc.send_signal(signal.SIGTERM)
+    for text, first, chunks in zip(PROMPTS[:2], firsts, streams, strict=True):
+        rest = list(chunks)
+        assert rest[-1].choices[0].finish_reason == "length"
+        out = first.choices[0].text + "".join(c.choices[0].text for c in rest)
+        assert out == generate(pair, text, max_tokens=LONG, temperature=0).text
+    assert proc.wait(20) == 0
