@@ -201,11 +201,17 @@ class BatchDecoder:
     # ----------------------------------------------------------------------- rows come and go
 
     def add(
-        self, prompt: list[int], config: GenerationConfig | None = None, max_tokens=None
+        self,
+        prompt: list[int],
+        config: GenerationConfig | None = None,
+        max_tokens=None,
+        history=None,
     ) -> int:
         """Prefill `prompt` (token ids) alone and merge it into the batch; its row id.
         From `config` a row takes its sampling settings, seed, max_tokens (`max_tokens`
-        overrides it, e.g. capped by the context) and use_draft; k is the batch's."""
+        overrides it, e.g. capped by the context) and use_draft; k is the batch's.
+        `history`: a HistoryIndex the row's lookup also searches (its own client's: the
+        server passes the row's partition, so no row drafts from another's text)."""
         config = GenerationConfig.of(config)
         constrained = any(x is not None for x in (config.schema, config.grammar, config.regex))
         unsupported = [
@@ -249,7 +255,7 @@ class BatchDecoder:
             draft_cache = make_prompt_cache(self.draft)
             prefill_cache(self.draft, draft_cache, context[:-2])
         if self.lookup is not None:
-            row.lookup = NGramDrafter(*self.lookup)
+            row.lookup = NGramDrafter(*self.lookup, history=history)
             row.lookup.prefill(prompt)
         merged = merge_rows([cache])
         merged_draft = merge_rows([draft_cache]) if draft_cache is not None else None

@@ -204,8 +204,9 @@ SECRET = "Berlin is the capital of Germany. Speculative decoding drafts tokens w
 
 
 def test_rows_look_up_only_their_own_text(models, pair):
-    """Prompt lookup in a batch is per row: Bob's probes of Alice's text (3-token slices),
-    batched beside her running request, draft exactly what they draft with nobody beside."""
+    """Prompt lookup in a batch is per row and per key: Bob's probes of Alice's text (3-token
+    slices), batched beside her running request, draft exactly what they draft with nobody
+    beside; and his rows search his key's history (his earlier replies), not hers."""
     root, target, _ = models
     args = ["--target", str(target), "--drafter", "ngram", "--num-draft-tokens", "4",
             "--max-batch", "4", "--api-key", KEY_A, "--api-key", KEY_B]  # fmt: skip
@@ -221,11 +222,14 @@ def test_rows_look_up_only_their_own_text(models, pair):
                     model="long", prompt=probe, max_tokens=3, temperature=0
                 )
                 spec = r.model_extra["speculation"]
-                assert spec["batched"] is True
+                assert spec["batched"] is True and spec["history_lookup"] is True
                 out.append((r.choices[0].text, spec["drafted"], spec["accepted"]))
             return out
 
+        first = observe()  # fills Bob's history with his probes and replies
         alone = observe()
+        # the second time his history proposes each reply he got the first time
+        assert sum(a for *_, a in alone) > sum(a for *_, a in first)
         alice = client(url, KEY_A).completions.create(
             model="long", prompt=SECRET * 3, max_tokens=5000, stream=True, temperature=0
         )

@@ -6,7 +6,8 @@ memory-bound regime speculation is for), or, with --max-batch N and a pair that 
 requests together as rows of one `batch.BatchDecoder` that still drafts (`_serve_batch`): rows
 join between rounds as they are taken from the queue and leave as they finish. A request the
 batch cannot take waits until the running rows finish, then runs alone. Batched rows prefill
-their whole prompt and look up only their own text (no prompt cache or history hand-off yet).
+their whole prompt (no prompt cache hand-off yet); their lookup searches their own text and
+their partition's history, as a single stream does.
 
 The HTTP side (app.py) talks to the worker through `Job`: the worker puts ("delta",
 output.Delta) items, then ("done", Outcome) or ("error", ApiError) on the job's
@@ -640,7 +641,8 @@ class Engine:
                 stats.num_draft_tokens = decoder.fixed_k or decoder.controller.k_max
                 stats.adaptive = decoder.controller is not None
             begin = time.perf_counter()
-            rid = decoder.add(tokens, config, max_tokens=max_tokens)
+            _, history = self._partition(req.partition)
+            rid = decoder.add(tokens, config, max_tokens=max_tokens, history=history)
             stats.prefill_seconds = time.perf_counter() - begin
             # a copy of the detokenizer per row: rows are detokenized side by side
             maker = EventMaker(pair.tokenizer.detokenizer, stats, time.perf_counter(), max_tokens)
@@ -680,7 +682,7 @@ class Engine:
         _, history = self._partition(row.job.request.partition)
         if history is not None:  # later single-stream requests may draft from it
             history.add(row.sequence)
-        spec = speculation(row.stats, self.drafter, False)  # rows look up their own text only
+        spec = speculation(row.stats, self.drafter, history is not None)
         spec["batched"] = True
         self._conclude(row.reply, row.stats, spec)
         self.recent_seconds = [*self.recent_seconds[-7:], time.monotonic() - row.started]
