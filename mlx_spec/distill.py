@@ -651,25 +651,32 @@ def distill(
 
 
 def format_table(report: dict) -> str:
-    s = report["settings"]
-    b, a = report["before"], report["after"]
+    s, b, a = report["settings"], report["before"], report["after"]
     rows = [
-        ("greedy agreement (argmax q = argmax p)", "greedy_agreement", "{:.3f}"),
-        ("acceptance at temperature 1, Σ min(p, q)", "acceptance_t1", "{:.3f}"),
-        (f"tokens per target pass, temperature 0, k={s['k']}", "tokens_per_pass_t0", "{:.2f}"),
+        ("greedy agreement (argmax q = argmax p)", "greedy_agreement", FRACTION),
+        ("acceptance at temperature 1, Σ min(p, q)", "acceptance_t1", FRACTION),
+        (f"tokens per target pass, temperature 0, k={s['k']}", "tokens_per_pass_t0", TOKENS),
         (
             f"tokens per target pass, temperature {s['temperature']:g}, k={s['k']}",
             "tokens_per_pass_sampled",
-            "{:.2f}",
+            TOKENS,
         ),
     ]
-    width = max(len(r[0]) for r in rows)
     head = (
         f"held out (never trained on): {report['held_out_sequences']} prompts, "
         f"{report['held_out_positions']} positions; tokens per pass over "
         f"{report['measured_prompts']} of them"
     )
+    return before_after(head, [(label, b[key], a[key], fmt) for label, key, fmt in rows])
+
+
+FRACTION, TOKENS = "{:.3f}", "{:.2f}"
+
+
+def before_after(head: str, rows: list) -> str:
+    """The before/after table distill prints: rows of (label, before, after, format)."""
+    width = max(len(r[0]) for r in rows)
     lines = [head, f"{'':<{width}}  before   after"]
-    for label, key, fmt in rows:
-        lines.append(f"{label:<{width}}  {fmt.format(b[key]):>6}  {fmt.format(a[key]):>6}")
+    for label, before, after, fmt in rows:
+        lines.append(f"{label:<{width}}  {fmt.format(before):>6}  {fmt.format(after):>6}")
     return "\n".join(lines)

@@ -34,14 +34,17 @@ import numpy as np
 
 from .distill import (
     CHECKPOINT,
+    FRACTION,
     REPORT_FILE,
     SEQUENCES_FILE,
+    TOKENS,
     Sequence,
     Settings,
     State,
     _json,
     _read_text,
     batch_indices,
+    before_after,
     checkpoint_dir,
     prompt_ids,
     split,
@@ -696,37 +699,36 @@ class _BarState:
 
 
 def format_table(report: dict) -> str:
-    s = report["settings"]
-    b, a = report["before"], report["after"]
+    s, b, a = report["settings"], report["before"], report["after"]
+
+    def row(label: str, get, fmt: str) -> tuple:
+        return label, get(b), get(a), fmt
+
     rows = [
-        ("greedy agreement, draft step 1", lambda r: r["greedy_agreement"][0], "{:.3f}"),
-        ("acceptance at temperature 1, step 1", lambda r: r["acceptance_t1"][0], "{:.3f}"),
-        (
+        row("greedy agreement, draft step 1", lambda r: r["greedy_agreement"][0], FRACTION),
+        row("acceptance at temperature 1, step 1", lambda r: r["acceptance_t1"][0], FRACTION),
+        row(
             f"tokens per pass, offline greedy chain of {s['ttt_steps']}",
             lambda r: r["tokens_per_pass_offline"],
-            "{:.2f}",
+            TOKENS,
         ),
-        (
+        row(
             f"tokens per target pass, temperature 0, k={s['k']}",
             lambda r: r["tokens_per_pass_t0"],
-            "{:.2f}",
+            TOKENS,
         ),
-        (
+        row(
             f"tokens per target pass, temperature {s['temperature']:g}, k={s['k']}",
             lambda r: r["tokens_per_pass_sampled"],
-            "{:.2f}",
+            TOKENS,
         ),
     ]
-    width = max(len(r[0]) for r in rows)
     head = (
         f"held out (never trained on): {report['held_out_sequences']} prompts, "
         f"{report['held_out_positions']} positions; tokens per pass drafted with the head "
         f"through the engine over {report['measured_prompts']} of them"
     )
-    lines = [head, f"{'':<{width}}  before   after"]
-    for label, get, fmt in rows:
-        lines.append(f"{label:<{width}}  {fmt.format(get(b)):>6}  {fmt.format(get(a)):>6}")
-    return "\n".join(lines)
+    return before_after(head, rows)
 
 
 def plot(report: dict, path: str) -> None:
