@@ -469,13 +469,20 @@ class Engine:
 
     # ------------------------------------------------------------------ one job
 
-    def _serve(self, job: Job) -> None:
-        if job.cancelled.is_set():  # the client left while queued
+    def _gone(self, job: Job) -> bool:
+        """Whether a job just taken from the queue is over already: its client left (counted)
+        or its deadline passed (answered 504)."""
+        if job.cancelled.is_set():
             self.metrics.cancelled += 1
-            return
+            return True
         if time.monotonic() > job.deadline:
             self.metrics.timeouts += 1
             job.put("error", timeout_error())
+            return True
+        return False
+
+    def _serve(self, job: Job) -> None:
+        if self._gone(job):
             return
         try:
             self._generate(job)
@@ -618,12 +625,7 @@ class Engine:
     def _admit(self, job: Job, live: dict) -> None:
         """Prefill a job's prompt and add it to the batch (or answer it: left, late, bad)."""
         try:
-            if job.cancelled.is_set():  # the client left while queued
-                self.metrics.cancelled += 1
-                return
-            if time.monotonic() > job.deadline:
-                self.metrics.timeouts += 1
-                job.put("error", timeout_error())
+            if self._gone(job):
                 return
             req, pair = job.request, self.pair
             config = req.generation
