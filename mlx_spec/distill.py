@@ -516,15 +516,25 @@ def write_json(path: Path, data) -> None:
     tmp.replace(path)
 
 
+def read_sequences(path: Path) -> dict:
+    """A run's kept replies (sequences.json): the training and held-out Sequences."""
+    data = _json(_read_text(path), str(path))
+    data["train"] = [Sequence(**s) for s in data["train"]]
+    data["held_out"] = [Sequence(**s) for s in data["held_out"]]
+    return data
+
+
+def write_sequences(path: Path, data: dict) -> None:
+    write_json(path, {**data, "train": [asdict(s) for s in data["train"]],
+                      "held_out": [asdict(s) for s in data["held_out"]]})  # fmt: skip
+
+
 def prepare_sequences(pair, prompts, settings: Settings, out: Path, progress) -> dict:
     """The target's replies to the training prompts, and to the held-out ones while measuring
     tokens per target pass before training (kept in the output folder for a resumed run)."""
     cached = out / SEQUENCES_FILE
     if cached.is_file():
-        data = _json(_read_text(cached), str(cached))
-        data["train"] = [Sequence(**s) for s in data["train"]]
-        data["held_out"] = [Sequence(**s) for s in data["held_out"]]
-        return data
+        return read_sequences(cached)
     train, held = split(prompts, settings.held_out, settings.seed)
     tok = pair.tokenizer
     started = time.perf_counter()
@@ -543,8 +553,7 @@ def prepare_sequences(pair, prompts, settings: Settings, out: Path, progress) ->
         },
         "seconds": time.perf_counter() - started,
     }
-    write_json(cached, {**data, "train": [asdict(s) for s in train_seqs],
-                        "held_out": [asdict(s) for s in held_seqs]})  # fmt: skip
+    write_sequences(cached, data)
     return data
 
 

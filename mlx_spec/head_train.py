@@ -47,8 +47,11 @@ from .distill import (
     before_after,
     checkpoint_dir,
     prompt_ids,
+    read_sequences,
     split,
+    tokens_per_pass,
     write_json,
+    write_sequences,
 )
 from .drafters.eagle import Eagle3Head, capture_layers, load_head
 from .errors import SpecError
@@ -459,26 +462,10 @@ def engine_pair(pair, head: Eagle3Head, where: Path):
     return dataclasses.replace(pair, config=config, head=head)
 
 
-def tokens_per_pass(pair, prompts: list[list[int]], settings, temperature: float) -> float:
-    from .engine import generate
-
-    tokens = passes = 0
-    for i, ids in enumerate(prompts):
-        res = generate(
-            pair, ids, max_tokens=settings.reply_tokens, temperature=temperature,
-            num_draft_tokens=settings.k, seed=settings.seed + 10_000 + i,
-        )  # fmt: skip
-        tokens, passes = tokens + res.stats.generated_tokens, passes + res.stats.target_passes
-    return tokens / max(passes, 1)
-
-
 def prepare(pair, prompts, settings, out: Path, progress) -> dict:
     cached = out / SEQUENCES_FILE
     if cached.is_file():
-        data = _json(_read_text(cached), str(cached))
-        data["train"] = [Sequence(**s) for s in data["train"]]
-        data["held_out"] = [Sequence(**s) for s in data["held_out"]]
-        return data
+        return read_sequences(cached)
     train, held = split(prompts, settings.held_out, settings.seed)
     tok = pair.tokenizer
     started = time.perf_counter()
@@ -491,8 +478,7 @@ def prepare(pair, prompts, settings, out: Path, progress) -> dict:
         "measured_prompts": held_ids[: settings.eval_prompts],
         "seconds": time.perf_counter() - started,
     }
-    write_json(cached, {**data, "train": [asdict(s) for s in train_seqs],
-                        "held_out": [asdict(s) for s in held_seqs]})  # fmt: skip
+    write_sequences(cached, data)
     return data
 
 
