@@ -20,6 +20,7 @@ import openai
 import pytest
 import tiny
 from conftest import VOCAB
+from real_configs import _llama3_rope
 from test_server import metrics as read_metrics
 from test_server import serving
 
@@ -41,7 +42,13 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def models(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("batch_models")
-    cfg = {**tiny.llama_config(VOCAB, layers=4), "max_position_embeddings": 8192}
+    # Llama 3.1's rope scaling: its frequencies stay lazy after load (threads.py), so the
+    # batch must run where the pair was loaded
+    cfg = {
+        **tiny.llama_config(VOCAB, layers=4),
+        "max_position_embeddings": 8192,
+        "rope_scaling": _llama3_rope(8.0),
+    }
     weights = tiny.random_weights(cfg, seed=0)
     weights["lm_head.weight"][2] = 0  # <|im_end|>: never the argmax of a peaked head
     draft = tiny.noisy(weights, 0.05)
