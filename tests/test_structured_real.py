@@ -73,10 +73,10 @@ def test_every_configuration_equals_plain_constrained_decoding(demo, alone, look
 
 
 def test_sampled_replies_are_valid_json(demo):
-    for seed in range(2):
-        res = generate(demo, MESSAGES, max_tokens=100, schema=PERSON, temperature=0.8, seed=seed)
-        if res.finish_reason == "stop":
-            value = json.loads(res.text)
-            assert set(value) == set(PERSON["required"])
-        else:  # cut by max_tokens: said so, never passed off as complete
-            assert res.finish_reason == "length" and len(res.tokens) == 100
+    # one sample (~9 s here): the sampled distribution's exactness is test_structured's
+    res = generate(demo, MESSAGES, max_tokens=100, schema=PERSON, temperature=0.8, seed=0)
+    if res.finish_reason == "stop":
+        value = json.loads(res.text)
+        assert set(value) == set(PERSON["required"])
+    else:  # cut by max_tokens: said so, never passed off as complete
+        assert res.finish_reason == "length" and len(res.tokens) == 100

@@ -158,6 +158,7 @@ async def test_escape_stops_a_reply_and_keeps_it(slow_pair):
         assert reply.note == "[stopped]"
         assert 0 < len([p for p in reply.pieces if p[1] != "rejected"]) < 200
         assert app.history[-1] == {"role": "assistant", "content": reply.text}
+        app.max_tokens = 8  # (a short second reply: the suite's time)
         await send(pilot, "again")  # the app takes a new message after a stop
         second = await finish(app, pilot)
         assert second is not reply and second.pieces
