@@ -74,6 +74,10 @@ from .stats import Stats
 
 # drafter kinds a batch can run: a draft model batched like the target, or lookup per row
 BATCHED_KINDS = ("model", "ngram")
+# Tokens the draft missed (plain rounds) that ride along in a drafting round's first step; more
+# get a pass of their own, kept out of the round's timing: the controller would otherwise take
+# a long catch-up for the cost of a draft step (a compute-bound draft: one step per token).
+CATCH_UP_RIDES = 4
 
 
 def _why_not(c) -> str:
@@ -348,12 +352,19 @@ class BatchDecoder:
                 kept, prompt, context if drafts else None
             )
         cache = cache if cache is not None else make_prompt_cache(self.target)
-        prefill_cache(self.target, cache, prompt[row.reused : -1])
+        # until the controller knows a lone row's step costs, the prefill times them
+        timed = self.controller is not None and self.controller.wants_timing()
+        plain = prefill_cache(self.target, cache, prompt[row.reused : -1], timed=timed)
+        draft_step = None
         if self.draft is not None:
             self._catch_up()  # the batch's draft to lag 2, where the new row starts
             context = context if row.use_draft else context[-2:]
             draft_cache = draft_cache if draft_cache is not None else make_prompt_cache(self.draft)
-            prefill_cache(self.draft, draft_cache, context[draft_reuse:-2])
+            draft_step = prefill_cache(
+                self.draft, draft_cache, context[draft_reuse:-2], timed=timed and row.use_draft
+            )
+        if timed:
+            self.controller.calibrate(plain, draft_step)
         if self.lookup is not None:
             row.lookup = NGramDrafter(*self.lookup, history=history)
             row.lookup.prefill(prompt)
@@ -465,10 +476,13 @@ class BatchDecoder:
             r.next_key() if req and not r.params.greedy else None
             for r, req in zip(rows, requested, strict=True)
         ]
+        drafting = self.draft is not None and max(requested) > 0
+        if drafting and self.lag > 2 + CATCH_UP_RIDES:
+            self._catch_up()
         start = time.perf_counter()
         qs = [None] * len(rows)
         steps = 0
-        if self.draft is not None and max(requested) > 0:
+        if drafting:
             drafts, qs = self._draft(requested, draft_keys)  # (B, K), per row (k_i, V) | None
             steps = drafts.shape[1]
             lengths = requested

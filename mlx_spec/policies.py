@@ -459,6 +459,10 @@ class Controller:
 # shrinks with B and reaches 0 (plain continuous batching) where drafting no longer pays.
 
 PROBE_ROUNDS = 32  # a batch that chose k = 0 tries k = 1 again after this many rounds
+# ... or after this many when even a draft the target always accepted could not pay (measured
+# costs: a compute-bound draft step as dear as a target pass): such a probe buys nothing, and
+# its first step must take in every token the draft missed meanwhile
+PROBE_ROUNDS_HOPELESS = PROBE_MAX_INTERVAL
 
 
 def interpolate(points: dict[int, float], x: int, prior_slope: float) -> float | None:
@@ -527,7 +531,9 @@ class BatchController:
     step's by B; acceptance per draft position is pooled over the rows. Warm-up: a plain pass,
     then k = 1 (which times a draft step and a wider pass); every EXPLORE_EVERY drafting rounds
     a longer draft measures the next row count; after choosing 0 it probes k = 1 every
-    PROBE_ROUNDS rounds."""
+    PROBE_ROUNDS rounds (PROBE_ROUNDS_HOPELESS when even an always-accepted draft could not
+    pay). `calibrate` takes a lone row's target and draft steps timed in its prefill, so a
+    draft that cannot pay at B = 1 is never run there (as `Controller` does for one stream)."""
 
     k_max: int = K_MAX
     draft_model: bool = True  # a draft step costs time (lookup: none)
@@ -591,14 +597,18 @@ class BatchController:
         if self.pass_seconds(batch) is None or batch not in self.passes:
             self.chosen = 0  # a plain pass of this batch first: every decision rests on it
             return 0
-        if draft is None or batch * 2 not in self.passes:
-            self.chosen = 1
+        hopeless = draft is not None and self.hopeless(batch, draft)
+        if (draft is None or batch * 2 not in self.passes) and not hopeless:
+            self.chosen = 1  # the warm-up: times a draft step and a pass over 2B rows
             return 1
         reach = self.row_reach(available)
-        k = choose_batch_k(batch, self.k_max, self.pass_seconds, draft, self.acceptance(), reach)
+        k = 0
+        if not hopeless:
+            acceptance = self.acceptance()
+            k = choose_batch_k(batch, self.k_max, self.pass_seconds, draft, acceptance, reach)
         if k == 0:
             self.since_probe += 1
-            if self.since_probe >= PROBE_ROUNDS:
+            if self.since_probe >= (PROBE_ROUNDS_HOPELESS if hopeless else PROBE_ROUNDS):
                 self.since_probe, k = 0, 1
         else:
             self.rounds += 1
@@ -606,6 +616,24 @@ class BatchController:
                 k += 1  # measure the next row count now and then
         self.chosen = k
         return k
+
+    def hopeless(self, batch: int, draft: float) -> bool:
+        """Whether even a draft the target always accepted could not pay at this batch size,
+        by the costs known (a pass over more rows than measured: the prior slope)."""
+        always = [1.0] * self.k_max
+        return choose_batch_k(batch, self.k_max, self.pass_seconds, draft, always) == 0
+
+    def calibrate(self, plain: float | None, draft: float | None) -> None:
+        """A lone row's target step and draft step, timed at the end of its prefill (each
+        after a step that paid the one-time costs), as a batch of one would take them."""
+        if plain is not None:
+            self.passes.setdefault(1, Estimate(0.25, warmup=True)).add(plain)
+        if draft is not None and self.draft_model:
+            self.draft_steps.setdefault(1, Estimate(0.25, warmup=True)).add(draft)
+
+    def wants_timing(self) -> bool:
+        """Whether a lone row's prefill should time its steps (see `calibrate`)."""
+        return 1 not in self.passes or (self.draft_model and 1 not in self.draft_steps)
 
     def update(self, batch: int, timing, outcomes) -> None:
         """A drafting round: `timing` (batch.BatchTiming) and per row (k asked, drafted,

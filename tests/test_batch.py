@@ -20,7 +20,7 @@ from mlx_spec import GenerationConfig, SpecError, generate, load_pair
 from mlx_spec.batch import BatchDecoder, BatchTiming, into_decoder, make_batch_decoder
 from mlx_spec.drafters import prefill_cache
 from mlx_spec.engine import RoundRecord
-from mlx_spec.policies import BatchController, choose_batch_k, interpolate
+from mlx_spec.policies import PROBE_ROUNDS_HOPELESS, BatchController, choose_batch_k, interpolate
 
 TEXTS = [
     "The quick brown fox",
@@ -470,6 +470,43 @@ def test_compute_bound_passes_and_empty_lookups_choose_plain():
     never = [[0.0] * 8] * 4  # lookup has nothing for any row: drafts would only cost rows
     assert choose_batch_k(4, 8, lambda rows: 1 + 0.01 * rows, 0.0, acceptance, never) == 0
     assert BatchController(8, draft_model=False).next(4, [False] * 4) == 0
+
+
+def test_a_draft_that_cannot_pay_is_not_tried_by_a_lone_row():
+    """Calibrated from a lone row's prefill (as batch.add times it), a draft step as dear as a
+    target pass that barely grows with rows (a compute-bound draft): even always accepted it
+    cannot pay, so a batch of one decodes plainly from the first round, as a single stream
+    does, and probes only after PROBE_ROUNDS_HOPELESS rounds; a cheap draft is tried at once."""
+    hopeless = BatchController(8, draft_model=True)
+    assert hopeless.wants_timing()
+    hopeless.calibrate(0.1, 0.1)
+    assert not hopeless.wants_timing()
+    ks = [hopeless.next(1) for _ in range(PROBE_ROUNDS_HOPELESS)]
+    assert ks[:-1] == [0] * (PROBE_ROUNDS_HOPELESS - 1) and ks[-1] == 1
+    cheap = BatchController(8, draft_model=True)
+    cheap.calibrate(0.1, 0.005)
+    assert cheap.next(1) == 1  # the warm-up that times a wider pass
+
+
+def test_a_long_catch_up_is_a_pass_of_its_own(pair, monkeypatch):
+    """After plain rounds the draft takes in what it missed in one pass before the round's
+    timed draft steps (whose first step then feeds 2 tokens a row, as after any round)."""
+    decoder = make_batch_decoder(pair, "auto")
+    ks = iter([0] * 8 + [3])
+    monkeypatch.setattr(decoder, "_choose_k", lambda: next(ks))
+    rid = decoder.add(pair.tokenizer.encode(TEXTS[4]), GenerationConfig(max_tokens=30))
+    for _ in range(8):
+        decoder.step()
+    widths, draft = [], decoder.draft  # the draft model, recording what each pass feeds it
+
+    def recording(y, cache):
+        widths.append(y.shape[1])
+        return draft(y, cache=cache)
+
+    monkeypatch.setattr(decoder, "draft", recording)
+    u = decoder.step()[rid]
+    assert widths == [8, 2, 1, 1] and decoder.timing.draft_steps == 3
+    assert u.round.drafted == 3 and decoder.lag == 2
 
 
 def test_the_controller_learns_costs_per_row_count():
