@@ -177,12 +177,13 @@ def _plain(cache: list, what: str) -> None:
         raise SpecError(f"the kept {what} cache is not made of plain KV caches")
 
 
-def kept_caches(kept, prompt: list[int], context: list[int] | None):
+def kept_caches(kept, prompt: list[int], draft_held: list[int] | None):
     """Take a kept `engine.Decoder`'s caches for `prompt`: (target cache, reused tokens,
-    draft cache, draft reused), each trimmed to its shared prefix with the prompt (target:
-    prompt[:-1]; draft: `context[:-2]`, the batch's draft invariant; `context` None: the row
-    does not draft, the draft's cache is not taken). The decoder is left empty (its caches
-    are the row's now). A decoder that may be mid-round (stale, active) gives nothing."""
+    draft cache, draft reused), each trimmed to its shared prefix with what the row's cache
+    must hold (target: prompt[:-1]; draft: `draft_held`, the row's context but the batch's last
+    `lag` tokens; None: the row does not draft, the draft's cache is not taken). The decoder
+    is left empty (its caches are the row's now). A decoder that may be mid-round (stale,
+    active) gives nothing."""
     drafter = kept.drafter
     draft_cache, draft_reuse = None, 0
     usable = not (kept.stale or kept.active or kept.recurrent) and kept.sequence
@@ -194,11 +195,11 @@ def kept_caches(kept, prompt: list[int], context: list[int] | None):
         cache = kept.cache
         caches.rollback(cache, len(held) - reuse)
         _held(cache, reuse, "kept target")
-        if context is not None and getattr(drafter, "cached", None) is not None:
+        if draft_held is not None and getattr(drafter, "cached", None) is not None:
             draft_cache = drafter.cache
             _plain(draft_cache, "draft")
             _held(draft_cache, len(drafter.cached), "kept draft")
-            draft_reuse = max(min(common_prefix_len(drafter.cached, context), len(context) - 2), 0)
+            draft_reuse = common_prefix_len(drafter.cached, draft_held)
             caches.rollback(draft_cache, len(drafter.cached) - draft_reuse)
     # the decoder gives its caches up: it holds nothing now (its policy stays)
     kept.cache, kept.sequence, kept.unfed = kept._new_cache(), [], 1
@@ -249,7 +250,9 @@ class BatchDecoder:
 
     Invariants between rounds: the target cache holds each row's `sequence[:-1]`; the draft
     cache holds each row's `sequence[:-lag]` with one `lag` (>= 2) for all rows, so every
-    draft pass is over a rectangle (see `_draft`).
+    draft pass is over a rectangle (see `_draft`); a row joins at that lag (its prompt
+    shorter than it: the others catch up first). A row that does not draft holds nothing of
+    its own in the draft cache (only what each draft pass feeds every row).
     """
 
     def __init__(
@@ -345,11 +348,16 @@ class BatchDecoder:
         # pass feeds every row, and its guesses are never used)
         context = prompt if len(prompt) >= 2 else prompt * 2
         drafts = self.draft is not None and row.use_draft
+        if drafts and len(context) < self.lag:
+            self._catch_up()  # the batch's draft to lag 2: the new row can start there
+        # the new row's draft holds its context but the batch's last `lag` tokens, as every
+        # row's does: after plain rounds a row joins without a catch-up of the others
+        end = len(context) - self.lag if drafts else 0
         cache = draft_cache = None
         draft_reuse = 0
         if kept is not None:
             cache, row.reused, draft_cache, draft_reuse = kept_caches(
-                kept, prompt, context if drafts else None
+                kept, prompt, context[:end] if drafts else None
             )
         cache = cache if cache is not None else make_prompt_cache(self.target)
         # until the controller knows a lone row's step costs, the prefill times them
@@ -357,11 +365,9 @@ class BatchDecoder:
         plain = prefill_cache(self.target, cache, prompt[row.reused : -1], timed=timed)
         draft_step = None
         if self.draft is not None:
-            self._catch_up()  # the batch's draft to lag 2, where the new row starts
-            context = context if row.use_draft else context[-2:]
             draft_cache = draft_cache if draft_cache is not None else make_prompt_cache(self.draft)
             draft_step = prefill_cache(
-                self.draft, draft_cache, context[draft_reuse:-2], timed=timed and row.use_draft
+                self.draft, draft_cache, context[draft_reuse:end], timed=timed and drafts
             )
         if timed:
             self.controller.calibrate(plain, draft_step)

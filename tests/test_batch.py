@@ -141,9 +141,10 @@ class PlainThen:
 
 def test_rows_join_after_plain_rounds_and_draft_at_once(pair, monkeypatch):
     """The batch decodes plainly for 6 rounds (as `auto` may), so the draft falls behind on the
-    first row; rows join after that (the draft catches up in one pass) and every row drafts.
-    Each row keeps its own output and its own draft context: its rounds (what the draft
-    proposed, what was accepted) are those of a single-stream decoder under the same k."""
+        first row; rows join after that (their drafts prefilled to the batch's lag, so the others
+    do not catch up then; all catch up in one pass when drafting starts) and every row drafts.
+        Each row keeps its own output and its own draft context: its rounds (what the draft
+        proposed, what was accepted) are those of a single-stream decoder under the same k."""
     prompts = [pair.tokenizer.encode(t) for t in TEXTS]
     decoder = make_batch_decoder(pair, 4)
     rnd = 0
