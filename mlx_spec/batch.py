@@ -366,9 +366,11 @@ class BatchDecoder:
         draft_step = None
         if self.draft is not None:
             draft_cache = draft_cache if draft_cache is not None else make_prompt_cache(self.draft)
-            draft_step = prefill_cache(
-                self.draft, draft_cache, context[draft_reuse:end], timed=timed and drafts
-            )
+            begin, fed = time.perf_counter(), context[draft_reuse:end]
+            draft_step = prefill_cache(self.draft, draft_cache, fed, timed=timed and drafts)
+            if self.controller is not None and len(fed) >= CATCH_UP_RIDES:
+                # what the draft costs a token when it takes many in: a catch-up's price
+                self.controller.observe_catch_up(len(fed), time.perf_counter() - begin)
         if timed:
             self.controller.calibrate(plain, draft_step)
         if self.lookup is not None:
@@ -424,9 +426,12 @@ class BatchDecoder:
     def _catch_up(self) -> None:
         """Feed the draft what it has not seen but the last two tokens of each row."""
         if self.rows and self.lag > 2:
+            begin = time.perf_counter()
             tokens = mx.array([r.sequence[-self.lag : -2] for r in self.rows], mx.uint32)
             self.draft(tokens, cache=self.draft_cache)
             caches.eval_state(self.draft_cache)
+            if self.controller is not None:
+                self.controller.observe_catch_up(tokens.size, time.perf_counter() - begin)
         self.lag = 2
 
     def _keep(self, keep: list[int]) -> None:
@@ -458,7 +463,8 @@ class BatchDecoder:
         available = None
         if self.lookup is not None:
             available = [r.use_draft and r.lookup.has_proposal() for r in self.rows]
-        return self.controller.next(len(self.rows), available)
+        missed = self.lag - 2 if self.draft is not None else 0
+        return self.controller.next(len(self.rows), available, missed)
 
     def step(self) -> dict[int, RowUpdate]:
         """One round for every row: {row id: what it emitted}; finished rows leave."""

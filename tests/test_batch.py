@@ -20,7 +20,13 @@ from mlx_spec import GenerationConfig, SpecError, generate, load_pair
 from mlx_spec.batch import BatchDecoder, BatchTiming, into_decoder, make_batch_decoder
 from mlx_spec.drafters import prefill_cache
 from mlx_spec.engine import RoundRecord
-from mlx_spec.policies import PROBE_ROUNDS_HOPELESS, BatchController, choose_batch_k, interpolate
+from mlx_spec.policies import (
+    PROBE_ROUNDS,
+    PROBE_ROUNDS_HOPELESS,
+    BatchController,
+    choose_batch_k,
+    interpolate,
+)
 
 TEXTS = [
     "The quick brown fox",
@@ -487,6 +493,19 @@ def test_a_draft_that_cannot_pay_is_not_tried_by_a_lone_row():
     cheap = BatchController(8, draft_model=True)
     cheap.calibrate(0.1, 0.005)
     assert cheap.next(1) == 1  # the warm-up that times a wider pass
+
+
+@pytest.mark.parametrize("per_token,probes", [(0.02, False), (0.001, True)])
+def test_a_probe_waits_while_the_catch_up_costs_more_than_a_pass(per_token, probes):
+    """A cheap draft whose tokens were all rejected: the batch of one decodes plainly and
+    probes after PROBE_ROUNDS rounds, unless the draft's catch-up of the 40 tokens it missed
+    (at the measured seconds per token) would cost more than a plain pass."""
+    c = BatchController(8, draft_model=True)
+    c.calibrate(0.1, 0.02)
+    c.update(1, BatchTiming(2, 1, 0.02, 0.1), [(1, 1, 0)])  # drafted one token, rejected
+    c.observe_catch_up(40, 40 * per_token)
+    ks = [c.next(1, None, missed=40) for _ in range(PROBE_ROUNDS + 1)]
+    assert (1 in ks) is probes and ks[0] == 0
 
 
 def test_a_long_catch_up_is_a_pass_of_its_own(pair, monkeypatch):
