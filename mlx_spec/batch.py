@@ -338,7 +338,7 @@ class BatchDecoder:
             params,
             max_tokens if max_tokens is not None else config.max_tokens,
             key,
-            use_draft=config.use_draft and self.drafting,
+            use_draft=config.use_draft and self.drafting and not self._draft_cannot_pay(),
             prompt_tokens=len(prompt),
             keep=keep,
         )
@@ -389,6 +389,15 @@ class BatchDecoder:
         self.rows.append(row)
         self._settle()
         return row.id
+
+    def _draft_cannot_pay(self) -> bool:
+        """Whether a draft model could not pay even alone and always accepted, by the costs
+        measured (`auto`): a row that joins then decodes plainly and is not prefilled
+        through the draft (a compute-bound draft's prefill costs as much as its decoding)."""
+        c = self.controller
+        if c is None or self.draft is None or 1 not in c.passes or 1 not in c.draft_steps:
+            return False
+        return c.hopeless(1, c.draft_seconds(1))
 
     def cancel(self, row_id: int) -> None:
         """Mark a row to leave at the start of the next `step` (safe from any thread)."""

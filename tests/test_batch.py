@@ -508,6 +508,22 @@ def test_a_probe_waits_while_the_catch_up_costs_more_than_a_pass(per_token, prob
     assert (1 in ks) is probes and ks[0] == 0
 
 
+@pytest.mark.parametrize("draft_step", [0.1, 0.005])
+def test_rows_join_without_the_draft_when_it_cannot_pay(pair, draft_step):
+    """Once a draft step is measured as dear as a target pass (it could not pay even always
+    accepted), a joining row is not prefilled through the draft and decodes plainly; its
+    tokens are the target's. A cheap draft is prefilled (to the batch's lag) as before."""
+    decoder = make_batch_decoder(pair, "auto")
+    decoder.controller.calibrate(0.1, draft_step)
+    prompt = pair.tokenizer.encode(TEXTS[2])
+    rid = decoder.add(prompt, GenerationConfig(max_tokens=16))
+    drafts = draft_step < 0.1
+    assert decoder.row(rid).use_draft is drafts
+    assert decoder.draft_cache[0].size() == (len(prompt) - 2 if drafts else 0)
+    out, _ = run_rows(decoder, {rid: None})
+    assert out[rid][0] == reference(pair, TEXTS[2], 16)
+
+
 def test_a_long_catch_up_is_a_pass_of_its_own(pair, monkeypatch):
     """After plain rounds the draft takes in what it missed in one pass before the round's
     timed draft steps (whose first step then feeds 2 tokens a row, as after any round)."""
