@@ -16,6 +16,7 @@ whether every reply equals the serial mlx-spec server's for the same prompt.
 
 Run (the machine is shared: one benchmark at a time):
     flock /tmp/bench.lock python benchmarks/serve_batch.py [--reps 3] [--max-tokens 128]
+        [--skip "mlx-lm draft"]   (servers left out by the start of their names)
 """
 
 from __future__ import annotations
@@ -201,6 +202,9 @@ def main():
     p.add_argument("--num-draft-tokens", default="auto", help="mlx-spec's k (mlx-lm: 3 if auto)")
     p.add_argument("--port", type=int, default=18300)
     p.add_argument("--json", type=Path, help="write every measurement here")
+    p.add_argument(
+        "--skip", default="", help="servers to leave out, comma-separated (e.g. 'mlx-lm draft')"
+    )
     args = p.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     root = Path(tempfile.mkdtemp(prefix="serve_batch_"))
@@ -219,6 +223,8 @@ def main():
             str(target),
         ),
     }
+    skip = [name.strip() for name in args.skip.split(",") if name.strip()]
+    servers = {n: v for n, v in servers.items() if not any(n.startswith(x) for x in skip)}
     procs, urls = {}, {}
     try:
         for i, (name, (cmd, _)) in enumerate(servers.items()):

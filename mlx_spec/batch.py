@@ -12,7 +12,16 @@ and, with a draft model, one for the draft. Each round (`step`):
 4. each row forgets what it rejected (`rollback_rows`).
 
 Rows join between rounds (`add`: prefilled alone, then merged in) and leave when they finish or
-are cancelled (`cancel`). Every row's output is the target's, whatever runs beside it.
+are cancelled (`cancel`, `remove`). Every row's output is the target's, whatever runs beside it.
+
+Kept caches (the server's prompt cache): a row may start from a kept single-stream
+`engine.Decoder` whose sequence shares a prefix with its prompt (`add(..., kept=decoder)`): the
+decoder's target and draft caches are trimmed to that prefix and only the rest is prefilled.
+A row added with `keep=True` hands its caches back when it leaves (`RowState`:
+`RowUpdate.state`, or `remove`'s result), extracted from the batch (mlx-lm's
+`BatchKVCache.extract`, which drops the row's left padding), and `into_decoder` turns them into
+a decoder a single stream or a later row continues from. Every length is checked against the
+invariants below; a cache that does not hold what they say raises SpecError.
 
 Rolling back per row: after the pass row i holds K+1 new entries and keeps n_i + 1 (its last
 token and its accepted drafts). Every row is trimmed by the smallest rejection (free), and each
@@ -51,6 +60,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
+from mlx_lm.utils import common_prefix_len
 
 from . import caches
 from .acceptance import verify_greedy, verify_stochastic
@@ -64,6 +74,10 @@ from .stats import Stats
 
 # drafter kinds a batch can run: a draft model batched like the target, or lookup per row
 BATCHED_KINDS = ("model", "ngram")
+# Tokens the draft missed (plain rounds) that ride along in a drafting round's first step; more
+# get a pass of their own, kept out of the round's timing: the controller would otherwise take
+# a long catch-up for the cost of a draft step (a compute-bound draft: one step per token).
+CATCH_UP_RIDES = 4
 
 
 def _why_not(c) -> str:
@@ -122,10 +136,22 @@ class Row:
     lookup: NGramDrafter | None = None
     emitted: int = 0
     prompt_tokens: int = 0
+    reused: int = 0  # prompt tokens a kept decoder's caches held
+    keep: bool = False  # hand the caches back when the row leaves
 
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
         return sub
+
+
+@dataclass
+class RowState:
+    """A row's caches as it leaves, as a single stream keeps them (see `into_decoder`)."""
+
+    sequence: list[int]
+    cache: list  # one KVCache per target layer, holding sequence[:-1]
+    draft_cache: list | None  # one per draft layer, holding draft_tokens (None: no draft's)
+    draft_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -136,6 +162,71 @@ class RowUpdate:
     round: Round
     done: bool = False
     finish_reason: str | None = None  # "stop", "length" or "cancelled" when done
+    state: RowState | None = None  # a leaving row added with keep=True: its caches
+
+
+def _held(cache: list, tokens: int, what: str) -> None:
+    """Every layer holds `tokens` entries, or SpecError (a cache that is not what it says)."""
+    sizes = {c.size() for c in cache}
+    if sizes != {tokens}:
+        raise SpecError(f"the {what} cache holds {sorted(sizes)} tokens, not {tokens}")
+
+
+def _plain(cache: list, what: str) -> None:
+    if any(type(c) is not KVCache for c in cache):
+        raise SpecError(f"the kept {what} cache is not made of plain KV caches")
+
+
+def kept_caches(kept, prompt: list[int], draft_held: list[int] | None):
+    """Take a kept `engine.Decoder`'s caches for `prompt`: (target cache, reused tokens,
+    draft cache, draft reused), each trimmed to its shared prefix with what the row's cache
+    must hold (target: prompt[:-1]; draft: `draft_held`, the row's context but the batch's last
+    `lag` tokens; None: the row does not draft, the draft's cache is not taken). The decoder
+    is left empty (its caches are the row's now). A decoder that may be mid-round (stale,
+    active) gives nothing."""
+    drafter = kept.drafter
+    draft_cache, draft_reuse = None, 0
+    usable = not (kept.stale or kept.active or kept.recurrent) and kept.sequence
+    if usable:
+        held = kept.sequence[: len(kept.sequence) - kept.unfed]
+        _plain(kept.cache, "target")
+        _held(kept.cache, len(held), "kept target")
+        reuse = min(common_prefix_len(held, prompt), len(prompt) - 1)
+        cache = kept.cache
+        caches.rollback(cache, len(held) - reuse)
+        _held(cache, reuse, "kept target")
+        if draft_held is not None and getattr(drafter, "cached", None) is not None:
+            draft_cache = drafter.cache
+            _plain(draft_cache, "draft")
+            _held(draft_cache, len(drafter.cached), "kept draft")
+            draft_reuse = common_prefix_len(drafter.cached, draft_held)
+            caches.rollback(draft_cache, len(drafter.cached) - draft_reuse)
+    # the decoder gives its caches up: it holds nothing now (its policy stays)
+    kept.cache, kept.sequence, kept.unfed = kept._new_cache(), [], 1
+    kept.stale = kept.active = False
+    if drafter is not None:
+        drafter.reset()
+    if not usable:
+        return None, 0, None, 0
+    return cache, reuse, draft_cache, draft_reuse
+
+
+def into_decoder(decoder, state: RowState):
+    """A leaving row's caches into `decoder` (an `engine.Decoder` of the same pair): it then
+    holds the row's sequence as if a single stream had generated it (target cache: all but
+    the last token; a draft model's: `state.draft_tokens`, the rest unfed; prompt lookup
+    rebuilds its index from the next prompt). Returns the decoder."""
+    _held(state.cache, len(state.sequence) - 1, "row's target")
+    decoder.cache, decoder.sequence, decoder.unfed = state.cache, list(state.sequence), 1
+    decoder.stale = decoder.active = False
+    drafter = decoder.drafter
+    if drafter is not None:
+        drafter.reset()
+        if state.draft_cache is not None and getattr(drafter, "cached", None) is not None:
+            _held(state.draft_cache, len(state.draft_tokens), "row's draft")
+            drafter.cache, drafter.cached = state.draft_cache, list(state.draft_tokens)
+            drafter.unfed = state.sequence[len(state.draft_tokens) :]
+    return decoder
 
 
 @dataclass
@@ -159,7 +250,9 @@ class BatchDecoder:
 
     Invariants between rounds: the target cache holds each row's `sequence[:-1]`; the draft
     cache holds each row's `sequence[:-lag]` with one `lag` (>= 2) for all rows, so every
-    draft pass is over a rectangle (see `_draft`).
+    draft pass is over a rectangle (see `_draft`); a row joins at that lag (its prompt
+    shorter than it: the others catch up first). A row that does not draft holds nothing of
+    its own in the draft cache (only what each draft pass feeds every row).
     """
 
     def __init__(
@@ -206,12 +299,19 @@ class BatchDecoder:
         config: GenerationConfig | None = None,
         max_tokens=None,
         history=None,
+        *,
+        kept=None,
+        keep: bool = False,
     ) -> int:
         """Prefill `prompt` (token ids) alone and merge it into the batch; its row id.
         From `config` a row takes its sampling settings, seed, max_tokens (`max_tokens`
         overrides it, e.g. capped by the context) and use_draft; k is the batch's.
         `history`: a HistoryIndex the row's lookup also searches (its own client's: the
-        server passes the row's partition, so no row drafts from another's text)."""
+        server passes the row's partition, so no row drafts from another's text).
+        `kept`: an `engine.Decoder` of the same pair (the server's prompt cache, the row's
+        own client's) whose caches the row starts from, so only the prompt's tokens past the
+        shared prefix are prefilled (`row(id).reused` says how many were not); it gives its
+        caches up (`kept_caches`). `keep`: hand the caches back when the row leaves."""
         config = GenerationConfig.of(config)
         constrained = any(x is not None for x in (config.schema, config.grammar, config.regex))
         unsupported = [
@@ -238,22 +338,41 @@ class BatchDecoder:
             params,
             max_tokens if max_tokens is not None else config.max_tokens,
             key,
-            use_draft=config.use_draft and self.drafting,
+            use_draft=config.use_draft and self.drafting and not self._draft_cannot_pay(),
             prompt_tokens=len(prompt),
+            keep=keep,
         )
         self._ids += 1
-        cache = make_prompt_cache(self.target)
-        prefill_cache(self.target, cache, prompt[:-1])
-        draft_cache = None
+        # a one-token prompt: the draft sees its token twice (only its guesses change); a
+        # row that never drafts is not prefilled (its draft row holds only what each draft
+        # pass feeds every row, and its guesses are never used)
+        context = prompt if len(prompt) >= 2 else prompt * 2
+        drafts = self.draft is not None and row.use_draft
+        if drafts and len(context) < self.lag:
+            self._catch_up()  # the batch's draft to lag 2: the new row can start there
+        # the new row's draft holds its context but the batch's last `lag` tokens, as every
+        # row's does: after plain rounds a row joins without a catch-up of the others
+        end = len(context) - self.lag if drafts else 0
+        cache = draft_cache = None
+        draft_reuse = 0
+        if kept is not None:
+            cache, row.reused, draft_cache, draft_reuse = kept_caches(
+                kept, prompt, context[:end] if drafts else None
+            )
+        cache = cache if cache is not None else make_prompt_cache(self.target)
+        # until the controller knows a lone row's step costs, the prefill times them
+        timed = self.controller is not None and self.controller.wants_timing()
+        plain = prefill_cache(self.target, cache, prompt[row.reused : -1], timed=timed)
+        draft_step = None
         if self.draft is not None:
-            self._catch_up()  # the batch's draft to lag 2, where the new row starts
-            # a one-token prompt: the draft sees its token twice (only its guesses change); a
-            # row that never drafts is not prefilled (its draft row holds only what each
-            # draft pass feeds every row, and its guesses are never used)
-            context = prompt if len(prompt) >= 2 else prompt * 2
-            context = context if row.use_draft else context[-2:]
-            draft_cache = make_prompt_cache(self.draft)
-            prefill_cache(self.draft, draft_cache, context[:-2])
+            draft_cache = draft_cache if draft_cache is not None else make_prompt_cache(self.draft)
+            begin, fed = time.perf_counter(), context[draft_reuse:end]
+            draft_step = prefill_cache(self.draft, draft_cache, fed, timed=timed and drafts)
+            if self.controller is not None and len(fed) >= CATCH_UP_RIDES:
+                # what the draft costs a token when it takes many in: a catch-up's price
+                self.controller.observe_catch_up(len(fed), time.perf_counter() - begin)
+        if timed:
+            self.controller.calibrate(plain, draft_step)
         if self.lookup is not None:
             row.lookup = NGramDrafter(*self.lookup, history=history)
             row.lookup.prefill(prompt)
@@ -271,16 +390,57 @@ class BatchDecoder:
         self._settle()
         return row.id
 
+    def _draft_cannot_pay(self) -> bool:
+        """Whether a draft model could not pay even alone and always accepted, by the costs
+        measured (`auto`): a row that joins then decodes plainly and is not prefilled
+        through the draft (a compute-bound draft's prefill costs as much as its decoding)."""
+        c = self.controller
+        if c is None or self.draft is None or 1 not in c.passes or 1 not in c.draft_steps:
+            return False
+        return c.hopeless(1, c.draft_seconds(1))
+
     def cancel(self, row_id: int) -> None:
         """Mark a row to leave at the start of the next `step` (safe from any thread)."""
         self.cancelled.add(row_id)
 
+    def row(self, row_id: int) -> Row:
+        return next(r for r in self.rows if r.id == row_id)
+
+    def remove(self, row_id: int) -> RowState | None:
+        """The row leaves now (from the thread that steps, between rounds): its caches when it
+        was added with keep=True (None otherwise, or when it is not in the batch)."""
+        self.cancelled.discard(row_id)
+        index = next((i for i, r in enumerate(self.rows) if r.id == row_id), None)
+        if index is None:
+            return None
+        state = self._extract(index) if self.rows[index].keep else None
+        self._keep([i for i in range(len(self.rows)) if i != index])
+        return state
+
+    def _extract(self, i: int) -> RowState:
+        """Row i's caches as single-row KVCaches (evaluated: nothing lazy points into the
+        batch's arrays). The target's hold sequence[:-1]; the draft's sequence[:-lag], or
+        nothing is kept of it when the row did not draft (its row is not its text)."""
+        row = self.rows[i]
+        cache = [c.extract(i) for c in self.cache]
+        _held(cache, len(row.sequence) - 1, "batch row's target")
+        draft_cache, draft_tokens = None, []
+        if self.draft is not None and row.use_draft and len(row.sequence) >= self.lag:
+            draft_cache = [c.extract(i) for c in self.draft_cache]
+            draft_tokens = row.sequence[: len(row.sequence) - self.lag]
+            _held(draft_cache, len(draft_tokens), "batch row's draft")
+        caches.eval_state(cache + (draft_cache or []))
+        return RowState(list(row.sequence), cache, draft_cache, draft_tokens)
+
     def _catch_up(self) -> None:
         """Feed the draft what it has not seen but the last two tokens of each row."""
         if self.rows and self.lag > 2:
+            begin = time.perf_counter()
             tokens = mx.array([r.sequence[-self.lag : -2] for r in self.rows], mx.uint32)
             self.draft(tokens, cache=self.draft_cache)
             caches.eval_state(self.draft_cache)
+            if self.controller is not None:
+                self.controller.observe_catch_up(tokens.size, time.perf_counter() - begin)
         self.lag = 2
 
     def _keep(self, keep: list[int]) -> None:
@@ -312,7 +472,8 @@ class BatchDecoder:
         available = None
         if self.lookup is not None:
             available = [r.use_draft and r.lookup.has_proposal() for r in self.rows]
-        return self.controller.next(len(self.rows), available)
+        missed = self.lag - 2 if self.draft is not None else 0
+        return self.controller.next(len(self.rows), available, missed)
 
     def step(self) -> dict[int, RowUpdate]:
         """One round for every row: {row id: what it emitted}; finished rows leave."""
@@ -321,7 +482,8 @@ class BatchDecoder:
             gone = [i for i, r in enumerate(self.rows) if r.id in self.cancelled]
             for i in gone:
                 row = self.rows[i]
-                updates[row.id] = RowUpdate([], Round([], 0, 0), True, "cancelled")
+                state = self._extract(i) if row.keep else None
+                updates[row.id] = RowUpdate([], Round([], 0, 0), True, "cancelled", state)
             self.cancelled.clear()
             self._keep([i for i in range(len(self.rows)) if i not in set(gone)])
         if not self.rows:
@@ -335,10 +497,13 @@ class BatchDecoder:
             r.next_key() if req and not r.params.greedy else None
             for r, req in zip(rows, requested, strict=True)
         ]
+        drafting = self.draft is not None and max(requested) > 0
+        if drafting and self.lag > 2 + CATCH_UP_RIDES:
+            self._catch_up()
         start = time.perf_counter()
         qs = [None] * len(rows)
         steps = 0
-        if self.draft is not None and max(requested) > 0:
+        if drafting:
             drafts, qs = self._draft(requested, draft_keys)  # (B, K), per row (k_i, V) | None
             steps = drafts.shape[1]
             lengths = requested
@@ -467,6 +632,9 @@ class BatchDecoder:
             rollback_rows(self.draft_cache, [steps - n for n, _ in out])
         elif self.draft is not None:
             self.lag += 1  # a plain round: every row grew by one token the draft has not seen
+        for b, r in enumerate(rows):
+            if r.keep and updates[r.id].done:
+                updates[r.id].state = self._extract(b)
         self._keep(keep)
         if self.rows:
             self._settle()

@@ -100,6 +100,20 @@ class Policy(Protocol):
     def wants_timing(self) -> bool:
         """Whether prefill should time a target step and a draft step for `calibrate`."""
 
+    def catch_up_seconds(self, batch: int, missed: int) -> float:
+        """Seconds for the draft model to take in `missed` tokens in each of `batch` rows: the
+        measured seconds per token and row of its prefills and catch-ups (before any: a draft
+        step's per token, as for a compute-bound draft; 0 before that)."""
+        if not self.draft_model or missed <= 0:
+            return 0.0
+        per = self.catch_up.value if self.catch_up.count else (self.draft_seconds(1) or 0.0)
+        return per * batch * missed
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """The draft took in `tokens` (tokens x rows) in `seconds` (a prefill, a catch-up)."""
+        if tokens > 0 and self.draft_model:
+            self.catch_up.add(seconds / tokens)
+
     def calibrate(self, plain: float | None, draft: float | None) -> None:
         """A target step and a draft step, timed at the end of prefill."""
 
@@ -133,6 +147,20 @@ class FixedK:
 
     def wants_timing(self) -> bool:
         return False
+
+    def catch_up_seconds(self, batch: int, missed: int) -> float:
+        """Seconds for the draft model to take in `missed` tokens in each of `batch` rows: the
+        measured seconds per token and row of its prefills and catch-ups (before any: a draft
+        step's per token, as for a compute-bound draft; 0 before that)."""
+        if not self.draft_model or missed <= 0:
+            return 0.0
+        per = self.catch_up.value if self.catch_up.count else (self.draft_seconds(1) or 0.0)
+        return per * batch * missed
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """The draft took in `tokens` (tokens x rows) in `seconds` (a prefill, a catch-up)."""
+        if tokens > 0 and self.draft_model:
+            self.catch_up.add(seconds / tokens)
 
     def calibrate(self, plain: float | None, draft: float | None) -> None:
         pass
@@ -419,6 +447,20 @@ class Controller:
         """Whether prefill should time a target step and a draft step (see `calibrate`)."""
         return self.draft_step.value is None or self.plain.value is None
 
+    def catch_up_seconds(self, batch: int, missed: int) -> float:
+        """Seconds for the draft model to take in `missed` tokens in each of `batch` rows: the
+        measured seconds per token and row of its prefills and catch-ups (before any: a draft
+        step's per token, as for a compute-bound draft; 0 before that)."""
+        if not self.draft_model or missed <= 0:
+            return 0.0
+        per = self.catch_up.value if self.catch_up.count else (self.draft_seconds(1) or 0.0)
+        return per * batch * missed
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """The draft took in `tokens` (tokens x rows) in `seconds` (a prefill, a catch-up)."""
+        if tokens > 0 and self.draft_model:
+            self.catch_up.add(seconds / tokens)
+
     def calibrate(self, plain: float | None, draft: float | None) -> None:
         """A target step and a draft step timed at the end of prefill (warm: the step before
         each paid the one-time costs). Knowing both before the first token, the controller
@@ -459,6 +501,10 @@ class Controller:
 # shrinks with B and reaches 0 (plain continuous batching) where drafting no longer pays.
 
 PROBE_ROUNDS = 32  # a batch that chose k = 0 tries k = 1 again after this many rounds
+# ... or after this many when even a draft the target always accepted could not pay (measured
+# costs: a compute-bound draft step as dear as a target pass): such a probe buys nothing, and
+# its first step must take in every token the draft missed meanwhile
+PROBE_ROUNDS_HOPELESS = PROBE_MAX_INTERVAL
 
 
 def interpolate(points: dict[int, float], x: int, prior_slope: float) -> float | None:
@@ -527,7 +573,11 @@ class BatchController:
     step's by B; acceptance per draft position is pooled over the rows. Warm-up: a plain pass,
     then k = 1 (which times a draft step and a wider pass); every EXPLORE_EVERY drafting rounds
     a longer draft measures the next row count; after choosing 0 it probes k = 1 every
-    PROBE_ROUNDS rounds."""
+    PROBE_ROUNDS rounds (PROBE_ROUNDS_HOPELESS when even an always-accepted draft could not
+    pay). `calibrate` takes a lone row's target and draft steps timed in its prefill, so a
+    draft that cannot pay at B = 1 is never run there (as `Controller` does for one stream).
+    Warm-ups and probes wait while the draft's catch-up would cost more than a plain pass
+    (`catch_up_seconds`, from the measured prefills and catch-ups)."""
 
     k_max: int = K_MAX
     draft_model: bool = True  # a draft step costs time (lookup: none)
@@ -538,6 +588,7 @@ class BatchController:
     rounds: int = 0
     since_probe: int = 0
     chosen: int = 0
+    catch_up: Estimate = field(default_factory=lambda: Estimate(0.25))  # s per token and row
 
     def __post_init__(self):
         self.accept = [Estimate(ACCEPT_MEMORY) for _ in range(self.k_max)]
@@ -581,9 +632,15 @@ class BatchController:
             for a in available
         ]
 
-    def next(self, batch: int, available: Sequence[bool | None] | None = None) -> int:
+    def next(
+        self, batch: int, available: Sequence[bool | None] | None = None, missed: int = 0
+    ) -> int:
         """k for the next round of a batch of `batch` rows; `available`: per row, lookup's
-        word on whether it has a proposal now (None: a draft model, unknown)."""
+        word on whether it has a proposal now (None: a draft model, unknown); `missed`:
+        tokens a row the draft model must take in before it can draft (after plain rounds).
+        A round that only explores (the warm-up, a probe) is not run while that catch-up
+        would cost more than a plain pass: after a long plain stretch a compute-bound draft
+        would take longer to catch up than the whole stretch took."""
         if available is not None and not any(a is not False for a in available):
             self.chosen = 0  # nothing to propose anywhere: a plain step costs no draft rows
             return 0
@@ -591,14 +648,21 @@ class BatchController:
         if self.pass_seconds(batch) is None or batch not in self.passes:
             self.chosen = 0  # a plain pass of this batch first: every decision rests on it
             return 0
-        if draft is None or batch * 2 not in self.passes:
-            self.chosen = 1
+        hopeless = draft is not None and self.hopeless(batch, draft)
+        affordable = self.catch_up_seconds(batch, missed) <= self.pass_seconds(batch)
+        warm = draft is not None and batch * 2 in self.passes
+        if not (warm or hopeless) and affordable:
+            self.chosen = 1  # the warm-up: times a draft step and a pass over 2B rows
             return 1
         reach = self.row_reach(available)
-        k = choose_batch_k(batch, self.k_max, self.pass_seconds, draft, self.acceptance(), reach)
+        k = 0
+        if warm and not hopeless:
+            acceptance = self.acceptance()
+            k = choose_batch_k(batch, self.k_max, self.pass_seconds, draft, acceptance, reach)
         if k == 0:
             self.since_probe += 1
-            if self.since_probe >= PROBE_ROUNDS:
+            due = self.since_probe >= (PROBE_ROUNDS_HOPELESS if hopeless else PROBE_ROUNDS)
+            if due and affordable:
                 self.since_probe, k = 0, 1
         else:
             self.rounds += 1
@@ -606,6 +670,38 @@ class BatchController:
                 k += 1  # measure the next row count now and then
         self.chosen = k
         return k
+
+    def hopeless(self, batch: int, draft: float) -> bool:
+        """Whether even a draft the target always accepted could not pay at this batch size,
+        by the costs known (a pass over more rows than measured: the prior slope)."""
+        always = [1.0] * self.k_max
+        return choose_batch_k(batch, self.k_max, self.pass_seconds, draft, always) == 0
+
+    def catch_up_seconds(self, batch: int, missed: int) -> float:
+        """Seconds for the draft model to take in `missed` tokens in each of `batch` rows: the
+        measured seconds per token and row of its prefills and catch-ups (before any: a draft
+        step's per token, as for a compute-bound draft; 0 before that)."""
+        if not self.draft_model or missed <= 0:
+            return 0.0
+        per = self.catch_up.value if self.catch_up.count else (self.draft_seconds(1) or 0.0)
+        return per * batch * missed
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """The draft took in `tokens` (tokens x rows) in `seconds` (a prefill, a catch-up)."""
+        if tokens > 0 and self.draft_model:
+            self.catch_up.add(seconds / tokens)
+
+    def calibrate(self, plain: float | None, draft: float | None) -> None:
+        """A lone row's target step and draft step, timed at the end of its prefill (each
+        after a step that paid the one-time costs), as a batch of one would take them."""
+        if plain is not None:
+            self.passes.setdefault(1, Estimate(0.25, warmup=True)).add(plain)
+        if draft is not None and self.draft_model:
+            self.draft_steps.setdefault(1, Estimate(0.25, warmup=True)).add(draft)
+
+    def wants_timing(self) -> bool:
+        """Whether a lone row's prefill should time its steps (see `calibrate`)."""
+        return 1 not in self.passes or (self.draft_model and 1 not in self.draft_steps)
 
     def update(self, batch: int, timing, outcomes) -> None:
         """A drafting round: `timing` (batch.BatchTiming) and per row (k asked, drafted,

@@ -11,13 +11,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tiny
+from mlx_lm.models.cache import make_prompt_cache
 from test_distribution import PROMPT, VOCAB, accept_everything, chi_square, exact_joint
 from test_greedy_equality import reference
 
 import mlx_spec
 from mlx_spec import GenerationConfig, SpecError, generate, load_pair
-from mlx_spec.batch import BatchDecoder, BatchTiming, make_batch_decoder
-from mlx_spec.policies import BatchController, choose_batch_k, interpolate
+from mlx_spec.batch import BatchDecoder, BatchTiming, into_decoder, make_batch_decoder
+from mlx_spec.drafters import prefill_cache
+from mlx_spec.engine import RoundRecord
+from mlx_spec.policies import (
+    PROBE_ROUNDS,
+    PROBE_ROUNDS_HOPELESS,
+    BatchController,
+    choose_batch_k,
+    interpolate,
+)
 
 TEXTS = [
     "The quick brown fox",
@@ -138,9 +147,10 @@ class PlainThen:
 
 def test_rows_join_after_plain_rounds_and_draft_at_once(pair, monkeypatch):
     """The batch decodes plainly for 6 rounds (as `auto` may), so the draft falls behind on the
-    first row; rows join after that (the draft catches up in one pass) and every row drafts.
-    Each row keeps its own output and its own draft context: its rounds (what the draft
-    proposed, what was accepted) are those of a single-stream decoder under the same k."""
+        first row; rows join after that (their drafts prefilled to the batch's lag, so the others
+    do not catch up then; all catch up in one pass when drafting starts) and every row drafts.
+        Each row keeps its own output and its own draft context: its rounds (what the draft
+        proposed, what was accepted) are those of a single-stream decoder under the same k."""
     prompts = [pair.tokenizer.encode(t) for t in TEXTS]
     decoder = make_batch_decoder(pair, 4)
     rnd = 0
@@ -300,6 +310,129 @@ def test_caches_a_batch_cannot_roll_back_are_refused(tiny_models, tmp_path):
         assert len(res.tokens) == 8
 
 
+# ------------------------------------------------------------------ kept caches in and out
+
+
+def records(rounds) -> list[dict]:
+    """A result's rounds (RoundRecord) or a row's (Round), as what was drafted and kept."""
+    return [
+        (
+            RoundRecord(r.proposal, r.accepted, r.target_token, len(r.tokens))
+            if hasattr(r, "proposal")
+            else r
+        ).to_json()
+        for r in rounds
+    ]
+
+
+def assert_holds(model, cache: list, tokens: list[int]) -> None:
+    """Each layer holds exactly the keys and values a fresh prefill of `tokens` computes."""
+    fresh = make_prompt_cache(model)
+    prefill_cache(model, fresh, tokens)
+    for c, f in zip(cache, fresh, strict=True):
+        assert c.offset == f.offset == len(tokens)
+        for a, b in ((c.keys, f.keys), (c.values, f.values)):
+            n = len(tokens)
+            assert np.allclose(np.array(a[..., :n, :]), np.array(b[..., :n, :]), atol=1e-5)
+
+
+def run_rows(decoder: BatchDecoder, rows: dict) -> tuple[dict, dict]:
+    """Step until the rows (id -> anything) leave: {id: (tokens, round records)}, {id: state}."""
+    out, states = {r: ([], []) for r in rows}, {}
+    while len(states) < len(rows):
+        for rid, u in decoder.step().items():
+            out[rid][0].extend(u.tokens)
+            out[rid][1].append(records([u.round])[0])
+            if u.done:
+                states[rid] = u.state
+    return out, states
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_rows_start_from_kept_caches_and_hand_them_back(tiny_models, qwen3_dirs, drafter):
+    """Turn 1 runs single-stream (a kept Decoder, as the server's prompt cache keeps it);
+    turn 2 of each conversation (one greedy, one seeded) is a batch row started from that
+    decoder's caches (target and draft: trimmed to the shared prefix, only the rest
+    prefilled); its caches come back as a Decoder that turn 3 continues single-stream. Every
+    turn's tokens and rounds (what the draft proposed and the target kept) equal a fresh
+    `generate`, so every handed-over cache held exactly its tokens."""
+    pair = pair_of(tiny_models, qwen3_dirs, "llama", drafter)
+    settings = [dict(temperature=0.0), dict(temperature=1.0, seed=5)]
+    configs = [GenerationConfig(max_tokens=14, num_draft_tokens=3, **s) for s in settings]
+    more = pair.tokenizer.encode(" and then", add_special_tokens=False)
+    kept, prompts = [], []
+    for text, config in zip(TEXTS[1:3], configs, strict=True):
+        d = mlx_spec.make_decoder(pair)
+        generate(pair, text, config, decoder=d)
+        kept.append(d)
+        # the next turn re-renders the end of the reply differently: the cache is trimmed
+        prompts.append(d.sequence[:-4] + more)
+    held = [len(d.sequence) - 1 for d in kept]
+    decoder = make_batch_decoder(pair, 3)
+    neighbour = pair.tokenizer.encode(TEXTS[0])
+    rows = {decoder.add(neighbour, GenerationConfig(max_tokens=6)): None}  # a fresh one
+    for p, config, d in zip(prompts, configs, kept, strict=True):
+        rows[decoder.add(p, config, kept=d, keep=True)] = (p, config)
+    assert [decoder.row(r).reused for r in list(rows)[1:]] == [h - 3 for h in held]
+    assert all(not d.sequence for d in kept)  # their caches are the rows' now
+    out, states = run_rows(decoder, rows)
+    assert states[next(iter(rows))] is None  # a row added without keep hands nothing back
+    for rid, entry in list(rows.items())[1:]:
+        p, config = entry
+        fresh = generate(pair, p, config)
+        assert out[rid] == (fresh.tokens, records(fresh.rounds))
+        state = states[rid]
+        assert state.sequence[: len(p) + len(fresh.tokens)] == p + fresh.tokens
+        assert_holds(pair.target, state.cache, state.sequence[:-1])
+        if drafter == "model":
+            assert_holds(pair.draft, state.draft_cache, state.draft_tokens)
+        # turn 3 continues single-stream from the row's caches
+        d = into_decoder(mlx_spec.make_decoder(pair), state)
+        if drafter == "model":
+            assert d.drafter.cached and d.drafter.cached == state.sequence[: len(d.drafter.cached)]
+        follow = state.sequence + more
+        res = generate(pair, follow, config, decoder=d)
+        fresh = generate(pair, follow, config)
+        assert res.stats.prompt_tokens_reused == len(state.sequence) - 1
+        assert (res.tokens, records(res.rounds)) == (fresh.tokens, records(fresh.rounds))
+    if drafter == "model":
+        greedy = states[list(rows)[1]]
+        assert greedy.draft_cache is not None and greedy.draft_tokens
+
+
+def test_a_row_removed_after_plain_rounds_hands_its_draft_back_exactly(pair, monkeypatch):
+    """Plain rounds leave the draft behind (its cache holds the row's sequence but its last
+    `lag` tokens); a row removed then (a stop string, a client gone) hands back a draft cache
+    of exactly those tokens, and a single stream continues from it with a fresh run's rounds."""
+    decoder = make_batch_decoder(pair, 3)
+    ks = iter([3, 3, 3, 0, 0, 0])  # k of each round: drafting, then plain
+    monkeypatch.setattr(decoder, "_choose_k", lambda: next(ks))
+    rid = decoder.add(pair.tokenizer.encode(TEXTS[4]), GenerationConfig(max_tokens=40), keep=True)
+    other = decoder.add(pair.tokenizer.encode(TEXTS[2]), GenerationConfig(max_tokens=40))
+    for _ in range(6):
+        decoder.step()
+    assert decoder.lag == 5
+    state = decoder.remove(rid)
+    assert len(decoder) == 1 and decoder.remove(rid) is None and decoder.remove(other) is None
+    assert state.draft_tokens == state.sequence[:-5]
+    assert_holds(pair.target, state.cache, state.sequence[:-1])
+    assert_holds(pair.draft, state.draft_cache, state.draft_tokens)
+    d = into_decoder(mlx_spec.make_decoder(pair), state)
+    follow = state.sequence + pair.tokenizer.encode(" So", add_special_tokens=False)
+    config = GenerationConfig(max_tokens=12, num_draft_tokens=3)
+    res, fresh = generate(pair, follow, config, decoder=d), generate(pair, follow, config)
+    assert res.stats.prompt_tokens_reused == len(state.sequence) - 1
+    assert (res.tokens, records(res.rounds)) == (fresh.tokens, records(fresh.rounds))
+
+
+def test_a_kept_cache_that_is_not_what_it_says_is_refused(pair):
+    d = mlx_spec.make_decoder(pair)
+    generate(pair, TEXTS[0], max_tokens=6, decoder=d)
+    d.sequence = d.sequence + [5, 6]  # the caches do not hold these
+    with pytest.raises(SpecError, match="holds"):
+        make_batch_decoder(pair, 3).add(d.sequence + [7], kept=d)
+
+
 def test_what_is_not_batched_yet_is_refused(pair):
     with pytest.raises(SpecError, match="ngram\\+model drafter is not batched yet"):
         make_batch_decoder(pair.configured(drafter="ngram+model"))
@@ -344,6 +477,72 @@ def test_compute_bound_passes_and_empty_lookups_choose_plain():
     never = [[0.0] * 8] * 4  # lookup has nothing for any row: drafts would only cost rows
     assert choose_batch_k(4, 8, lambda rows: 1 + 0.01 * rows, 0.0, acceptance, never) == 0
     assert BatchController(8, draft_model=False).next(4, [False] * 4) == 0
+
+
+def test_a_draft_that_cannot_pay_is_not_tried_by_a_lone_row():
+    """Calibrated from a lone row's prefill (as batch.add times it), a draft step as dear as a
+    target pass that barely grows with rows (a compute-bound draft): even always accepted it
+    cannot pay, so a batch of one decodes plainly from the first round, as a single stream
+    does, and probes only after PROBE_ROUNDS_HOPELESS rounds; a cheap draft is tried at once."""
+    hopeless = BatchController(8, draft_model=True)
+    assert hopeless.wants_timing()
+    hopeless.calibrate(0.1, 0.1)
+    assert not hopeless.wants_timing()
+    ks = [hopeless.next(1) for _ in range(PROBE_ROUNDS_HOPELESS)]
+    assert ks[:-1] == [0] * (PROBE_ROUNDS_HOPELESS - 1) and ks[-1] == 1
+    cheap = BatchController(8, draft_model=True)
+    cheap.calibrate(0.1, 0.005)
+    assert cheap.next(1) == 1  # the warm-up that times a wider pass
+
+
+@pytest.mark.parametrize("per_token,probes", [(0.02, False), (0.001, True)])
+def test_a_probe_waits_while_the_catch_up_costs_more_than_a_pass(per_token, probes):
+    """A cheap draft whose tokens were all rejected: the batch of one decodes plainly and
+    probes after PROBE_ROUNDS rounds, unless the draft's catch-up of the 40 tokens it missed
+    (at the measured seconds per token) would cost more than a plain pass."""
+    c = BatchController(8, draft_model=True)
+    c.calibrate(0.1, 0.02)
+    c.update(1, BatchTiming(2, 1, 0.02, 0.1), [(1, 1, 0)])  # drafted one token, rejected
+    c.observe_catch_up(40, 40 * per_token)
+    ks = [c.next(1, None, missed=40) for _ in range(PROBE_ROUNDS + 1)]
+    assert (1 in ks) is probes and ks[0] == 0
+
+
+@pytest.mark.parametrize("draft_step", [0.1, 0.005])
+def test_rows_join_without_the_draft_when_it_cannot_pay(pair, draft_step):
+    """Once a draft step is measured as dear as a target pass (it could not pay even always
+    accepted), a joining row is not prefilled through the draft and decodes plainly; its
+    tokens are the target's. A cheap draft is prefilled (to the batch's lag) as before."""
+    decoder = make_batch_decoder(pair, "auto")
+    decoder.controller.calibrate(0.1, draft_step)
+    prompt = pair.tokenizer.encode(TEXTS[2])
+    rid = decoder.add(prompt, GenerationConfig(max_tokens=16))
+    drafts = draft_step < 0.1
+    assert decoder.row(rid).use_draft is drafts
+    assert decoder.draft_cache[0].size() == (len(prompt) - 2 if drafts else 0)
+    out, _ = run_rows(decoder, {rid: None})
+    assert out[rid][0] == reference(pair, TEXTS[2], 16)
+
+
+def test_a_long_catch_up_is_a_pass_of_its_own(pair, monkeypatch):
+    """After plain rounds the draft takes in what it missed in one pass before the round's
+    timed draft steps (whose first step then feeds 2 tokens a row, as after any round)."""
+    decoder = make_batch_decoder(pair, "auto")
+    ks = iter([0] * 8 + [3])
+    monkeypatch.setattr(decoder, "_choose_k", lambda: next(ks))
+    rid = decoder.add(pair.tokenizer.encode(TEXTS[4]), GenerationConfig(max_tokens=30))
+    for _ in range(8):
+        decoder.step()
+    widths, draft = [], decoder.draft  # the draft model, recording what each pass feeds it
+
+    def recording(y, cache):
+        widths.append(y.shape[1])
+        return draft(y, cache=cache)
+
+    monkeypatch.setattr(decoder, "draft", recording)
+    u = decoder.step()[rid]
+    assert widths == [8, 2, 1, 1] and decoder.timing.draft_steps == 3
+    assert u.round.drafted == 3 and decoder.lag == 2
 
 
 def test_the_controller_learns_costs_per_row_count():

@@ -207,6 +207,45 @@ def test_a_stop_string_ends_a_row_and_the_others_go_on(server, pair):
     wait_until(lambda: metrics(url)["mlx_spec_batch_size"] == 0, "a row stayed in the batch")
 
 
+def test_a_conversation_goes_on_from_its_kept_cache(server, pair):
+    """Turn 2 of a conversation, batched, starts from the cache turn 1 left (its usage and
+    /metrics count the reused prompt tokens); turn 3, single-stream (logprobs), starts from
+    the cache the batched row handed back. Every reply equals `generate` (what the serial
+    server answers); another key sending the same conversation reuses nothing of it."""
+    _, url = server
+    messages = chat("Tell me about a lighthouse keeper and the sea")
+    expected = [generate(pair, messages, max_tokens=TOKENS, temperature=0).text]
+    c = client(url)
+    first = c.chat.completions.create(
+        model="long", messages=messages, max_tokens=TOKENS, temperature=0
+    )
+    assert first.choices[0].message.content == expected[0]
+    before = metrics(url)["mlx_spec_prompt_tokens_cached_total"]
+    cached, previous = [], first.usage.prompt_tokens
+    for turn, extra in ((2, {}), (3, {"logprobs": True})):
+        messages = messages + [
+            {"role": "assistant", "content": expected[-1]},
+            {"role": "user", "content": f"And in part {turn}?"},
+        ]
+        expected.append(generate(pair, messages, max_tokens=TOKENS, temperature=0).text)
+        r = c.chat.completions.create(
+            model="long", messages=messages, max_tokens=TOKENS, temperature=0, **extra
+        )
+        assert r.choices[0].message.content == expected[-1]
+        assert r.model_extra["speculation"]["batched"] is (turn == 2)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        # the previous turn's prompt at least (a random model's reply may be tokenized
+        # otherwise when the template renders it back)
+        assert cached[-1] >= previous, (turn, cached[-1], previous)
+        previous = r.usage.prompt_tokens
+        if turn == 2:
+            assert metrics(url)["mlx_spec_prompt_tokens_cached_total"] - before == cached[-1]
+    other = client(url, KEY_B).chat.completions.create(
+        model="long", messages=messages, max_tokens=4, temperature=0
+    )
+    assert other.usage.prompt_tokens_details.cached_tokens < 10  # the template's start at most
+
+
 SECRET = "Berlin is the capital of Germany. Speculative decoding drafts tokens with a small model"
 
 

@@ -5,9 +5,10 @@ Requests queue and one thread decodes: one stream at a time (single-stream decod
 memory-bound regime speculation is for), or, with --max-batch N and a pair that batches, up to N
 requests together as rows of one `batch.BatchDecoder` that still drafts (`_serve_batch`): rows
 join between rounds as they are taken from the queue and leave as they finish. A request the
-batch cannot take waits until the running rows finish, then runs alone. Batched rows prefill
-their whole prompt (no prompt cache hand-off yet); their lookup searches their own text and
-their partition's history, as a single stream does.
+batch cannot take waits until the running rows finish, then runs alone. A batched row starts
+from its partition's kept decoder as a single stream does (only new tokens are prefilled) and
+gives its caches back when it leaves; its lookup searches its own text and its partition's
+history, as a single stream does.
 
 The HTTP side (app.py) talks to the worker through `Job`: the worker puts ("delta",
 output.Delta) items, then ("done", Outcome) or ("error", ApiError) on the job's
@@ -41,7 +42,7 @@ from jinja2 import TemplateError
 from mlx_lm.utils import common_prefix_len
 
 from .. import caches
-from ..batch import make_batch_decoder
+from ..batch import into_decoder, make_batch_decoder
 from ..engine import (
     EventMaker,
     constraint_for,
@@ -103,9 +104,17 @@ class PromptCache:
         self.bytes = 0
 
     def take(self, tokens: list[int]):
-        # reuse a decoder whose sequence the prompt mostly continues (a re-rendered reply or
-        # a stop string may cut its end); rolling back more would discard another
-        # conversation's cache. The longest shared prefix wins, ties the most recent.
+        """The decoder for a single stream: the best kept one (`pop`) or a new one; it stays
+        an entry (most recently used) while it generates."""
+        best = self.pop(tokens) or self.new()
+        self.put(best)
+        return best
+
+    def pop(self, tokens: list[int]):
+        """The kept decoder whose sequence the prompt mostly continues (a re-rendered reply
+        or a stop string may cut its end), out of the entries; None when none does. Rolling
+        back more would discard another conversation's cache. The longest shared prefix
+        wins, ties the most recent."""
         best, shared = None, 0
         for d in self.entries:
             n = common_prefix_len(d.sequence, tokens)
@@ -113,13 +122,18 @@ class PromptCache:
                 best, shared = d, n
         if best is not None:
             self.entries.remove(best)
-        else:
-            best = make_decoder(self.pair)
-            if self.history is not None:
-                best.drafter.use_history(self.history)
-        best.last_used = time.monotonic()
-        self.entries.append(best)
         return best
+
+    def new(self):
+        decoder = make_decoder(self.pair)
+        if self.history is not None:
+            decoder.drafter.use_history(self.history)
+        return decoder
+
+    def put(self, decoder) -> None:
+        """Keep `decoder` (most recently used); `trim` bounds the bytes afterwards."""
+        decoder.last_used = time.monotonic()
+        self.entries.append(decoder)
 
     def trim(self) -> None:
         """Drop least recently used decoders until the kept caches fit in max_bytes (and
@@ -606,7 +620,6 @@ class Engine:
                     self._admit(job, live)
                 for rid, row in list(live.items()):  # the client left, or time ran out
                     if row.reply.check():
-                        self.batch.cancel(rid)
                         self._leave(rid, live)
                 if not live:
                     if len(self.batch):
@@ -623,7 +636,9 @@ class Engine:
             self.batch = make_batch_decoder(self.pair)
 
     def _admit(self, job: Job, live: dict) -> None:
-        """Prefill a job's prompt and add it to the batch (or answer it: left, late, bad)."""
+        """Prefill a job's prompt and add it to the batch (or answer it: left, late, bad).
+        The row starts from its partition's best kept decoder, as a single stream would
+        (only the new tokens are prefilled), and gives its caches back when it leaves."""
         try:
             if self._gone(job):
                 return
@@ -643,13 +658,19 @@ class Engine:
                 stats.num_draft_tokens = decoder.fixed_k or decoder.controller.k_max
                 stats.adaptive = decoder.controller is not None
             begin = time.perf_counter()
-            _, history = self._partition(req.partition)
-            rid = decoder.add(tokens, config, max_tokens=max_tokens, history=history)
+            cache, history = self._partition(req.partition)
+            kept = cache.pop(tokens)  # its own key's: no row reuses another's caches
+            rid = decoder.add(
+                tokens, config, max_tokens=max_tokens, history=history, kept=kept, keep=True
+            )
+            stats.prompt_tokens_reused = decoder.row(rid).reused
             stats.prefill_seconds = time.perf_counter() - begin
             # a copy of the detokenizer per row: rows are detokenized side by side
             maker = EventMaker(pair.tokenizer.detokenizer, stats, time.perf_counter(), max_tokens)
             reply = Reply(job, pair, tokens, self.raw_reasoning)
-            live[rid] = BatchRow(job, reply, stats, maker, list(tokens), time.monotonic())
+            live[rid] = BatchRow(
+                job, reply, stats, maker, list(tokens), time.monotonic(), cache, kept
+            )
             job = None  # a row now: `_leave` ends it
         except Exception as err:  # a bug (the batch starts anew): this job answers 500 too
             job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
@@ -673,13 +694,19 @@ class Engine:
             events = row.maker.feed(u.round)
             if u.done:
                 events += row.maker.close()
-            if row.reply.feed(events) == "stop" and not u.done:
-                decoder.cancel(rid)  # a stop string: the row leaves at the next step
+            row.reply.feed(events)  # a stop string ends the reply: the row leaves now
             if u.done or row.reply.ended:
-                self._leave(rid, live)
+                self._leave(rid, live, u.state if u.done else None)
 
-    def _leave(self, rid: int, live: dict) -> None:
+    def _leave(self, rid: int, live: dict, state=None) -> None:
+        """A row's reply ends: its caches go back to its partition's prompt cache (`state`,
+        or taken out of the batch now when it is still there), its outcome to its client."""
         row = live.pop(rid)
+        if state is None:
+            state = self.batch.remove(rid)
+        if state is not None:
+            row.prompt_cache.put(into_decoder(row.kept or row.prompt_cache.new(), state))
+            self.trim_caches()
         self.metrics.add(row.stats, passes=False)  # the batch counts its passes itself
         _, history = self._partition(row.job.request.partition)
         if history is not None:  # later single-stream requests may draft from it
@@ -701,6 +728,8 @@ class BatchRow:
     maker: EventMaker  # its rounds -> events, with its own detokenizer
     sequence: list[int]  # prompt + reply tokens (for the partition's history)
     started: float
+    prompt_cache: PromptCache  # its partition's: the row's caches go back there
+    kept: object | None = None  # the kept engine.Decoder it started from (emptied)
 
 
 class Reply:
