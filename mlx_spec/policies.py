@@ -100,20 +100,6 @@ class Policy(Protocol):
     def wants_timing(self) -> bool:
         """Whether prefill should time a target step and a draft step for `calibrate`."""
 
-    def catch_up_seconds(self, batch: int, missed: int) -> float:
-        """Seconds for the draft model to take in `missed` tokens in each of `batch` rows: the
-        measured seconds per token and row of its prefills and catch-ups (before any: a draft
-        step's per token, as for a compute-bound draft; 0 before that)."""
-        if not self.draft_model or missed <= 0:
-            return 0.0
-        per = self.catch_up.value if self.catch_up.count else (self.draft_seconds(1) or 0.0)
-        return per * batch * missed
-
-    def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        """The draft took in `tokens` (tokens x rows) in `seconds` (a prefill, a catch-up)."""
-        if tokens > 0 and self.draft_model:
-            self.catch_up.add(seconds / tokens)
-
     def calibrate(self, plain: float | None, draft: float | None) -> None:
         """A target step and a draft step, timed at the end of prefill."""
 
@@ -147,20 +133,6 @@ class FixedK:
 
     def wants_timing(self) -> bool:
         return False
-
-    def catch_up_seconds(self, batch: int, missed: int) -> float:
-        """Seconds for the draft model to take in `missed` tokens in each of `batch` rows: the
-        measured seconds per token and row of its prefills and catch-ups (before any: a draft
-        step's per token, as for a compute-bound draft; 0 before that)."""
-        if not self.draft_model or missed <= 0:
-            return 0.0
-        per = self.catch_up.value if self.catch_up.count else (self.draft_seconds(1) or 0.0)
-        return per * batch * missed
-
-    def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        """The draft took in `tokens` (tokens x rows) in `seconds` (a prefill, a catch-up)."""
-        if tokens > 0 and self.draft_model:
-            self.catch_up.add(seconds / tokens)
 
     def calibrate(self, plain: float | None, draft: float | None) -> None:
         pass
@@ -446,20 +418,6 @@ class Controller:
     def wants_timing(self) -> bool:
         """Whether prefill should time a target step and a draft step (see `calibrate`)."""
         return self.draft_step.value is None or self.plain.value is None
-
-    def catch_up_seconds(self, batch: int, missed: int) -> float:
-        """Seconds for the draft model to take in `missed` tokens in each of `batch` rows: the
-        measured seconds per token and row of its prefills and catch-ups (before any: a draft
-        step's per token, as for a compute-bound draft; 0 before that)."""
-        if not self.draft_model or missed <= 0:
-            return 0.0
-        per = self.catch_up.value if self.catch_up.count else (self.draft_seconds(1) or 0.0)
-        return per * batch * missed
-
-    def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        """The draft took in `tokens` (tokens x rows) in `seconds` (a prefill, a catch-up)."""
-        if tokens > 0 and self.draft_model:
-            self.catch_up.add(seconds / tokens)
 
     def calibrate(self, plain: float | None, draft: float | None) -> None:
         """A target step and a draft step timed at the end of prefill (warm: the step before
