@@ -15,9 +15,10 @@ from ..errors import SpecError, one_line
 
 API_KEY_ENV = "MLX_SPEC_API_KEY"
 DEFAULT_MAX_TOKENS = 512
-# requests decoded together. 1 (serial) until batching pays for one client too: in
-# benchmarks/serve_batch.py (smollm2-demo, this CPU) a batch of one row ran at 0.33x the serial
-# server and 8 clients batched at 0.97x, and batched rows lose the prompt cache and history
+# requests decoded together. 1 (serial) until batching is measured to pay everywhere: in
+# benchmarks/serve_batch.py (smollm2-demo, this CPU) the batch ran at 0.95x the serial server
+# with one client (two noisy repetitions: 0.89x, 1.05x) and 1.7-2.0x with 2-8, but its first
+# token with several fresh prompts is slow (each new row's prefill runs while the others wait)
 DEFAULT_MAX_BATCH = 1
 
 
