@@ -144,6 +144,14 @@ class Row:
         return sub
 
 
+def draft_tail(row: Row, lag: int) -> list[int]:
+    """The last `lag` tokens of the row's context as its draft row holds them: a one-token
+    prompt's token twice (see `add`). A row that does not draft may be shorter than the lag
+    (the draft fed its row nothing): it is padded alike, its draft row is never read."""
+    tail = row.sequence[-lag:]
+    return [row.sequence[0]] * (lag - len(tail)) + tail
+
+
 @dataclass
 class RowState:
     """A row's caches as it leaves, as a single stream keeps them (see `into_decoder`)."""
@@ -363,16 +371,23 @@ class BatchDecoder:
         # until the controller knows a lone row's step costs, the prefill times them
         timed = self.controller is not None and self.controller.wants_timing()
         plain = prefill_cache(self.target, cache, prompt[row.reused : -1], timed=timed)
-        draft_step = None
+        if timed:
+            # a draft step is timed on a scratch cache of the context's last tokens, before
+            # the draft's prefill: a draft that cannot pay is then never prefilled (the demo's
+            # compute-bound 4-bit draft: ~0.1 s a prompt token, most of a first token's wait)
+            scratch = make_prompt_cache(self.draft) if drafts else None
+            step = prefill_cache(self.draft, scratch, context[-3:], timed=True) if drafts else None
+            self.controller.calibrate(plain, step)
+            if drafts and self._draft_cannot_pay():
+                row.use_draft = drafts = False
+                end, draft_cache, draft_reuse = 0, None, 0  # a kept draft cache is dropped
         if self.draft is not None:
             draft_cache = draft_cache if draft_cache is not None else make_prompt_cache(self.draft)
             begin, fed = time.perf_counter(), context[draft_reuse:end]
-            draft_step = prefill_cache(self.draft, draft_cache, fed, timed=timed and drafts)
+            prefill_cache(self.draft, draft_cache, fed)
             if self.controller is not None and len(fed) >= CATCH_UP_RIDES:
                 # what the draft costs a token when it takes many in: a catch-up's price
                 self.controller.observe_catch_up(len(fed), time.perf_counter() - begin)
-        if timed:
-            self.controller.calibrate(plain, draft_step)
         if self.lookup is not None:
             row.lookup = NGramDrafter(*self.lookup, history=history)
             row.lookup.prefill(prompt)
@@ -425,7 +440,8 @@ class BatchDecoder:
         cache = [c.extract(i) for c in self.cache]
         _held(cache, len(row.sequence) - 1, "batch row's target")
         draft_cache, draft_tokens = None, []
-        if self.draft is not None and row.use_draft and len(row.sequence) >= self.lag:
+        # (a one-token prompt's draft row holds the token twice: not a prefix of its sequence)
+        if self.draft is not None and row.use_draft and row.prompt_tokens >= 2:
             draft_cache = [c.extract(i) for c in self.draft_cache]
             draft_tokens = row.sequence[: len(row.sequence) - self.lag]
             _held(draft_cache, len(draft_tokens), "batch row's draft")
@@ -436,7 +452,7 @@ class BatchDecoder:
         """Feed the draft what it has not seen but the last two tokens of each row."""
         if self.rows and self.lag > 2:
             begin = time.perf_counter()
-            tokens = mx.array([r.sequence[-self.lag : -2] for r in self.rows], mx.uint32)
+            tokens = mx.array([draft_tail(r, self.lag)[:-2] for r in self.rows], mx.uint32)
             self.draft(tokens, cache=self.draft_cache)
             caches.eval_state(self.draft_cache)
             if self.controller is not None:
@@ -572,7 +588,7 @@ class BatchDecoder:
             mx.random.split(key, req) if key is not None else None
             for key, req in zip(keys, requested, strict=True)
         ]
-        y = mx.array([r.sequence[-self.lag :] for r in rows], mx.uint32)  # (B, lag)
+        y = mx.array([draft_tail(r, self.lag) for r in rows], mx.uint32)  # (B, lag)
         columns, qs = [], [[] for _ in rows]
         for j in range(width):
             logits = self.draft(y, cache=self.draft_cache)[:, -1]  # (B, vocab)

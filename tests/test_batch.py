@@ -425,6 +425,33 @@ def test_a_row_removed_after_plain_rounds_hands_its_draft_back_exactly(pair, mon
     assert (res.tokens, records(res.rounds)) == (fresh.tokens, records(fresh.rounds))
 
 
+def test_rows_shorter_than_the_drafts_lag_join_it(pair, monkeypatch):
+    """After plain rounds the draft lags the rows by 8 tokens. A row that does not draft
+    (use_draft=False: its draft row holds nothing) with a 2-token prompt joins, then a row
+    with a one-token prompt (its draft row holds the token twice), both shorter than that
+    lag: the catch-up and the drafting rounds feed every row its tail, padded alike. Every
+    row's tokens are the target's; the one-token row, added with keep=True, hands back its
+    target cache, not its draft's (which is no prefix of its sequence)."""
+    decoder = make_batch_decoder(pair, 3)
+    ks = iter([0] * 6 + [3] * 60)
+    monkeypatch.setattr(decoder, "_choose_k", lambda: next(ks))
+    long = pair.tokenizer.encode(TEXTS[4])
+    first = decoder.add(long, GenerationConfig(max_tokens=30))
+    for _ in range(6):
+        decoder.step()
+    assert decoder.lag == 8
+    ids = pair.tokenizer.encode(TEXTS[2])
+    plain = decoder.add(ids[:2], GenerationConfig(max_tokens=12, use_draft=False))
+    one = decoder.add(ids[:1], GenerationConfig(max_tokens=12), keep=True)
+    out, states = run_rows(decoder, {first: None, plain: None, one: None})
+    assert out[plain][0] == reference(pair, ids[:2], 12)
+    assert out[one][0] == reference(pair, ids[:1], 12)
+    assert sum(len(r["drafted"]) for r in out[one][1]) > 0  # the one-token row drafted
+    state = states[one]
+    assert state.draft_cache is None and state.sequence == ids[:1] + out[one][0]
+    assert_holds(pair.target, state.cache, state.sequence[:-1])
+
+
 def test_a_kept_cache_that_is_not_what_it_says_is_refused(pair):
     d = mlx_spec.make_decoder(pair)
     generate(pair, TEXTS[0], max_tokens=6, decoder=d)
@@ -522,6 +549,25 @@ def test_rows_join_without_the_draft_when_it_cannot_pay(pair, draft_step):
     assert decoder.draft_cache[0].size() == (len(prompt) - 2 if drafts else 0)
     out, _ = run_rows(decoder, {rid: None})
     assert out[rid][0] == reference(pair, TEXTS[2], 16)
+
+
+@pytest.mark.parametrize("dear", [True, False])
+def test_the_first_row_times_the_draft_before_prefilling_it(pair, monkeypatch, dear):
+    """The first row calibrates the controller with a draft step timed before the draft's
+    prefill: measured as dear as a target step (the clock's figures replaced by given ones),
+    the row is never prefilled through the draft and decodes plainly, the target's tokens;
+    measured cheap, it is prefilled to the batch's lag, as before."""
+    decoder = make_batch_decoder(pair, "auto")
+    calibrate = decoder.controller.calibrate
+    monkeypatch.setattr(
+        decoder.controller, "calibrate", lambda plain, draft: calibrate(0.1, 0.1 if dear else 0.005)
+    )
+    prompt = pair.tokenizer.encode(TEXTS[4])
+    rid = decoder.add(prompt, GenerationConfig(max_tokens=16))
+    assert decoder.row(rid).use_draft is not dear
+    assert decoder.draft_cache[0].size() == (0 if dear else len(prompt) - 2)
+    out, _ = run_rows(decoder, {rid: None})
+    assert out[rid][0] == reference(pair, TEXTS[4], 16)
 
 
 def test_a_long_catch_up_is_a_pass_of_its_own(pair, monkeypatch):
