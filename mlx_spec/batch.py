@@ -190,51 +190,37 @@ def kept_caches(kept, prompt: list[int], draft_held: list[int] | None):
     draft cache, draft reused), each trimmed to its shared prefix with what the row's cache
     must hold (target: prompt[:-1]; draft: `draft_held`, the row's context but the batch's last
     `lag` tokens; None: the row does not draft, the draft's cache is not taken). The decoder
-    is left empty (its caches are the row's now). A decoder that may be mid-round (stale,
-    active) gives nothing."""
-    drafter = kept.drafter
-    draft_cache, draft_reuse = None, 0
-    usable = not (kept.stale or kept.active or kept.recurrent) and kept.sequence
-    if usable:
-        held = kept.sequence[: len(kept.sequence) - kept.unfed]
-        _plain(kept.cache, "target")
-        _held(kept.cache, len(held), "kept target")
-        reuse = min(common_prefix_len(held, prompt), len(prompt) - 1)
-        cache = kept.cache
-        caches.rollback(cache, len(held) - reuse)
-        _held(cache, reuse, "kept target")
-        if draft_held is not None and getattr(drafter, "cached", None) is not None:
-            draft_cache = drafter.cache
-            _plain(draft_cache, "draft")
-            _held(draft_cache, len(drafter.cached), "kept draft")
-            draft_reuse = common_prefix_len(drafter.cached, draft_held)
-            caches.rollback(draft_cache, len(drafter.cached) - draft_reuse)
-    # the decoder gives its caches up: it holds nothing now (its policy stays)
-    kept.cache, kept.sequence, kept.unfed = kept._new_cache(), [], 1
-    kept.stale = kept.active = False
-    if drafter is not None:
-        drafter.reset()
-    if not usable:
+    is left empty (`Decoder.give_up`); one that may be mid-round gives nothing."""
+    given = kept.give_up()
+    if given is None:
         return None, 0, None, 0
+    cache, held, draft = given
+    _plain(cache, "target")
+    _held(cache, len(held), "kept target")
+    reuse = min(common_prefix_len(held, prompt), len(prompt) - 1)
+    caches.rollback(cache, len(held) - reuse)
+    _held(cache, reuse, "kept target")
+    if draft_held is None or draft is None:
+        return cache, reuse, None, 0
+    draft_cache, cached = draft
+    _plain(draft_cache, "draft")
+    _held(draft_cache, len(cached), "kept draft")
+    draft_reuse = common_prefix_len(cached, draft_held)
+    caches.rollback(draft_cache, len(cached) - draft_reuse)
     return cache, reuse, draft_cache, draft_reuse
 
 
 def into_decoder(decoder, state: RowState):
-    """A leaving row's caches into `decoder` (an `engine.Decoder` of the same pair): it then
-    holds the row's sequence as if a single stream had generated it (target cache: all but
-    the last token; a draft model's: `state.draft_tokens`, the rest unfed; prompt lookup
-    rebuilds its index from the next prompt). Returns the decoder."""
+    """A leaving row's caches into `decoder` (an `engine.Decoder` of the same pair), checked:
+    it then holds the row's sequence as if a single stream had generated it (target cache:
+    all but the last token; a draft model's: `state.draft_tokens`, the rest unfed; prompt
+    lookup rebuilds its index from the next prompt). Returns the decoder."""
     _held(state.cache, len(state.sequence) - 1, "row's target")
-    decoder.cache, decoder.sequence, decoder.unfed = state.cache, list(state.sequence), 1
-    decoder.stale = decoder.active = False
-    drafter = decoder.drafter
-    if drafter is not None:
-        drafter.reset()
-        if state.draft_cache is not None and getattr(drafter, "cached", None) is not None:
-            _held(state.draft_cache, len(state.draft_tokens), "row's draft")
-            drafter.cache, drafter.cached = state.draft_cache, list(state.draft_tokens)
-            drafter.unfed = state.sequence[len(state.draft_tokens) :]
-    return decoder
+    draft = None
+    if state.draft_cache is not None:
+        _held(state.draft_cache, len(state.draft_tokens), "row's draft")
+        draft = (state.draft_cache, state.draft_tokens)
+    return decoder.adopt(state.sequence, state.cache, draft)
 
 
 @dataclass

@@ -218,6 +218,36 @@ class Decoder:
         self.sequence, self.unfed = list(prompt), 1
         return reuse
 
+    def give_up(self) -> tuple[list, list[int], tuple[list, list[int]] | None] | None:
+        """Hand the caches over (a batch row starts from them, batch.py): (the target's
+        cache, the tokens it holds, the drafter's `held_cache()`). The decoder is left empty
+        (its policy and key stay). None where the caches may be mid-round (stale, active) or
+        hold a recurrent state: nothing is handed over, the decoder is emptied all the same."""
+        usable = not (self.stale or self.active or self.recurrent) and self.sequence
+        given = None
+        if usable:
+            held = self.sequence[: len(self.sequence) - self.unfed]
+            draft = self.drafter.held_cache() if self.drafter is not None else None
+            given = (self.cache, held, draft)
+        self.cache, self.sequence, self.unfed = self._new_cache(), [], 1
+        self.stale = self.active = False
+        if self.drafter is not None:
+            self.drafter.reset()
+        return given
+
+    def adopt(self, sequence: list[int], cache: list, draft=None) -> Decoder:
+        """Hold `sequence` from caches built elsewhere (a batch row's, as it leaves): `cache`
+        holds all of it but its last token; `draft`: (the drafter's cache, the prefix of
+        `sequence` it holds), or None (the drafter starts over at the next prefill)."""
+        self.cache, self.sequence, self.unfed = cache, list(sequence), 1
+        self.stale = self.active = False
+        if self.drafter is not None:
+            self.drafter.reset()
+            if draft is not None:
+                draft_cache, cached = draft
+                self.drafter.adopt(draft_cache, cached, sequence[len(cached) :])
+        return self
+
     def _target_token(self, logits: mx.array, params: SamplingParams) -> mx.array:
         if params.greedy:
             return mx.argmax(logits, axis=-1)

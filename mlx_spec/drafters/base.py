@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .. import caches
-from ..errors import Aborted
+from ..errors import Aborted, SpecError
 from ..hidden import capturing
 from ..sampling import SamplingParams
 
@@ -89,6 +89,16 @@ class Drafter:
     def cache_bytes(self) -> int:
         """Bytes of cache the drafter holds (what the server's prompt cache counts)."""
         return 0
+
+    def held_cache(self) -> tuple[list, list[int]] | None:
+        """Its KV cache and the tokens it holds, for a batch row to take over (batch.py;
+        a draft model's); None: no cache a batch could take."""
+        return None
+
+    def adopt(self, cache: list, cached: list[int], unfed: list[int]) -> None:
+        """Continue from a cache built elsewhere (a batch row's, as it leaves) that holds
+        `cached`; `unfed` are the sequence's tokens after them."""
+        raise SpecError(f"a {type(self).__name__} keeps no cache another could hand it")
 
     def use_history(self, history) -> None:
         """Search a history.HistoryIndex of earlier requests too (kinds with uses_history)."""

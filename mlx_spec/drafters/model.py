@@ -47,6 +47,13 @@ class ModelDrafter(Drafter):
         self.ran, self.fed = False, 0
         return seconds
 
+    def held_cache(self) -> tuple[list, list[int]]:
+        return self.cache, self.cached
+
+    def adopt(self, cache: list, cached: list[int], unfed: list[int]) -> None:
+        self.reset()
+        self.cache, self.cached, self.unfed = cache, list(cached), list(unfed)
+
     def catch_up(self) -> None:
         """Take in the tokens emitted since the model last ran (all but the last, which the
         next proposal feeds) in one batched, evaluated pass."""
