@@ -138,10 +138,21 @@ class Row:
     prompt_tokens: int = 0
     reused: int = 0  # prompt tokens a kept decoder's caches held
     keep: bool = False  # hand the caches back when the row leaves
+    k_max: int | None = None  # the row's own num_draft_tokens: its k is at most this
 
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
         return sub
+
+
+def row_k_max(length) -> int | None:
+    """A row's own num_draft_tokens as a cap on the batch's k: Fixed(k) -> k, Auto(k_max) ->
+    k_max, None (the pair's) -> no cap. A fixed-k batch with a smaller row drafts that row's k
+    every round, as `generate` alone with that k does."""
+    if length is None:
+        return None
+    length = draft_length(length)
+    return length.k if isinstance(length, Fixed) else length.k_max
 
 
 def draft_tail(row: Row, lag: int) -> list[int]:
@@ -299,7 +310,8 @@ class BatchDecoder:
     ) -> int:
         """Prefill `prompt` (token ids) alone and merge it into the batch; its row id.
         From `config` a row takes its sampling settings, seed, max_tokens (`max_tokens`
-        overrides it, e.g. capped by the context) and use_draft; k is the batch's.
+        overrides it, e.g. capped by the context), use_draft and num_draft_tokens, a cap on
+        the batch's k for this row (`row_k_max`).
         `history`: a HistoryIndex the row's lookup also searches (its own client's: the
         server passes the row's partition, so no row drafts from another's text).
         `kept`: an `engine.Decoder` of the same pair (the server's prompt cache, the row's
@@ -335,6 +347,7 @@ class BatchDecoder:
             use_draft=config.use_draft and self.drafting and not self._draft_cannot_pay(),
             prompt_tokens=len(prompt),
             keep=keep,
+            k_max=row_k_max(config.num_draft_tokens),
         )
         self._ids += 1
         # a one-token prompt: the draft sees its token twice (only its guesses change); a
@@ -493,7 +506,9 @@ class BatchDecoder:
         rows = self.rows
         k = self._choose_k()
         # the round adds at most k+1 tokens to a row: never draft past its max_tokens
-        requested = [min(k, r.max_tokens - r.emitted - 1) if r.use_draft else 0 for r in rows]
+        requested = [
+            min(k, r.k_max or k, r.max_tokens - r.emitted - 1) if r.use_draft else 0 for r in rows
+        ]
         # keys in single-stream order: a drafting row draws the draft's key first
         draft_keys = [
             r.next_key() if req and not r.params.greedy else None
@@ -600,13 +615,15 @@ class BatchDecoder:
     def _finish_round(self, out, drafted, requested, lengths, steps) -> dict[int, RowUpdate]:
         rows, updates, keep = self.rows, {}, []
         width = len(drafted[0]) if drafted else 0
+        held = []  # per row, the round's draft tokens its caches keep
         for b, (r, (n, token)) in enumerate(zip(rows, out, strict=True)):
             k = lengths[b]
             proposal = drafted[b][:k]
             kept = proposal[:n] + [token]
             stop = next((i for i, t in enumerate(kept) if t in self.eos), None)
-            if stop is not None:
+            if stop is not None:  # an end token among the accepted: what follows is dropped
                 kept = kept[: stop + 1]
+            held.append(len(kept) - 1)
             if r.lookup is not None:
                 r.lookup.commit(kept)
             r.sequence += kept
@@ -628,10 +645,11 @@ class BatchDecoder:
             updates[r.id] = RowUpdate(emitted, rnd, done, reason)
             if not done:
                 keep.append(b)
-        # each row fed its last token + K (padded) guesses and keeps n + 1 of them
-        rollback_rows(self.cache, [width - n for n, _ in out])
+        # each row fed its last token + K (padded) guesses and keeps the last and its held
+        # drafts (n of them, fewer when an end token cut the round): its sequence but the last
+        rollback_rows(self.cache, [width - h for h in held])
         if steps:  # the draft fed lag + K - 1 tokens; it keeps up to sequence[:-2]
-            rollback_rows(self.draft_cache, [steps - n for n, _ in out])
+            rollback_rows(self.draft_cache, [steps - h for h in held])
         elif self.draft is not None:
             self.lag += 1  # a plain round: every row grew by one token the draft has not seen
         for b, r in enumerate(rows):
@@ -668,6 +686,14 @@ def make_batch_decoder(pair, num_draft_tokens=None) -> BatchDecoder:
     )
 
 
+def batch_length(lengths: list) -> DraftLength:
+    """One policy for rows that each ask their own k: `auto` up to the longest when any row
+    asks `auto`, else the longest fixed k (each row capped to its own by `row_k_max`)."""
+    lengths = [draft_length(x) for x in lengths]
+    longest = max(row_k_max(x) for x in lengths)
+    return Auto(longest) if any(isinstance(x, Auto) for x in lengths) else Fixed(longest)
+
+
 @dataclass
 class _Request:
     index: int
@@ -684,9 +710,11 @@ def batch_generate(
     """Generate for every prompt in one continuous batch: a `Result` per prompt, in order,
     with the same fields and stats as `generate` gives it alone (and, greedy, the same tokens;
     seeded, the same samples). `config`: one GenerationConfig (or keyword settings) for all
-    prompts, or a list of them, one per prompt. `max_batch`: rows decoded together at most
-    (None: all); the others join as rows finish. Not batched yet (SpecError): processors,
-    logprobs, constraints, drafting heads, recurrent or sliding-window targets."""
+    prompts, or a list of them, one per prompt (each its own k: a row drafts at most its
+    num_draft_tokens, `auto` rows as the batch's controller chooses). `max_batch`: rows
+    decoded together at most (None: all); the others join as rows finish. Not batched yet
+    (SpecError): processors, logprobs, constraints, drafting heads, recurrent or
+    sliding-window targets."""
     prompts = list(prompts)
     if isinstance(config, list | tuple):
         if len(config) != len(prompts):
@@ -696,10 +724,12 @@ def batch_generate(
         configs = [GenerationConfig.of(config, **settings)] * len(prompts)
     if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
         raise SpecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-    lengths = {c.num_draft_tokens for c in configs}
-    if len(lengths) > 1:
-        raise SpecError("one batch drafts one k a round: give every prompt one num_draft_tokens")
-    decoder = make_batch_decoder(pair, lengths.pop())
+    if not prompts:
+        return []
+    # every row drafts at most its own k (row_k_max): the batch's policy covers the longest
+    configs = [c.replace(num_draft_tokens=c.num_draft_tokens or pair.config.num_draft_tokens)
+               for c in configs]  # fmt: skip
+    decoder = make_batch_decoder(pair, batch_length([c.num_draft_tokens for c in configs]))
     encoded = [prompt_tokens(pair, p, c) for p, c in zip(prompts, configs, strict=True)]
     waiting = list(range(len(prompts)))
     live: dict[int, _Request] = {}
@@ -710,9 +740,8 @@ def batch_generate(
             i = waiting.pop(0)
             tokens, max_tokens = encoded[i]
             stats = Stats(prompt_tokens=len(tokens))
-            stats.num_draft_tokens = decoder.fixed_k or 0
-            if decoder.controller is not None:
-                stats.num_draft_tokens = decoder.controller.k_max
+            longest = decoder.controller.k_max if decoder.controller else decoder.fixed_k
+            stats.num_draft_tokens = min(longest or 0, row_k_max(configs[i].num_draft_tokens))
             stats.adaptive = decoder.controller is not None
             if not (decoder.drafting and configs[i].use_draft):
                 stats.num_draft_tokens, stats.adaptive = 0, False

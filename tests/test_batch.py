@@ -176,14 +176,15 @@ def test_rows_join_after_plain_rounds_and_draft_at_once(pair, monkeypatch):
 
 def test_batch_generate_equals_generate_per_prompt(pair):
     """Same tokens, text and stats per prompt as `generate` alone; with max_batch=2 the later
-    prompts join as the first ones finish; a list of configs mixes settings per prompt."""
+    prompts join as the first ones finish; a list of configs mixes settings per prompt, k
+    too: each row drafts its own k every round (the batch's is the longest)."""
     configs = [  # the last one does not draft (its draft row is never prefilled)
-        GenerationConfig(max_tokens=m, num_draft_tokens=4, temperature=t, seed=s, use_draft=d)
-        for m, t, s, d in [
-            (30, 0.0, None, True),
-            (12, 1.0, 7, True),
-            (25, 0.7, 3, True),
-            (18, 0.0, None, False),
+        GenerationConfig(max_tokens=m, num_draft_tokens=k, temperature=t, seed=s, use_draft=d)
+        for m, k, t, s, d in [
+            (30, 4, 0.0, None, True),
+            (12, 2, 1.0, 7, True),
+            (25, 3, 0.7, 3, True),
+            (18, 4, 0.0, None, False),
         ]
     ]
     prompts = TEXTS[:4]
@@ -209,6 +210,36 @@ def test_end_of_sequence_ends_a_row_mid_round(tiny_models):
     assert results[2].tokens == free_run[:position] and results[2].finish_reason == "stop"
     for text, res in zip(TEXTS[:3], results, strict=True):
         assert res.tokens == reference(pair, text, 40)
+
+
+def test_a_row_ended_by_an_accepted_draft_token_hands_back_exact_caches(tiny_models):
+    """A draft identical to its target has every token accepted, so the end-of-sequence token
+    comes as an accepted draft token in the middle of a round, the tokens after it dropped: the
+    caches the row hands back hold its sequence (not the round's whole accepted run), and a
+    single stream continues from them with a fresh run's tokens."""
+    pair = load_pair(target=str(tiny_models.target), draft=str(tiny_models.target))
+    free_run = reference(pair, TEXTS[2], 40)
+    position = next(i for i in range(8, 40) if free_run[i] not in free_run[:i])
+    k = next(k for k in (5, 4, 3) if position % (k + 1) not in (0, k))  # mid-round, not last
+    pair.tokenizer.add_eos_token(str(free_run[position]))
+    decoder = make_batch_decoder(pair, k)
+    prompt = pair.tokenizer.encode(TEXTS[2])
+    rid = decoder.add(prompt, GenerationConfig(max_tokens=40), keep=True)
+    other = decoder.add(pair.tokenizer.encode(TEXTS[0]), GenerationConfig(max_tokens=40))
+    out, states = run_rows(decoder, {rid: None, other: None})
+    assert out[rid][0] == free_run[:position]
+    last = out[rid][1][-1]
+    assert len(last["drafted"]) == k and last["accepted"] > last["emitted"]  # cut mid-round
+    state = states[rid]
+    assert state.sequence == prompt + free_run[: position + 1]  # ... its end token kept
+    assert_holds(pair.target, state.cache, state.sequence[:-1])
+    assert_holds(pair.draft, state.draft_cache, state.draft_tokens)
+    follow = state.sequence + pair.tokenizer.encode(" So", add_special_tokens=False)
+    config = GenerationConfig(max_tokens=8, num_draft_tokens=k)
+    d = into_decoder(mlx_spec.make_decoder(pair), state)
+    res, fresh = generate(pair, follow, config, decoder=d), generate(pair, follow, config)
+    assert res.stats.prompt_tokens_reused == len(state.sequence) - 1
+    assert res.tokens == fresh.tokens
 
 
 def test_seeded_rows_sample_the_same_whatever_the_batch(pair):
@@ -467,10 +498,28 @@ def test_what_is_not_batched_yet_is_refused(pair):
     for settings in ({"logprobs": 2}, {"regex": "[ab]+"}):
         with pytest.raises(SpecError, match="cannot be batched yet"):
             decoder.add([5, 6, 7], GenerationConfig(**settings))
-    with pytest.raises(SpecError, match="one num_draft_tokens"):
-        mlx_spec.batch_generate(
-            pair, TEXTS[:2], [GenerationConfig(num_draft_tokens=2), GenerationConfig()]
-        )
+    assert mlx_spec.batch_generate(pair, []) == []
+
+
+def test_a_row_drafts_at_most_its_own_k_in_an_auto_batch(pair, monkeypatch):
+    """Rows asking k = 1 and `auto` share a batch whose controller chooses 4 (fixed here,
+    timings aside): the first drafts one token a round, the other four; both are the
+    target's tokens. batch_generate's stats say each row's own k."""
+    decoder = make_batch_decoder(pair, "auto")
+    monkeypatch.setattr(decoder, "_choose_k", lambda: 4)
+    ids = [pair.tokenizer.encode(t) for t in TEXTS[1:3]]
+    rows = [
+        decoder.add(p, GenerationConfig(max_tokens=30, num_draft_tokens=n))
+        for p, n in zip(ids, (1, "auto"), strict=True)
+    ]
+    out, _ = run_rows(decoder, dict.fromkeys(rows))
+    drafted = [{len(r["drafted"]) for r in out[row][1]} for row in rows]
+    assert drafted[0] <= {0, 1} and 1 in drafted[0] and 4 in drafted[1]
+    for row, text in zip(rows, TEXTS[1:3], strict=True):
+        assert out[row][0] == reference(pair, text, 30)
+    configs = [GenerationConfig(max_tokens=4, num_draft_tokens=n) for n in (1, "auto")]
+    one, auto = mlx_spec.batch_generate(pair, TEXTS[1:3], configs)
+    assert one.stats.num_draft_tokens == 1 and auto.stats.num_draft_tokens == 8
 
 
 # ------------------------------------------------------------------ the controller knows the batch
