@@ -53,11 +53,17 @@ METHODS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default="smollm2-demo")
+    parser.add_argument("--target", help="a target directory instead of --pair (with --draft)")
+    parser.add_argument("--draft", help="its draft model (e.g. benchmarks/cheap_pair.py's)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    pair = mlx_spec.load_pair(args.pair)
+    if args.target:
+        pair = mlx_spec.load_pair(target=args.target, draft=args.draft)
+        args.pair = f"{args.target} drafted by {args.draft}"
+    else:
+        pair = mlx_spec.load_pair(args.pair)
     for run in METHODS.values():  # one-time costs (allocation, first calls) out of the table
         run(pair, [messages(0)], 8)
     speeds = {(m, b): [] for m in METHODS for b in SIZES}
