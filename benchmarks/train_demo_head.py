@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         "distill", "--drafter", "eagle3", "--pair", "smollm2-demo", "--data", str(data),
         "--out", str(out), "--steps", str(args.steps), "--draft-vocab", "2048",
         "--head-intermediate", "1024", "--reply-tokens", "80", "--temp", "0.7",
-        "--learning-rate", "1e-3",
+        "--learning-rate", "1e-3", "--ttt-warmup", "100",
         "--held-out", "0.1", "--eval-every", "50", "--save-every", "50", "--eval-prompts", "3",
         "--plot", str(out / "curve.png"),
     ]  # fmt: skip

@@ -132,6 +132,24 @@ def test_resume_continues_the_run(targets, trained, tmp_path, capsys):
     assert "made with other settings" in error_line(capsys)
 
 
+def test_a_ttt_warmup_trains_draft_step_1_alone(targets, trained, tmp_path):
+    """--ttt-warmup N: the first N steps train draft step 1 alone. A run whose warm-up covers
+    all its steps writes the head a run of one draft step writes (the same replies, seed and
+    batches); the same run without it writes another."""
+    import shutil
+
+    heads = {}
+    runs = {"warmup": ["--ttt-warmup", "10"], "one step": ["--ttt-steps", "1"], "all": []}
+    for name, extra in runs.items():
+        out = tmp_path / name
+        out.mkdir()  # the replies of the trained run: --resume starts from them
+        shutil.copy(trained["qwen3"][0] / "sequences.json", out)
+        assert train(targets["qwen3"], out, "--resume", *extra, steps=10) == 0
+        heads[name] = mx.load(str(out / "model.safetensors"))["fc.weight"]
+    assert mx.array_equal(heads["warmup"], heads["one step"])
+    assert not mx.array_equal(heads["all"], heads["one step"])
+
+
 def test_a_published_head_is_fine_tuned(targets, tmp_path, capsys):
     """A head in the speculators layout, for the qwen3 target, is the starting point: the
     run starts from its weights (its held-out guesses, not a random head's) and writes the

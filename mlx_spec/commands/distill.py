@@ -105,6 +105,12 @@ def setup_arg_parser(parser):
         help="draft steps of test-time training (EAGLE-3's recipe: 7)",
     )
     e.add_argument(
+        "--ttt-warmup",
+        type=nonnegative_int,
+        default=h.ttt_warmup,
+        help="first steps that train draft step 1 alone, before all --ttt-steps (default 0)",
+    )
+    e.add_argument(
         "--draft-vocab",
         type=positive_int,
         default=h.draft_vocab,
@@ -132,6 +138,7 @@ def settings_from_args(args):
     if head:
         extra = {
             "ttt_steps": args.ttt_steps,
+            "ttt_warmup": args.ttt_warmup,
             "draft_vocab": args.draft_vocab,
             "intermediate": args.head_intermediate,
             "half": not args.float32,
