@@ -17,7 +17,8 @@ API_KEY_ENV = "MLX_SPEC_API_KEY"
 DEFAULT_MAX_TOKENS = 512
 # requests decoded together (1: serial). benchmarks/serve_batch.py (smollm2-demo, this CPU,
 # medians of 2 repetitions): the batch at 8 ran at 1.32x / 2.57x / 3.50x / 5.51x the serial
-# server's tokens/s with 1 / 2 / 4 / 8 clients, first tokens 0.4-2.8 s against 2.6-63 s
+# server's tokens/s with 1 / 2 / 4 / 8 clients (a run with mlx-lm's servers too: 1.05x / 2.08x /
+# 3.91x / 4.83x), first tokens 0.2-5 s against up to 126 s, every reply identical
 DEFAULT_MAX_BATCH = 8
 
 
