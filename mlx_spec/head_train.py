@@ -433,13 +433,13 @@ def evaluate(head: Eagle3Head, items: list[dict], steps: int, batch_size: int) -
 
 
 def batch_replies(pair, prompts: list[list[int]], settings, seed: int, progress, what: str):
-    """The target's replies, several prompts at once (mlx-lm's batched generation): on a CPU
-    a batch of rows costs little more than one. Sampled at settings.temperature."""
+    """The target's replies, several prompts at once (mlx-lm's batched generation): a batch
+    of rows costs little more than one. Sampled at settings.temperature."""
     from mlx_lm.generate import batch_generate
     from mlx_lm.sample_utils import make_sampler
 
     seqs = []
-    size = 32
+    size = 64  # the demo target, 80 tokens at T 0.7: 38 tok/s at 32 a batch, 53 at 64, 45 at 128
     for i in range(0, len(prompts), size):
         part = prompts[i : i + size]
         progress(f"the target's replies: {i + len(part)}/{len(prompts)} {what} prompts")
