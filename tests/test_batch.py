@@ -379,6 +379,14 @@ def run_rows(decoder: BatchDecoder, rows: dict) -> tuple[dict, dict]:
     return out, states
 
 
+def pin_costs(decoder: BatchDecoder, monkeypatch, draft: float = 0.005) -> None:
+    """The lone row's timed costs replaced by given ones (a target step 0.1 s, a draft step
+    `draft`): on tiny models the clock may find the draft as dear as the target, and an
+    `auto` batch then never runs it (the tests that need drafting pin a cheap one)."""
+    calibrate = decoder.controller.calibrate
+    monkeypatch.setattr(decoder.controller, "calibrate", lambda p, d: calibrate(0.1, draft))
+
+
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_rows_start_from_kept_caches_and_hand_them_back(tiny_models, qwen3_dirs, drafter):
     """Turn 1 runs single-stream (a kept Decoder, as the server's prompt cache keeps it);
@@ -506,6 +514,7 @@ def test_a_row_drafts_at_most_its_own_k_in_an_auto_batch(pair, monkeypatch):
     timings aside): the first drafts one token a round, the other four; both are the
     target's tokens. batch_generate's stats say each row's own k."""
     decoder = make_batch_decoder(pair, "auto")
+    pin_costs(decoder, monkeypatch)
     monkeypatch.setattr(decoder, "_choose_k", lambda: 4)
     ids = [pair.tokenizer.encode(t) for t in TEXTS[1:3]]
     rows = [
@@ -607,10 +616,7 @@ def test_the_first_row_times_the_draft_before_prefilling_it(pair, monkeypatch, d
     the row is never prefilled through the draft and decodes plainly, the target's tokens;
     measured cheap, it is prefilled to the batch's lag, as before."""
     decoder = make_batch_decoder(pair, "auto")
-    calibrate = decoder.controller.calibrate
-    monkeypatch.setattr(
-        decoder.controller, "calibrate", lambda plain, draft: calibrate(0.1, 0.1 if dear else 0.005)
-    )
+    pin_costs(decoder, monkeypatch, 0.1 if dear else 0.005)
     prompt = pair.tokenizer.encode(TEXTS[4])
     rid = decoder.add(prompt, GenerationConfig(max_tokens=16))
     assert decoder.row(rid).use_draft is not dear
@@ -623,6 +629,7 @@ def test_a_long_catch_up_is_a_pass_of_its_own(pair, monkeypatch):
     """After plain rounds the draft takes in what it missed in one pass before the round's
     timed draft steps (whose first step then feeds 2 tokens a row, as after any round)."""
     decoder = make_batch_decoder(pair, "auto")
+    pin_costs(decoder, monkeypatch)
     ks = iter([0] * 8 + [3])
     monkeypatch.setattr(decoder, "_choose_k", lambda: next(ks))
     rid = decoder.add(pair.tokenizer.encode(TEXTS[4]), GenerationConfig(max_tokens=30))
