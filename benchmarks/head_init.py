@@ -29,7 +29,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 
 from mlx_spec import head_train as ht
-from mlx_spec.distill import batch_indices, read_sequences
+from mlx_spec.distill import read_sequences
 from mlx_spec.loading import load_pair
 from mlx_spec.model_dir import text_config
 
@@ -86,11 +86,7 @@ def main(argv=None) -> int:
         losses = []
         begin = time.perf_counter()
         for step in range(args.steps):
-            picked = batch_indices(len(train), settings, step)
-            loss, grads = loss_and_grad(ht.make_batch([train[i] for i in picked]))
-            optimizer.update(head, grads)
-            mx.eval(loss, head.trainable_parameters(), optimizer.state)
-            losses.append(loss.item())
+            losses.append(ht.train_step(head, optimizer, loss_and_grad, train, settings, step))
         seconds = (time.perf_counter() - begin) / args.steps
         after = ht.evaluate(head, held, args.ttt_steps, 8)
         agreement = " ".join(f"{a:.3f}" for a in after["greedy_agreement"])

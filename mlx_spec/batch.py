@@ -374,8 +374,10 @@ class BatchDecoder:
             # a draft step is timed on a scratch cache of the context's last tokens, before
             # the draft's prefill: a draft that cannot pay is then never prefilled (the demo's
             # compute-bound 4-bit draft: ~0.1 s a prompt token, most of a first token's wait)
-            scratch = make_prompt_cache(self.draft) if drafts else None
-            step = prefill_cache(self.draft, scratch, context[-3:], timed=True) if drafts else None
+            step = None
+            if drafts:
+                scratch = make_prompt_cache(self.draft)
+                step = prefill_cache(self.draft, scratch, context[-3:], timed=True)
             self.controller.calibrate(plain, step)
             if drafts and self._draft_cannot_pay():
                 row.use_draft = drafts = False

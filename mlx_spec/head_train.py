@@ -528,6 +528,16 @@ def load_checkpoint(where: Path, optimizer, settings) -> State:
         ) from None
 
 
+def train_step(head, optimizer, loss_and_grad, items: list[dict], settings, step: int) -> float:
+    """Training step `step`: its batch (drawn from the seed and the step alone), the update,
+    evaluated; the batch's loss."""
+    picked = batch_indices(len(items), settings, step)
+    loss, grads = loss_and_grad(make_batch([items[i] for i in picked]))
+    optimizer.update(head, grads)
+    mx.eval(loss, head.trainable_parameters(), optimizer.state)
+    return loss.item()
+
+
 def check_out(out: Path, resume: bool) -> None:
     """The output folder: new, empty, or a run to --resume; writable."""
     if out.exists() and not out.is_dir():
@@ -632,13 +642,9 @@ def train_head(
     recent = []
     started = time.perf_counter() - state.seconds
     while state.step < settings.steps:
-        picked = batch_indices(len(train_items), settings, state.step)
         loss_and_grad = first if state.step < settings.ttt_warmup else full
-        loss, grads = loss_and_grad(make_batch([train_items[i] for i in picked]))
-        optimizer.update(head, grads)
-        mx.eval(loss, head.trainable_parameters(), optimizer.state)
+        recent.append(train_step(head, optimizer, loss_and_grad, train_items, settings, state.step))
         state.step += 1
-        recent.append(loss.item())
         state.seconds = time.perf_counter() - started
         last = state.step == settings.steps
         if state.step % settings.eval_every == 0 or last:
