@@ -69,8 +69,10 @@ def main(argv=None) -> int:
     where = args.sequences.parent / "head-init"
     first = ht.new_head(pair, config, ids, where, 0)
     begin = time.perf_counter()
-    train = ht.target_features(pair, first, data["train"][: args.train], 8, lambda m: None)
-    held = ht.target_features(pair, first, data["held_out"], 8, lambda m: None)
+    train = ht.target_features(
+        pair, first.layers_read, data["train"][: args.train], 8, lambda m: None
+    )
+    held = ht.target_features(pair, first.layers_read, data["held_out"], 8, lambda m: None)
     print(f"features: {time.perf_counter() - begin:.0f} s")
     settings = ht.HeadSettings(batch_size=8)
     for name in args.starts.split(","):

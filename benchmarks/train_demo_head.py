@@ -102,8 +102,9 @@ def install(run: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="demo-head", help="the run's folder")
-    p.add_argument("--prompts", type=int, default=170, help="prompts in the corpus")
-    p.add_argument("--steps", type=int, default=180)
+    p.add_argument("--prompts", type=int, default=1000, help="prompts in the corpus")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--ttt-warmup", type=int, default=500, help="steps of draft step 1 alone")
     p.add_argument("--install", metavar="RUN", help="copy a finished run into the package")
     p.add_argument("--resume", action="store_true")
     args, rest = p.parse_known_args(argv)
@@ -118,8 +119,8 @@ def main(argv=None) -> int:
         "distill", "--drafter", "eagle3", "--pair", "smollm2-demo", "--data", str(data),
         "--out", str(out), "--steps", str(args.steps), "--draft-vocab", "2048",
         "--head-intermediate", "1024", "--reply-tokens", "80", "--temp", "0.7",
-        "--learning-rate", "1e-3", "--ttt-warmup", "100",
-        "--held-out", "0.1", "--eval-every", "50", "--save-every", "50", "--eval-prompts", "3",
+        "--learning-rate", "1e-3", "--ttt-warmup", str(args.ttt_warmup),
+        "--held-out", "0.1", "--eval-every", "100", "--save-every", "100", "--eval-prompts", "3",
         "--plot", str(out / "curve.png"),
     ]  # fmt: skip
     return cli([*flags, *(["--resume"] if args.resume else []), *rest])

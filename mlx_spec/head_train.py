@@ -10,7 +10,9 @@ before it (the "diagonal"), at the positions drafting gives them (entry j of ste
 j + i). The loss of step i is weighted 0.8^i: a soft cross-entropy against the target's
 distribution restricted to the draft vocabulary (renormalised), at positions whose target
 argmax the draft vocabulary holds (EAGLE's position mask). The draft vocabulary is the most
-frequent tokens of the training replies (`d2t` / `t2d`).
+frequent tokens of the training replies (`d2t` / `t2d`). What training reads per position
+comes from the passes that sample the replies (replies_with_features), kept as the target's
+TOP_K largest logits, so the vocabulary can be chosen after the replies are made.
 
 The output is a head directory in the EAGLE / SpecForge layout (`config.json` of a
 `LlamaForCausalLMEagle3`, `model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head`,
@@ -32,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .batch import check_batchable
 from .distill import (
     CHECKPOINT,
     FRACTION,
@@ -62,6 +65,10 @@ HEAD_WEIGHTS = "model.safetensors"
 OPTIMIZER = "optimizer/moments.safetensors"  # not in the head's folder: it loads *.safetensors
 STEP_WEIGHT = 0.8  # EAGLE-3: step i's loss weighs 0.8^i
 OUTPUT_SCALE = 0.2  # a new head's logits start at this share of its target's (new_head)
+# the target's logits kept per position: its distribution over the draft vocabulary is
+# learned from these (a tail beyond them weighs little), a 64th of keeping the whole draft row
+TOP_K = 64
+LOGIT_FLOOR = -1e4  # every other logit: exp(floor - lse) is 0 in float32
 
 
 @dataclasses.dataclass
@@ -250,19 +257,45 @@ def json_config(path: Path) -> dict:
 class Batch:
     feats: mx.array  # (B, T, 3H) the target's three layers
     tokens: mx.array  # (B, T)
-    logits: mx.array  # (B, T, Vd) the target's logits over the draft vocabulary
+    logits: mx.array  # (B, T, Vd) the target's logits over the draft vocabulary (TOP_K kept)
     lse: mx.array  # (B, T) logsumexp of the target's full logits
     argmax: mx.array  # (B, T) the target's argmax (target ids)
     reply: mx.array  # (B, T) 1 where row m predicts a reply token (m + 1 >= start)
     in_vocab: mx.array  # (B, T) 1 where the target's argmax is in the draft vocabulary
 
 
-def target_features(pair, head: Eagle3Head, seqs: list[Sequence], batch_size: int,
+def position_records(hidden: dict, layers: tuple, logits: mx.array) -> tuple:
+    """One target pass's training records, per position: the three layers' features, the
+    TOP_K largest logits (ids, values), logsumexp and argmax; lazy."""
+    feats = mx.concatenate([hidden[j] for j in layers], -1).astype(mx.float16)  # (B, n, 3H)
+    logits = logits.astype(mx.float32)  # (B, n, V)
+    top = mx.argpartition(-logits, TOP_K - 1, axis=-1)[..., :TOP_K].astype(mx.int32)
+    values = mx.take_along_axis(logits, top, -1).astype(mx.float16)  # (B, n, TOP_K)
+    return feats, top, values, mx.logsumexp(logits, -1), mx.argmax(logits, -1).astype(mx.int32)
+
+
+def item(records: list, tokens: list[int], start: int) -> dict:
+    """One sequence's training item from its records (numpy, one row per position)."""
+    feats, top, values, lse, argmax = (np.concatenate(r) for r in zip(*records, strict=True))
+    return {
+        "feats": feats, "top": top, "values": values, "lse": lse, "argmax": argmax,
+        "tokens": np.array(tokens, np.int32), "start": start,
+    }  # fmt: skip
+
+
+def window_item(it: dict, max_length: int) -> dict:
+    """The last `max_length` positions (features read with the whole prompt before them)."""
+    cut = max(0, len(it["tokens"]) - max_length)
+    if not cut:
+        return it
+    out = {k: v[cut:] for k, v in it.items() if k != "start"}
+    return {**out, "start": max(1, it["start"] - cut)}
+
+
+def target_features(pair, layers: tuple, seqs: list[Sequence], batch_size: int,
                     progress) -> list[dict]:  # fmt: skip
     """One target pass per batch of sequences (right-padded; causal, so padding changes
-    nothing before it): per sequence its features, restricted logits and argmax (numpy)."""
-    draft_ids = head._to_target
-    gather = head._gather
+    nothing before it): each sequence's training item."""
     out = []
     for i in range(0, len(seqs), batch_size):
         progress(f"the target's features: {min(i + batch_size, len(seqs))}/{len(seqs)} sequences")
@@ -271,49 +304,48 @@ def target_features(pair, head: Eagle3Head, seqs: list[Sequence], batch_size: in
         tokens = np.zeros((len(part), width), np.int32)
         for b, s in enumerate(part):
             tokens[b, : len(s.tokens)] = s.tokens
-        with capturing(pair.target, head.layers_read) as hidden:
-            logits = pair.target(mx.array(tokens)).astype(mx.float32)  # (B, T, V)
-        feats = mx.concatenate([hidden[j] for j in head.layers_read], -1).astype(mx.float16)
-        restricted = logits[..., draft_ids].astype(mx.float16)  # (B, T, Vd)
-        lse = mx.logsumexp(logits, -1)
-        argmax = mx.argmax(logits, -1)
-        in_vocab = gather[argmax] < draft_ids.shape[0]
-        mx.eval(feats, restricted, lse, argmax, in_vocab)
+        with capturing(pair.target, layers) as hidden:
+            logits = pair.target(mx.array(tokens))  # (B, T, V)
+        records = position_records(hidden, layers, logits)  # captures land as the block ends
+        mx.eval(records)
+        records = [np.array(r) for r in records]
         for b, s in enumerate(part):
             n = len(s.tokens)
-            out.append({
-                "feats": np.array(feats[b, :n]),
-                "logits": np.array(restricted[b, :n]),
-                "lse": np.array(lse[b, :n]),
-                "argmax": np.array(argmax[b, :n]),
-                "in_vocab": np.array(in_vocab[b, :n]),
-                "tokens": np.array(s.tokens, np.int32),
-                "start": s.start,
-            })  # fmt: skip
+            out.append(item([[r[b, :n] for r in records]], s.tokens, s.start))
     return out
 
 
-def make_batch(items: list[dict]) -> Batch:
+def make_batch(items: list[dict], head: Eagle3Head) -> Batch:
     width = max(len(it["tokens"]) for it in items)
     B = len(items)
+    vd = int(head._to_target.shape[0])
+    gather = np.array(head._gather)  # target id -> draft id (vd: none)
 
     def pad(key, shape, dtype):
         a = np.zeros((B, width, *shape), dtype)
         for b, it in enumerate(items):
             a[b, : len(it[key])] = it[key]
-        return mx.array(a)
+        return a
 
+    # the target's kept logits scattered into the draft vocabulary; the rest LOGIT_FLOOR (a
+    # finite floor: a row with none of its TOP_K in the vocabulary stays a finite uniform,
+    # and is masked out by in_vocab)
+    logits = np.full((B, width, vd + 1), LOGIT_FLOOR, np.float16)
+    for b, it in enumerate(items):
+        n = len(it["tokens"])
+        np.put_along_axis(logits[b, :n], gather[it["top"]], it["values"], -1)
+    argmax = pad("argmax", (), np.int32)
     reply = np.zeros((B, width), np.float32)
     for b, it in enumerate(items):
         reply[b, it["start"] - 1 : len(it["tokens"]) - 1] = 1  # row m predicts token m + 1
     return Batch(
-        feats=pad("feats", items[0]["feats"].shape[1:], np.float16),
-        tokens=pad("tokens", (), np.int32),
-        logits=pad("logits", items[0]["logits"].shape[1:], np.float16),
-        lse=pad("lse", (), np.float32),
-        argmax=pad("argmax", (), np.int32),
+        feats=mx.array(pad("feats", items[0]["feats"].shape[1:], np.float16)),
+        tokens=mx.array(pad("tokens", (), np.int32)),
+        logits=mx.array(logits[..., :vd]),
+        lse=mx.array(pad("lse", (), np.float32)),
+        argmax=mx.array(argmax),
         reply=mx.array(reply),
-        in_vocab=pad("in_vocab", (), np.float32),
+        in_vocab=mx.array((gather[argmax] < vd).astype(np.float32)),
     )
 
 
@@ -399,7 +431,7 @@ def evaluate(head: Eagle3Head, items: list[dict], steps: int, batch_size: int) -
     runs = 0.0
     starts = 0.0
     for i in range(0, len(items), batch_size):
-        batch = make_batch(items[i : i + batch_size])
+        batch = make_batch(items[i : i + batch_size], head)
         run = None
         for s, (logits, rows) in enumerate(ttt_forward(head, batch, steps)):
             mask = batch.reply[:, rows]  # (B, n)
@@ -432,6 +464,9 @@ def evaluate(head: Eagle3Head, items: list[dict], steps: int, batch_size: int) -
 # ----------------------------------------------------------------------------- the run
 
 
+REPLY_BATCH = 64  # the demo target, 80 tokens at T 0.7: 38 tok/s at 32 a batch, 53 at 64, 45 at 128
+
+
 def batch_replies(pair, prompts: list[list[int]], settings, seed: int, progress, what: str):
     """The target's replies, several prompts at once (mlx-lm's batched generation): a batch
     of rows costs little more than one. Sampled at settings.temperature."""
@@ -439,9 +474,8 @@ def batch_replies(pair, prompts: list[list[int]], settings, seed: int, progress,
     from mlx_lm.sample_utils import make_sampler
 
     seqs = []
-    size = 64  # the demo target, 80 tokens at T 0.7: 38 tok/s at 32 a batch, 53 at 64, 45 at 128
-    for i in range(0, len(prompts), size):
-        part = prompts[i : i + size]
+    for i in range(0, len(prompts), REPLY_BATCH):
+        part = prompts[i : i + REPLY_BATCH]
         progress(f"the target's replies: {i + len(part)}/{len(prompts)} {what} prompts")
         mx.random.seed(seed + i)
         res = batch_generate(
@@ -459,6 +493,53 @@ def batch_replies(pair, prompts: list[list[int]], settings, seed: int, progress,
     return seqs
 
 
+def replies_with_features(pair, prompts: list[list[int]], layers: tuple, settings, seed: int,
+                          progress, what: str) -> tuple[list[Sequence], list[dict]]:  # fmt: skip
+    """The target's replies and, from the same passes, every position's training item: the
+    passes that sample a reply compute its features, so none is run again (demo target: the
+    separate pass took 21 of a run's 43 minutes). Rows are left-padded into one batched KV
+    cache (check_batchable's targets); a row stops at its end token (kept) or reply_tokens."""
+    from mlx_lm.models.cache import BatchKVCache
+    from mlx_lm.sample_utils import make_sampler
+
+    sample = make_sampler(settings.temperature)
+    ends = set(pair.tokenizer.eos_token_ids)
+    n_layers = len(decoder_stack(pair.target)["layers"])
+    seqs, items = [], []
+    for i in range(0, len(prompts), REPLY_BATCH):
+        part = prompts[i : i + REPLY_BATCH]
+        progress(f"the target's replies: {i + len(part)}/{len(prompts)} {what} prompts")
+        mx.random.seed(seed + i)
+        width = max(len(p) for p in part)
+        pads = [width - len(p) for p in part]
+        x = mx.array([[0] * pad + p for p, pad in zip(part, pads, strict=True)])  # (B, width)
+        cache = [BatchKVCache(pads) for _ in range(n_layers)]
+        steps, replies = [], [[] for _ in part]
+        live = [True] * len(part)
+        for _ in range(settings.reply_tokens):
+            with capturing(pair.target, layers) as hidden:
+                logits = pair.target(x, cache=cache)  # (B, n, V)
+            records = position_records(hidden, layers, logits)
+            last = logits[:, -1].astype(mx.float32)
+            y = sample(last - mx.logsumexp(last, -1, keepdims=True))  # (B,)
+            mx.eval(records, y)
+            steps.append([np.array(r) for r in records])
+            for b, t in enumerate(y.tolist()):
+                if live[b]:
+                    replies[b].append(t)
+                    live[b] = t not in ends
+            if not any(live):
+                break
+            x = y[:, None]
+        for b, (p, pad) in enumerate(zip(part, pads, strict=True)):
+            n = len(replies[b])  # positions read: the prompt's, and the reply's but its last
+            rows = [[r[b, pad:] for r in steps[0]]] + [[r[b] for r in st] for st in steps[1:n]]
+            rows.append([np.zeros_like(r[b, :1]) for r in steps[0]])  # the last: never read
+            seqs.append(Sequence(p + replies[b], len(p)))
+            items.append(item(rows, seqs[-1].tokens, len(p)))
+    return seqs, items
+
+
 def engine_pair(pair, head: Eagle3Head, where: Path):
     """The pair drafting with `head` (in memory) through the engine, as `--head` would."""
     from .caches import make_cache
@@ -468,7 +549,9 @@ def engine_pair(pair, head: Eagle3Head, where: Path):
     return dataclasses.replace(pair, config=config, head=head)
 
 
-def prepare(pair, prompts, settings, out: Path, progress) -> dict:
+def prepare(pair, prompts, settings, out: Path, progress, layers: tuple) -> dict:
+    """The replies (sequences.json: a resumed run reads them); a fresh run on a target the
+    batch can hold has their training items too ("items"), from the passes that made them."""
     cached = out / SEQUENCES_FILE
     if cached.is_file():
         return read_sequences(cached)
@@ -476,15 +559,26 @@ def prepare(pair, prompts, settings, out: Path, progress) -> dict:
     tok = pair.tokenizer
     started = time.perf_counter()
     train_ids, held_ids = [prompt_ids(tok, p) for p in train], [prompt_ids(tok, p) for p in held]
-    train_seqs = batch_replies(pair, train_ids, settings, settings.seed, progress, "training")
-    held_seqs = batch_replies(pair, held_ids, settings, settings.seed + 5_000, progress, "held-out")
-    data = {
-        "train": train_seqs,
-        "held_out": held_seqs,
-        "measured_prompts": held_ids[: settings.eval_prompts],
-        "seconds": time.perf_counter() - started,
-    }
-    write_sequences(cached, data)
+    data = {"measured_prompts": held_ids[: settings.eval_prompts]}
+    try:
+        check_batchable(pair.target)
+    except SpecError:  # a recurrent or sliding-window target: replies, then a features pass
+        data["train"] = batch_replies(
+            pair, train_ids, settings, settings.seed, progress, "training"
+        )
+        data["held_out"] = batch_replies(
+            pair, held_ids, settings, settings.seed + 5_000, progress, "held-out"
+        )
+    else:
+        data["train"], train_items = replies_with_features(
+            pair, train_ids, layers, settings, settings.seed, progress, "training"
+        )
+        data["held_out"], held_items = replies_with_features(
+            pair, held_ids, layers, settings, settings.seed + 5_000, progress, "held-out"
+        )
+        data["items"] = {"train": train_items, "held_out": held_items}
+    data["seconds"] = time.perf_counter() - started
+    write_sequences(cached, {k: v for k, v in data.items() if k != "items"})
     return data
 
 
@@ -532,7 +626,7 @@ def train_step(head, optimizer, loss_and_grad, items: list[dict], settings, step
     """Training step `step`: its batch (drawn from the seed and the step alone), the update,
     evaluated; the batch's loss."""
     picked = batch_indices(len(items), settings, step)
-    loss, grads = loss_and_grad(make_batch([items[i] for i in picked]))
+    loss, grads = loss_and_grad(make_batch([items[i] for i in picked], head))
     optimizer.update(head, grads)
     mx.eval(loss, head.trainable_parameters(), optimizer.state)
     return loss.item()
@@ -578,7 +672,13 @@ def train_head(
     if init is not None:  # a published head: its vocabulary must fit this target now
         load_head(init, pair.target, pair.target_config)
 
-    data = prepare(pair, prompts, settings, out, progress)
+    if init is not None:
+        layers = capture_layers(init_cfg, target_layers)
+    elif resume and checkpoint_dir(out) is not None:
+        layers = capture_layers(json_config(checkpoint_dir(out)), target_layers)
+    else:
+        layers = default_layers(target_layers)
+    data = prepare(pair, prompts, settings, out, progress, layers)
     train = [s.window(settings.max_length) for s in data["train"]]
     held = [s.window(settings.max_length) for s in data["held_out"]]
 
@@ -601,7 +701,6 @@ def train_head(
         write_head(start_dir, head, config)
         head = load_head(start_dir, pair.target, pair.target_config)  # the same, our layout
     else:
-        layers = default_layers(target_layers)
         draft_ids = choose_vocab(train, int(t["vocab_size"]), settings.draft_vocab)
         config = head_config(pair.target_config, layers, len(draft_ids), settings.intermediate)
         head = new_head(pair, config, draft_ids, start_dir, settings.seed)
@@ -611,9 +710,15 @@ def train_head(
     if getattr(head, "embedding", None) is not None:
         head.embedding.freeze()  # EAGLE-3 keeps the embedding fixed
 
-    progress("the target's features of the training and held-out sequences…")
-    train_items = target_features(pair, head, train, settings.batch_size, progress)
-    held_items = target_features(pair, head, held, settings.batch_size, progress)
+    if head.layers_read != layers:
+        raise SpecError(f"the head reads layers {head.layers_read}, not {layers}")  # a bug
+    if "items" in data:
+        train_items = [window_item(it, settings.max_length) for it in data["items"]["train"]]
+        held_items = [window_item(it, settings.max_length) for it in data["items"]["held_out"]]
+    else:
+        progress("the target's features of the training and held-out sequences…")
+        train_items = target_features(pair, layers, train, settings.batch_size, progress)
+        held_items = target_features(pair, layers, held, settings.batch_size, progress)
 
     optimizer = optim.Adam(learning_rate=settings.learning_rate)
     optimizer.init(head.trainable_parameters())

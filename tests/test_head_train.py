@@ -15,7 +15,9 @@ from test_eagle import head_weights, subset, write_head
 from test_greedy_equality import PROMPTS, reference
 
 from mlx_spec import generate, load_pair
+from mlx_spec.batch import check_batchable
 from mlx_spec.cli import main
+from mlx_spec.errors import SpecError
 from mlx_spec.head_train import ttt_forward
 
 # small and fast: 24 built-in prompts (5 held out), 3 draft steps of test-time training
@@ -217,6 +219,38 @@ def test_ttt_steps_feed_the_head_its_own_output(trained, targets):
     g = head(g[None], mx.array([tokens[n + 1]], mx.uint32), drafter.cache)[0]
     second = head.lm_head(head.norm(g))
     assert mx.allclose(second, steps[1][0][0, n - 1], atol=1e-4).item()
+
+
+def test_the_replies_passes_give_a_separate_passes_features(targets):
+    """A batchable target's training items come from the passes that sample its replies
+    (left-padded rows, one token at a time); they are the items a separate pass over the
+    finished sequences reads, position by position. A recurrent target is refused there."""
+    import numpy as np
+
+    from mlx_spec.distill import Settings
+    from mlx_spec.head_train import TOP_K, replies_with_features, target_features
+
+    pair = load_pair(target=str(targets["qwen3"]), skip_draft=True)
+    prompts = [pair.tokenizer.encode(p) for p in PROMPTS[:5]]  # lengths differ: padded
+    assert len({len(p) for p in prompts}) > 1
+    settings = Settings(temperature=0.7, reply_tokens=12)
+    layers = (0, 1, 2)
+    seqs, items = replies_with_features(pair, prompts, layers, settings, 0, print, "test")
+    again = target_features(pair, layers, seqs, 2, print)
+    assert [s.tokens[: s.start] for s in seqs] == prompts
+    for it, ref in zip(items, again, strict=True):
+        n = len(it["tokens"]) - 1  # the last position is never read
+        assert it["start"] == ref["start"] and (it["tokens"] == ref["tokens"]).all()
+        assert np.allclose(it["feats"][:n], ref["feats"][:n], rtol=2e-2, atol=2e-2)
+        assert (it["argmax"][:n] == ref["argmax"][:n]).all()
+        assert np.allclose(it["lse"][:n], ref["lse"][:n], atol=1e-3)
+        assert it["top"].shape == (n + 1, TOP_K)
+        top = np.take_along_axis(it["top"], np.argsort(-it["values"], -1), -1)[:n, :8]
+        top_ref = np.take_along_axis(ref["top"], np.argsort(-ref["values"], -1), -1)[:n, :8]
+        assert (top[:, 0] == top_ref[:, 0]).all()
+        assert (np.sort(top, -1) == np.sort(top_ref, -1)).mean() > 0.95
+    with pytest.raises(SpecError, match="recurrent"):
+        check_batchable(load_pair(target=str(targets["qwen3_5"]), skip_draft=True).target)
 
 
 def test_bad_input_is_one_line_and_exit_2(tiny_models, targets, tmp_path, capsys):
