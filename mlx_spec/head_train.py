@@ -69,6 +69,7 @@ OUTPUT_SCALE = 0.2  # a new head's logits start at this share of its target's (n
 # learned from these (a tail beyond them weighs little), a 64th of keeping the whole draft row
 TOP_K = 64
 LOGIT_FLOOR = -1e4  # every other logit: exp(floor - lse) is 0 in float32
+PREFILL_FLOATS = 2**27  # logits one prefill chunk of a reply batch holds (512 MB in float32)
 
 
 @dataclasses.dataclass
@@ -505,6 +506,18 @@ def replies_with_features(pair, prompts: list[list[int]], layers: tuple, setting
     sample = make_sampler(settings.temperature)
     ends = set(pair.tokenizer.eos_token_ids)
     n_layers = len(decoder_stack(pair.target)["layers"])
+    vocab = int(text_config(pair.target_config)["vocab_size"])
+
+    def forward(x, cache) -> tuple[list, mx.array]:
+        """x (B, n) through the target: (the positions' records as numpy, the next tokens)."""
+        with capturing(pair.target, layers) as hidden:
+            logits = pair.target(x, cache=cache)  # (B, n, V)
+        records = position_records(hidden, layers, logits)
+        last = logits[:, -1].astype(mx.float32)
+        y = sample(last - mx.logsumexp(last, -1, keepdims=True))  # (B,)
+        mx.eval(records, y)
+        return [np.array(r) for r in records], y
+
     seqs, items = [], []
     for i in range(0, len(prompts), REPLY_BATCH):
         part = prompts[i : i + REPLY_BATCH]
@@ -514,23 +527,22 @@ def replies_with_features(pair, prompts: list[list[int]], layers: tuple, setting
         pads = [width - len(p) for p in part]
         x = mx.array([[0] * pad + p for p, pad in zip(part, pads, strict=True)])  # (B, width)
         cache = [BatchKVCache(pads) for _ in range(n_layers)]
-        steps, replies = [], [[] for _ in part]
+        # the prompts in column chunks: a whole long prompt's logits for 64 rows would not fit
+        cols = max(1, PREFILL_FLOATS // (len(part) * vocab))
+        chunks = [forward(x[:, c : c + cols], cache) for c in range(0, width, cols)]
+        y = chunks[-1][1]
+        steps = [[np.concatenate(r, 1) for r in zip(*(rec for rec, _ in chunks), strict=True)]]
+        replies = [[] for _ in part]
         live = [True] * len(part)
-        for _ in range(settings.reply_tokens):
-            with capturing(pair.target, layers) as hidden:
-                logits = pair.target(x, cache=cache)  # (B, n, V)
-            records = position_records(hidden, layers, logits)
-            last = logits[:, -1].astype(mx.float32)
-            y = sample(last - mx.logsumexp(last, -1, keepdims=True))  # (B,)
-            mx.eval(records, y)
-            steps.append([np.array(r) for r in records])
+        while True:
             for b, t in enumerate(y.tolist()):
                 if live[b]:
                     replies[b].append(t)
-                    live[b] = t not in ends
+                    live[b] = t not in ends and len(replies[b]) < settings.reply_tokens
             if not any(live):
                 break
-            x = y[:, None]
+            records, y = forward(y[:, None], cache)
+            steps.append(records)
         for b, (p, pad) in enumerate(zip(part, pads, strict=True)):
             n = len(replies[b])  # positions read: the prompt's, and the reply's but its last
             rows = [[r[b, pad:] for r in steps[0]]] + [[r[b] for r in st] for st in steps[1:n]]

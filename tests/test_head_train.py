@@ -221,16 +221,22 @@ def test_ttt_steps_feed_the_head_its_own_output(trained, targets):
     assert mx.allclose(second, steps[1][0][0, n - 1], atol=1e-4).item()
 
 
-def test_the_replies_passes_give_a_separate_passes_features(targets):
+@pytest.mark.parametrize("prefill_columns", [None, 3])
+def test_the_replies_passes_give_a_separate_passes_features(targets, prefill_columns, monkeypatch):
     """A batchable target's training items come from the passes that sample its replies
-    (left-padded rows, one token at a time); they are the items a separate pass over the
-    finished sequences reads, position by position. A recurrent target is refused there."""
+    (left-padded rows, the prompts whole or in chunks of 3 columns, then one token at a time);
+    they are the items a separate pass over the finished sequences reads, position by
+    position. A recurrent target is refused there."""
     import numpy as np
 
+    from mlx_spec import head_train
     from mlx_spec.distill import Settings
     from mlx_spec.head_train import TOP_K, replies_with_features, target_features
 
     pair = load_pair(target=str(targets["qwen3"]), skip_draft=True)
+    if prefill_columns:
+        vocab = pair.target.model.embed_tokens.weight.shape[0]
+        monkeypatch.setattr(head_train, "PREFILL_FLOATS", 5 * vocab * prefill_columns)
     prompts = [pair.tokenizer.encode(p) for p in PROMPTS[:5]]  # lengths differ: padded
     assert len({len(p) for p in prompts}) > 1
     settings = Settings(temperature=0.7, reply_tokens=12)
@@ -238,6 +244,7 @@ def test_the_replies_passes_give_a_separate_passes_features(targets):
     seqs, items = replies_with_features(pair, prompts, layers, settings, 0, print, "test")
     again = target_features(pair, layers, seqs, 2, print)
     assert [s.tokens[: s.start] for s in seqs] == prompts
+    assert all(1 <= len(s.tokens) - s.start <= 12 for s in seqs)
     for it, ref in zip(items, again, strict=True):
         n = len(it["tokens"]) - 1  # the last position is never read
         assert it["start"] == ref["start"] and (it["tokens"] == ref["tokens"]).all()
