@@ -513,8 +513,8 @@ def replies_with_features(pair, prompts: list[list[int]], layers: tuple, setting
         with capturing(pair.target, layers) as hidden:
             logits = pair.target(x, cache=cache)  # (B, n, V)
         records = position_records(hidden, layers, logits)
-        last = logits[:, -1].astype(mx.float32)
-        y = sample(last - mx.logsumexp(last, -1, keepdims=True))  # (B,)
+        lse = records[3][:, -1:]  # (B, 1) the last position's, computed for its record
+        y = sample(logits[:, -1].astype(mx.float32) - lse)  # (B,)
         mx.eval(records, y)
         return [np.array(r) for r in records], y
 
@@ -684,17 +684,17 @@ def train_head(
     if init is not None:  # a published head: its vocabulary must fit this target now
         load_head(init, pair.target, pair.target_config)
 
+    where = checkpoint_dir(out) if resume else None
     if init is not None:
         layers = capture_layers(init_cfg, target_layers)
-    elif resume and checkpoint_dir(out) is not None:
-        layers = capture_layers(json_config(checkpoint_dir(out)), target_layers)
+    elif where is not None:
+        layers = capture_layers(json_config(where), target_layers)
     else:
         layers = default_layers(target_layers)
     data = prepare(pair, prompts, settings, out, progress, layers)
     train = [s.window(settings.max_length) for s in data["train"]]
     held = [s.window(settings.max_length) for s in data["held_out"]]
 
-    where = checkpoint_dir(out) if resume else None
     if where is not None:  # other settings: refused before any work
         saved = _json(_read_text(where / "state.json"), str(where / "state.json"))
         if saved.get("settings") != json.loads(json.dumps(settings.training_key())):
