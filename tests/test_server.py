@@ -546,18 +546,33 @@ def test_another_pair_loads_on_demand_one_resident(client, server, tiny_models):
 
 
 @pytest.fixture(scope="module")
-def slow(tiny_models, tmp_path_factory):
+def long_model(tiny_models, tmp_path_factory):
     """Plain decoding with the end-of-sequence row muted and a long context: greedy replies
     run to max_tokens (thousands of tokens, seconds; checked for the prompts used here), so a
     request is surely busy while others come."""
-    root = tmp_path_factory.mktemp("slow")
+    root = tmp_path_factory.mktemp("long")
     cfg = {**tiny.llama_config(VOCAB, layers=4), "max_position_embeddings": 8192}
     weights = tiny.random_weights(cfg, seed=0)
     weights["lm_head.weight"][2] = 0  # <|im_end|>: never the argmax of a peaked head
-    path = tiny.write_model(root / "long", cfg, weights, tiny_models.tokenizer)
+    return tiny.write_model(root / "long", cfg, weights, tiny_models.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def slow(long_model, tmp_path_factory):
+    yield from slow_server(long_model, tmp_path_factory.mktemp("slow"), request_timeout=2)
+
+
+@pytest.fixture(scope="module")
+def queueing(long_model, tmp_path_factory):
+    """The same with a request timeout long enough for a queue to form and drain on a loaded
+    machine (beside a second test worker, queued requests ran past 2 s)."""
+    yield from slow_server(long_model, tmp_path_factory.mktemp("queueing"), request_timeout=60)
+
+
+def slow_server(path, root, request_timeout: float):
     args = [
         "--target", str(path), "--no-draft", "--max-queue", str(SLOW_QUEUE), "--max-batch", "1",
-        "--request-timeout", "2",
+        "--request-timeout", str(request_timeout),
         "--shutdown-timeout", "8",
     ]  # fmt: skip
     with serving(args, root) as (proc, url):
@@ -575,8 +590,8 @@ def wait_until(condition, what: str, seconds: float = 5) -> None:
         time.sleep(0.02)
 
 
-def test_the_queue_is_first_in_first_out_and_past_its_limit_429(slow):
-    _, url = slow
+def test_the_queue_is_first_in_first_out_and_past_its_limit_429(queueing):
+    _, url = queueing
     c = slow_client(url)
     running = c.completions.create(
         model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
