@@ -398,7 +398,10 @@ def ttt_forward(head: Eagle3Head, batch: Batch, steps: int):
     predicts token j + i + 2, scored against the target's row j + i + 1."""
     B, T, _ = batch.feats.shape
     embeds = mx.stop_gradient(head.embed(batch.tokens)).astype(head.fc.weight.dtype)
-    h = head.fc(batch.feats.astype(head.fc.weight.dtype))  # (B, T, H)
+    feats = batch.feats
+    if head.input_norm is not None:  # a speculators head's norm_before_fc, as fuse applies it
+        feats = head.input_norm(feats)
+    h = head.fc(feats.astype(head.fc.weight.dtype))  # (B, T, H)
     keys, values, outs = [], [], []
     for i in range(steps):
         n = T - 1 - i

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 import tiny
 from test_eagle import head_weights, subset, write_head
@@ -184,9 +185,11 @@ def test_a_published_head_is_fine_tuned(targets, tmp_path, capsys):
     assert 0 < moved.item() < 0.05
 
 
-def test_ttt_steps_feed_the_head_its_own_output(trained, targets):
+@pytest.mark.parametrize("norm_before_fc", [False, True])
+def test_ttt_steps_feed_the_head_its_own_output(trained, targets, norm_before_fc):
     """Step 1 of test-time training is the drafter's chained step: the same logits as
-    drafting two tokens after a prefix with the head (fed its own output)."""
+    drafting two tokens after a prefix with the head (fed its own output) — also for a head
+    that norms the features before fc (speculators' norm_before_fc, as gpt-oss heads ship)."""
     from mlx.utils import tree_map
 
     from mlx_spec import make_decoder
@@ -195,6 +198,10 @@ def test_ttt_steps_feed_the_head_its_own_output(trained, targets):
     out, _ = trained["qwen3"]
     pair = load_pair(target=str(targets["qwen3"]), drafter="eagle3", head=str(out))
     head = pair.head
+    if norm_before_fc:
+        width = head.fc.weight.shape[1]
+        head.input_norm = nn.RMSNorm(width)
+        head.input_norm.weight = mx.random.uniform(0.5, 2.0, (width,), key=mx.random.key(3))
     head.update(tree_map(lambda w: w.astype(mx.float32), head.parameters()))  # exact compare
     tokens = pair.tokenizer.encode(PROMPTS[1])
     from mlx_spec.hidden import capturing
