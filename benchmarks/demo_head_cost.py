@@ -11,6 +11,7 @@ breaks even at that many tokens per target pass.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -37,11 +38,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     plain = load_pair(pair_config(DEMO, skip_draft=True))
-    where = Path(tempfile.mkdtemp()) / "head"
+    where = Path(tempfile.mkdtemp()) / "head"  # new_head writes the head and loads it back
     layers = ht.default_layers(int(text_config(plain.target_config)["num_hidden_layers"]))
     config = ht.head_config(plain.target_config, layers, args.draft_vocab, args.intermediate)
-    ht.new_head(plain, config, list(range(args.draft_vocab)), where, seed=0)
-    headed = load_pair(pair_config(DEMO, drafter="eagle3", head=str(where)))
+    head = ht.new_head(plain, config, list(range(args.draft_vocab)), where, seed=0)
+    headed = ht.engine_pair(plain, head, where)  # the same loaded target, with the head
     texts = (ROOT / "benchmarks" / "chat_prompts.txt").read_text().splitlines()
     texts = [t.strip() for t in texts if t.strip()][: args.prompts]
     ks = [0, *(int(k) for k in args.k.split(","))]
@@ -51,8 +52,10 @@ def main(argv=None) -> int:
             ids = encode_prompt(plain.tokenizer, [{"role": "user", "content": text}])
             for k in ks:
                 run = run_mlx_spec(headed if k else plain, ids, args.max_tokens, 0.0, k, seed=r)
+                # timed from the first token (the prefill's) to the last: the decode passes
                 seconds = (len(run.tokens) - 1) / run.tokens_per_second
                 ms[k].append(1000 * seconds / max(run.target_passes, 1))
+    shutil.rmtree(where.parent)
     base = statistics.median(ms[0])
     print(f"plain: {base:.1f} ms a step")
     for k in ks[1:]:

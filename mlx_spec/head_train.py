@@ -398,10 +398,7 @@ def ttt_forward(head: Eagle3Head, batch: Batch, steps: int):
     predicts token j + i + 2, scored against the target's row j + i + 1."""
     B, T, _ = batch.feats.shape
     embeds = mx.stop_gradient(head.embed(batch.tokens)).astype(head.fc.weight.dtype)
-    feats = batch.feats
-    if head.input_norm is not None:  # a speculators head's norm_before_fc, as fuse applies it
-        feats = head.input_norm(feats)
-    h = head.fc(feats.astype(head.fc.weight.dtype))  # (B, T, H)
+    h = head.fuse_joined(batch.feats)  # (B, T, H), as drafting fuses them
     keys, values, outs = [], [], []
     for i in range(steps):
         n = T - 1 - i

@@ -159,7 +159,10 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, hidden: dict) -> mx.array:
         """The target's three captured layers (rows, H each) -> fused features (rows, H)."""
-        x = mx.concatenate([hidden[i] for i in self.layers_read], axis=-1)
+        return self.fuse_joined(mx.concatenate([hidden[i] for i in self.layers_read], axis=-1))
+
+    def fuse_joined(self, x: mx.array) -> mx.array:
+        """The three layers already side by side (..., 3H) -> fused features (..., H)."""
         if self.input_norm is not None:
             x = self.input_norm(x)
         return self.fc(x.astype(self.fc.weight.dtype))
