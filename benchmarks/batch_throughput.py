@@ -6,7 +6,7 @@ with `auto` (one k a round from the measured pass cost per row count: speculatin
 pays), and `batch_generate` with use_draft=False (plain continuous batching, k = 0). Runs are
 interleaved (every method at every B once per run, after one warm-up call each), the table shows
 medians, and every batched cell is checked token for token against the sequential output.
-Run: flock /tmp/bench.lock python benchmarks/batch_throughput.py [--pair smollm2-demo]
+Run: flock /tmp/bench.lock python benchmarks/batch_throughput.py [--pair smollm2-self]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ METHODS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pair", default="smollm2-demo")
+    parser.add_argument("--pair", default="smollm2-self")
     parser.add_argument("--target", help="a target directory instead of --pair (with --draft)")
     parser.add_argument("--draft", help="its draft model (e.g. benchmarks/cheap_pair.py's)")
     parser.add_argument("--runs", type=int, default=3)

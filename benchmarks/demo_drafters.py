@@ -6,9 +6,10 @@ on) at each temperature, run by run in a rotating order, so a noisy machine slow
 the table gives each one's median tokens/s, its ratio to mlx-spec plain (ratio of medians, per
 temperature), tokens per target pass, and whether its greedy output is the plain output.
 
-    flock /tmp/bench.lock python benchmarks/demo_drafters.py --head DIR
-    # with a LoRA self-draft from `mlx-spec distill --pair smollm2-demo --draft-bits 3`:
-    flock /tmp/bench.lock python benchmarks/demo_drafters.py --head DIR --lora ADAPTER
+    flock /tmp/bench.lock python benchmarks/demo_drafters.py            # the shipped head
+    flock /tmp/bench.lock python benchmarks/demo_drafters.py --head DIR # another head
+    # with a LoRA self-draft from `mlx-spec distill --pair smollm2-self --draft-bits 3`:
+    flock /tmp/bench.lock python benchmarks/demo_drafters.py --lora ADAPTER
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ DEMO = "smollm2-demo"
 def configurations(args) -> dict[str, dict]:
     """name -> pair_config keywords (over the demo target)."""
     made = {"plain": {"skip_draft": True}}
-    if args.head:
-        made["EAGLE-3 head"] = {"drafter": "eagle3", "head": args.head}
+    # the demo pair's own head (shipped in the package) unless --head names another, at each
+    # draft length of --head-k
+    head = {"drafter": "eagle3", "head": args.head} if args.head else {}
+    for k in args.head_k.split(","):
+        made[f"EAGLE-3 head, k {k}"] = {**head, "num_draft_tokens": k if k == "auto" else int(k)}
     made["self-draft 3-bit"] = {"drafter": "model", "draft_bits": 3}
     made["self-draft 4-bit"] = {"drafter": "model", "draft_bits": 4}
     if args.lora:
@@ -48,7 +52,8 @@ def configurations(args) -> dict[str, dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--head", help="the EAGLE-3 head directory")
+    p.add_argument("--head", help="an EAGLE-3 head directory (default: the demo's shipped head)")
+    p.add_argument("--head-k", default="auto", help="the head's draft lengths, e.g. 1,auto")
     p.add_argument("--lora", help="a LoRA adapter for the 3-bit self-draft")
     p.add_argument("--temps", default="0,0.7")
     p.add_argument("--runs", type=int, default=3)
@@ -75,8 +80,9 @@ def main(argv=None) -> int:
                     if name == "mlx-lm plain":
                         run = run_mlx_lm(plain, ids, args.max_tokens, t, 0, seed=r)
                     else:
-                        k = 0 if name == "plain" else "auto"
-                        run = run_mlx_spec(pairs[name], ids, args.max_tokens, t, k, seed=r)
+                        pair = pairs[name]
+                        k = 0 if name == "plain" else pair.config.num_draft_tokens
+                        run = run_mlx_spec(pair, ids, args.max_tokens, t, k, seed=r)
                     runs.append((name, t, i, r, run))
                     print(
                         f"run {r + 1}/{args.runs} prompt {i + 1} T={t} {name}: "

@@ -1,6 +1,7 @@
 """Concurrent streaming clients against four servers, interleaved (issue 25, item 6).
 
-Servers, all on the same pair (default smollm2-demo: SmolLM2 135M drafted by itself at 4 bits):
+Servers, all on the same pair (default smollm2-self: SmolLM2 135M drafted by itself at 4 bits;
+the README's figures were measured on it, as smollm2-demo before the demo pair shipped a head):
 - mlx-spec serial: `mlx-spec serve --max-batch 1` (one stream at a time, drafting: today's);
 - mlx-spec batched: `mlx-spec serve --max-batch 8` (a batch that still drafts);
 - mlx-lm batched: `python -m mlx_lm.server` on the target alone (its BatchGenerator);
@@ -195,7 +196,7 @@ def report(args, servers: dict, clients: list[int], cells: dict, done: int) -> N
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--pair", default="smollm2-demo")
+    p.add_argument("--pair", default="smollm2-self")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--clients", default="1,2,4,8")

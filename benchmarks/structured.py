@@ -4,7 +4,7 @@ For each schema of benchmarks/schemas.py, at temperature 0, on the demo target (
 
 - plain:          constrained decoding, nothing drafted (the baseline)
 - forced:         + the grammar's forced tokens drafted for free (no draft model)
-- forced+model:   + the smollm2-demo pair's 4-bit draft model (k auto)
+- forced+model:   + the smollm2-self pair's 4-bit draft model (k auto)
 - forced+lookup:  + prompt lookup (the smollm2-lookup pair, k auto)
 
 Each configuration runs `--runs` times in a rotating order; medians are reported. Every output
@@ -45,7 +45,7 @@ def main() -> int:
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
 
-    demo = load_pair("smollm2-demo")
+    demo = load_pair("smollm2-self")
     lookup = load_pair("smollm2-lookup")
     alone = load_pair("smollm2-demo", skip_draft=True)
     runs = {

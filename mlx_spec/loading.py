@@ -215,11 +215,13 @@ def hub_download(repo_id: str, progress=None) -> Path:
 
 def is_downloaded(name: str) -> bool:
     """Whether a path exists or a hub id is complete in the local cache (no network)."""
-    if name.startswith("package:"):
-        try:
-            return package_file(name).is_file()
-        except SpecError:
-            return False
+    if name.startswith("package:"):  # a model file, or a head's folder (the demo's)
+        for directory in (False, True):
+            try:
+                return package_file(name, directory).exists()
+            except SpecError:
+                continue
+        return False
     try:
         path = Path(name).expanduser()
     except RuntimeError:  # an unknown ~user

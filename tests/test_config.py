@@ -18,13 +18,24 @@ def test_switching_kinds_on_a_named_pair_applies_the_draft_in_the_same_step():
     assert (bits.drafter, bits.draft_bits, bits.target) == ("model", 4, lookup.target)
     both = pair_config("smollm2-lookup", drafter="ngram+model", draft_bits=4)
     assert both.drafter == "ngram+model"
-    demo = pair_config("smollm2-demo")
-    assert pair_config("smollm2-demo", drafter="ngram").draft is None  # the model is dropped
-    assert pair_config("smollm2-demo", skip_draft=True).speculative is False
-    assert pair_config("smollm2-demo", num_draft_tokens=3).num_draft_tokens == Fixed(3)
+    own = pair_config("smollm2-self")
+    assert pair_config("smollm2-self", drafter="ngram").draft is None  # the model is dropped
+    assert pair_config("smollm2-self", skip_draft=True).speculative is False
+    assert pair_config("smollm2-self", num_draft_tokens=3).num_draft_tokens == Fixed(3)
     # a k fixed for the pair's own drafter does not follow it to another kind
-    assert pair_config("smollm2-demo", drafter="ngram+model").num_draft_tokens == Auto()
-    assert demo.draft_bits == 4  # the demo's draft is its target re-quantized
+    assert pair_config("smollm2-self", drafter="ngram+model").num_draft_tokens == Auto()
+    assert own.draft_bits == 4  # this pair's draft is its target re-quantized
+
+
+def test_the_demo_pair_drafts_with_the_head_shipped_in_the_package():
+    demo = pair_config("smollm2-demo")
+    assert (demo.drafter, demo.draft, demo.draft_bits) == ("eagle3", None, None)
+    assert demo.head == "package:mlx_spec/heads/smollm2-135m-eagle3"
+    assert demo.target == pair_config("smollm2-self").target
+    assert pair_config("smollm2-demo", drafter="ngram").head is None  # the head is dropped
+    assert demo.num_draft_tokens == Fixed(1)  # what paid on the CPU (models.toml)
+    # k fixed for the head does not follow it to another kind
+    assert pair_config("smollm2-demo", drafter="ngram").num_draft_tokens == Auto()
 
 
 @pytest.mark.parametrize(
@@ -41,7 +52,7 @@ def test_switching_kinds_on_a_named_pair_applies_the_draft_in_the_same_step():
     ],
 )
 def test_bad_pair_settings_are_refused_where_the_config_is_built(settings, message):
-    settings = {"name": "smollm2-demo", **settings}
+    settings = {"name": "smollm2-self", **settings}
     with pytest.raises(SpecError, match=message):
         pair_config(**settings)
 

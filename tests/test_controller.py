@@ -58,8 +58,9 @@ def simulate(
 
 
 def test_a_draft_dearer_than_the_target_is_paused_for_good():
-    """The demo pair on this CPU: a draft step costs 2.4 target steps. Even a draft that is
-    always right cannot pay, so after the warm-up it decodes plainly and probes rarely."""
+    """The 4-bit self-draft on this CPU (smollm2-self): a draft step costs 2.4 target steps.
+    Even a draft that is always right cannot pay, so after the warm-up it decodes plainly and
+    probes rarely."""
     c = Controller()
     chosen = simulate(c, lambda x: 1.2 + 2.5 * x, 1.0, lambda i: 0.7, draft_step=2.4)
     assert chosen[:3] == [0, 1, 1]  # warm-up: plain steps, then two short drafts
@@ -73,7 +74,7 @@ def test_a_draft_dearer_than_the_target_is_paused_for_good():
 def test_a_pause_before_anything_was_drafted_quotes_no_prior():
     """A draft step timed at 0.8 target steps: a perfect draft would pay, the prior acceptance
     would not, so nothing is drafted. The reason names the measured cost and says acceptance
-    was not measured — never the prior's 60 % as if it had been (the demo printed that)."""
+    was not measured — never the prior's 60 % as if it had been (the self-draft demo did)."""
     c = Controller()
     c.calibrate(1.0, 0.8)
     assert c.next() == 0 and c.best(optimistic=True)[0] > 0

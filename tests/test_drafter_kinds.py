@@ -278,5 +278,6 @@ def test_the_curated_head_pairs_parse():
 
     heads = {n: p for n, p in load_registry().pairs.items() if p.head is not None}
     assert {"llama3.1-8b-eagle3", "llama3.1-8b-dflash", "qwen3-8b-dflash"} <= set(heads)
+    assert heads.pop("smollm2-demo").head == "package:mlx_spec/heads/smollm2-135m-eagle3"
     for pair in heads.values():  # hub ids, kept as ids (not made paths beside models.toml)
         assert pair.head.count("/") == 1 and pair.kind.needs_head

@@ -39,7 +39,12 @@ def gguf_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def demo(gguf_cache):
-    return load_pair("smollm2-demo")
+    return load_pair("smollm2-demo")  # drafted by the EAGLE-3 head shipped in the package
+
+
+@pytest.fixture(scope="module")
+def self_draft(gguf_cache):
+    return load_pair("smollm2-self")  # drafted by its own weights at 4 bits
 
 
 def perplexity(model, tokenizer, text: str) -> float:
@@ -57,10 +62,23 @@ def test_converted_model_perplexity(demo):
     assert ppl < 20
 
 
-def test_demo_pair_is_a_float_target_with_a_quantized_self_draft(demo):
-    assert demo.target.model.embed_tokens.weight.dtype == mx.float32  # CPU backend here
-    assert demo.draft.model.layers[0].self_attn.q_proj.bits == 4
-    assert demo.context_length == 8192
+def test_self_pair_is_a_float_target_with_a_quantized_self_draft(self_draft):
+    assert self_draft.target.model.embed_tokens.weight.dtype == mx.float32  # CPU backend here
+    assert self_draft.draft.model.layers[0].self_attn.q_proj.bits == 4
+    assert self_draft.context_length == 8192
+
+
+def test_demo_pair_drafts_with_the_shipped_head(demo):
+    """The head in the package: the demo target's own, a 2048-token draft vocabulary, and
+    small (float16, a few MB) — a reinstall without its files would fail to load here."""
+    assert demo.draft is None and demo.head is not None
+    assert demo.target.model.embed_tokens.weight.dtype == mx.float32
+    assert demo.head._to_target.shape == (2048,)
+    folder = package_file("package:mlx_spec/heads/smollm2-135m-eagle3", directory=True)
+    weights = folder / "model.safetensors"
+    assert 1e6 < weights.stat().st_size < 16e6
+    weights = mx.load(str(weights))  # the two vocabulary maps are integer and boolean
+    assert all(v.dtype == mx.float16 for k, v in weights.items() if k not in ("d2t", "t2d"))
 
 
 @pytest.fixture(scope="module")
@@ -76,19 +94,25 @@ def target_alone(demo) -> dict:
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_greedy_self_draft_equals_target_alone(demo, target_alone, k):
+@pytest.mark.parametrize("drafting", ["demo", "self_draft"])
+def test_greedy_drafting_equals_target_alone(request, drafting, target_alone, k):
+    pair = request.getfixturevalue(drafting)
     for prompt, expected in target_alone.items():
-        res = generate(demo, prompt, max_tokens=16, num_draft_tokens=k)
+        res = generate(pair, prompt, max_tokens=16, num_draft_tokens=k)
         assert res.tokens == expected[: len(res.tokens)]
         assert len(res.tokens) == 16 or res.finish_reason == "stop"
         assert res.stats.accepted > 0
 
 
-def test_chat_template_answers_paris(demo):
+def test_chat_template_answers_paris_and_the_head_drafts(demo):
+    """The README's first command: the demo pair drafts with its head (k = 1, the pair's) and
+    the stats line says what was accepted."""
     res = generate(
         demo, [{"role": "user", "content": "What is the capital of France?"}], max_tokens=24
     )
     assert "Paris" in res.text
+    assert res.stats.drafted > 0 and res.stats.accepted > 0
+    assert f"acceptance {res.stats.acceptance_rate:.0%}" in res.stats.summary()
 
 
 def test_conversion_is_cached_and_idempotent(demo, gguf_cache, monkeypatch):

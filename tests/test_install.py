@@ -48,6 +48,10 @@ def test_wheel_ships_every_module_and_data_file(wheel):
     assert sources, "no sources found"
     assert sources - names == set()
     assert "tui/app.tcss" in names
+    # the demo pair's head: its config, weights and training record
+    head = "mlx_spec/heads/smollm2-135m-eagle3/"
+    for name in ("config.json", "model.safetensors", "distill.json"):
+        assert head + name in names, name
     # models.toml: one hand-edited file at the top level, copied into the package by the build
     with zipfile.ZipFile(wheel) as z:
         assert z.read("mlx_spec/models.toml") == (ROOT / "models.toml").read_bytes()
@@ -110,6 +114,9 @@ def test_wheel_in_a_fresh_virtualenv_runs_every_command(wheel, tmp_path):
         assert code in (0, None) and "usage: mlx-spec " + command in text, (command, text)
     r = cli("models")
     assert r.returncode == 0 and "smollm2-demo" in r.stdout and "qwen3-8b" in r.stdout, r.stderr
+    # the demo's GGUF and its head are both here: nothing to download
+    demo = next(line for line in r.stdout.splitlines() if line.startswith("smollm2-demo "))
+    assert demo.split()[2] == "yes", r.stdout
     # the installed package, not the checkout, answered
     r = run([str(py), "-c", "import mlx_spec; print(mlx_spec.__file__)"], cwd=away, env=env)
     assert str(venv) in r.stdout and str(ROOT) not in r.stdout
@@ -118,3 +125,4 @@ def test_wheel_in_a_fresh_virtualenv_runs_every_command(wheel, tmp_path):
     out = json.loads(r.stdout)
     assert out["stats"]["generated_tokens"] == len(out["tokens"]) > 0
     assert out["stats"]["target_passes"] > 0 and len(out["accepted"]) == len(out["tokens"])
+    assert out["stats"]["drafted"] > 0  # the default pair drafts with the head in the wheel

@@ -302,8 +302,9 @@ def test_probe_budget_flag_is_checked(tiny_models, capsys):
 
 
 @pytest.fixture(scope="module")
-def demo_pair(tmp_path_factory):
-    """The demo pair, converted into a private cache (the user's is left alone)."""
+def demo_pairs(tmp_path_factory):
+    """The demo target with its shipped head (demo) and with its 4-bit self-draft (self),
+    converted into a private cache (the user's is left alone)."""
     import os
 
     from mlx_spec import load_pair
@@ -311,7 +312,7 @@ def demo_pair(tmp_path_factory):
     old = os.environ.get("MLX_SPEC_CACHE")
     os.environ["MLX_SPEC_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     try:
-        yield load_pair("smollm2-demo")
+        yield {"demo": load_pair("smollm2-demo"), "self": load_pair("smollm2-self")}
     finally:
         if old is None:
             del os.environ["MLX_SPEC_CACHE"]
@@ -320,14 +321,15 @@ def demo_pair(tmp_path_factory):
 
 
 @pytest.mark.real_model
-def test_probe_on_the_demo_pair_is_bounded_in_passes(demo_pair):
+def test_probe_on_the_self_draft_pair_is_bounded_in_passes(demo_pairs):
     """The demo pair with a budget it cannot meet: each model fed the PREFIX once to build
     its context, the floor of passes, and a sample cut at MIN_SAMPLE_ROUNDS rounds of the 48
     tokens asked for. Only the sample's prompt (once per model) is a call over 16 tokens."""
     import copy
 
-    pair = copy.copy(demo_pair)
-    pair.target, pair.draft = Counting(demo_pair.target), Counting(demo_pair.draft)
+    own = demo_pairs["self"]
+    pair = copy.copy(own)
+    pair.target, pair.draft = Counting(own.target), Counting(own.draft)
     r = run_probe(pair, 64, 0.0, 48, progress=lambda _: None, budget=1e-6)
     for model in (pair.target, pair.draft):
         assert model.calls[0] == PREFIX and len([n for n in model.calls if n > 16]) == 1
@@ -337,7 +339,8 @@ def test_probe_on_the_demo_pair_is_bounded_in_passes(demo_pair):
 
 
 @pytest.mark.real_model
-def test_the_demo_stats_line_quotes_no_unmeasured_acceptance(demo_pair):
+@pytest.mark.parametrize("name", ["demo", "self"])
+def test_the_demo_stats_line_quotes_no_unmeasured_acceptance(demo_pairs, name):
     """The demo's `auto` decides from timings, so what it does varies by machine; whatever it
     did, a reply with nothing drafted shows no acceptance figure — neither `acceptance N%`
     nor the controller's prior in the paused reason."""
@@ -346,8 +349,9 @@ def test_the_demo_stats_line_quotes_no_unmeasured_acceptance(demo_pair):
     from mlx_spec import generate
 
     res = generate(
-        demo_pair, [{"role": "user", "content": "What is the capital of France?"}], max_tokens=12
-    )
+        demo_pairs[name], [{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12, num_draft_tokens="auto",  # (the demo pair's own k is 1)
+    )  # fmt: skip
     line, state = res.stats.summary(), res.stats.controller["state"]
     if res.stats.drafted == 0:
         assert (

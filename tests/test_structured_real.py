@@ -1,6 +1,7 @@
 """Structured output on the real SmolLM2-135M (the demo GGUF): every configuration — plain
-constrained decoding, forced tokens alone, forced + the 4-bit draft model, forced + prompt
-lookup — gives the tokens of the independent constrained reference, and valid JSON."""
+constrained decoding, forced tokens alone, forced + the demo's shipped head, forced + the 4-bit
+draft model, forced + prompt lookup — gives the tokens of the independent constrained
+reference, and valid JSON."""
 
 from __future__ import annotations
 
@@ -29,7 +30,12 @@ MESSAGES = [{"role": "user", "content": "Describe Ada Lovelace as JSON."}]
 
 @pytest.fixture(scope="module")
 def demo():
-    return load_pair("smollm2-demo")
+    return load_pair("smollm2-demo")  # the shipped EAGLE-3 head
+
+
+@pytest.fixture(scope="module")
+def own():
+    return load_pair("smollm2-self")  # the 4-bit self-draft
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +48,7 @@ def lookup():
     return load_pair("smollm2-lookup")
 
 
-def test_every_configuration_equals_plain_constrained_decoding(demo, alone, lookup):
+def test_every_configuration_equals_plain_constrained_decoding(demo, own, alone, lookup):
     text = demo.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     expected, finish = reference(demo, text, "schema", PERSON, 120)
     assert finish == "stop", "the reply should complete within 120 tokens"
@@ -53,9 +59,13 @@ def test_every_configuration_equals_plain_constrained_decoding(demo, alone, look
     runs = {
         "plain": generate(alone, MESSAGES, max_tokens=120, schema=PERSON, use_draft=False),
         "forced": generate(alone, MESSAGES, max_tokens=120, schema=PERSON),
-        "forced+model": generate(demo, MESSAGES, max_tokens=120, schema=PERSON, num_draft_tokens=3),
+        "forced+head": generate(demo, MESSAGES, max_tokens=120, schema=PERSON, num_draft_tokens=3),
+        "forced+model": generate(own, MESSAGES, max_tokens=120, schema=PERSON, num_draft_tokens=3),
         "forced+lookup": generate(lookup, MESSAGES, max_tokens=120, schema=PERSON),
         "model, no forced": generate(
+            own, MESSAGES, max_tokens=120, schema=PERSON, num_draft_tokens=3, forced_tokens=False
+        ),
+        "head, no forced": generate(
             demo, MESSAGES, max_tokens=120, schema=PERSON, num_draft_tokens=3, forced_tokens=False
         ),
     }  # fmt: skip
@@ -65,7 +75,9 @@ def test_every_configuration_equals_plain_constrained_decoding(demo, alone, look
         assert json.loads(res.text) == value, name
     assert runs["plain"].stats.forced_drafted == 0
     assert runs["model, no forced"].stats.forced_drafted == 0
-    for name in ("forced", "forced+model", "forced+lookup"):
+    assert runs["head, no forced"].stats.forced_drafted == 0
+    assert runs["head, no forced"].stats.accepted > 0
+    for name in ("forced", "forced+head", "forced+model", "forced+lookup"):
         stats = runs[name].stats
         # keys, quotes, separators and the rest of the enum value are forced
         assert stats.forced_tokens >= len(expected) // 4, (name, stats.forced_tokens)
