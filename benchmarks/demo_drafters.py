@@ -37,7 +37,7 @@ def configurations(args) -> dict[str, dict]:
     # draft length of --head-k
     head = {"drafter": "eagle3", "head": args.head} if args.head else {}
     for k in args.head_k.split(","):
-        made[f"EAGLE-3 head k={k}"] = {**head, "num_draft_tokens": k if k == "auto" else int(k)}
+        made[f"EAGLE-3 head k={k}"] = {**head, "num_draft_tokens": k}  # "1" or "auto": as --k
     made["self-draft 3-bit"] = {"drafter": "model", "draft_bits": 3}
     made["self-draft 4-bit"] = {"drafter": "model", "draft_bits": 4}
     if args.lora:

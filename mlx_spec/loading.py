@@ -218,7 +218,8 @@ def is_downloaded(name: str) -> bool:
     if name.startswith("package:"):  # a model file, or a head's folder (the demo's)
         for directory in (False, True):
             try:
-                return package_file(name, directory).exists()
+                package_file(name, directory)  # raises unless it is there
+                return True
             except SpecError:
                 continue
         return False
