@@ -23,6 +23,7 @@ from pathlib import Path
 import mlx_spec  # noqa: F401  (first: it loads OpenBLAS before mlx)
 from mlx_spec.bench import run_mlx_lm, run_mlx_spec
 from mlx_spec.engine import encode_prompt
+from mlx_spec.errors import SpecError
 from mlx_spec.loading import load_pair, pair_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,10 +65,17 @@ def main(argv=None) -> int:
 
     temps = [float(t) for t in args.temps.split(",")]
     prompts = [line.strip() for line in PROMPTS.read_text().splitlines() if line.strip()]
+    try:  # a bad --head-k, --head or --lora: one line, exit 2, before anything loads
+        configs = {
+            name: pair_config(DEMO, **changes) for name, changes in configurations(args).items()
+        }
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     pairs = {}
-    for name, changes in configurations(args).items():
+    for name, config in configs.items():
         print(f"loading {name}…", file=sys.stderr)
-        pairs[name] = load_pair(pair_config(DEMO, **changes))
+        pairs[name] = load_pair(config)
     names = ["mlx-lm plain", *pairs]
     runs = []  # (name, temperature, prompt index, run index, Run)
     for r in range(args.runs):
