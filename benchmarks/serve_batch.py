@@ -1,7 +1,8 @@
 """Concurrent streaming clients against four servers, interleaved (issue 25, item 6).
 
 Servers, all on the same pair (default smollm2-self: SmolLM2 135M drafted by itself at 4 bits;
-the README's figures were measured on it, as smollm2-demo before the demo pair shipped a head):
+the README's first figures were measured on it, as smollm2-demo before the demo pair shipped a
+head; `--pair smollm2-demo --num-draft-tokens 1` measures the head pair, which batches plainly):
 - mlx-spec serial: `mlx-spec serve --max-batch 1` (one stream at a time, drafting: today's);
 - mlx-spec batched: `mlx-spec serve --max-batch 8` (a batch that still drafts);
 - mlx-lm batched: `python -m mlx_lm.server` on the target alone (its BatchGenerator);
@@ -57,8 +58,10 @@ def write_mlx_dirs(pair_name: str, root: Path) -> tuple[Path, Path]:
     from mlx_spec import load_pair
 
     pair = load_pair(pair_name)
-    out = []
-    for role, model in (("target", pair.target), ("draft", pair.draft)):
+    out = [None, None]  # a pair that drafts with a head has no draft model to write
+    for i, (role, model) in enumerate((("target", pair.target), ("draft", pair.draft))):
+        if model is None:
+            continue
         path = root / role
         path.mkdir(parents=True, exist_ok=True)
         config = {k: v for k, v in asdict(model.args).items() if v is not None}
@@ -70,7 +73,7 @@ def write_mlx_dirs(pair_name: str, root: Path) -> tuple[Path, Path]:
         mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
         (path / "config.json").write_text(json.dumps(config, indent=2))
         pair.tokenizer._tokenizer.save_pretrained(str(path))
-        out.append(path)
+        out[i] = path
     return out[0], out[1]
 
 
@@ -219,11 +222,12 @@ def main():
         "mlx-spec serial": (spec + ["--max-batch", "1"], args.pair),
         "mlx-spec batched": (spec + ["--max-batch", "8"], args.pair),
         "mlx-lm batched (no draft)": (lm, str(target)),
-        "mlx-lm draft (serial)": (
+    }
+    if draft is not None:  # (a head pair: mlx-lm's server has no heads)
+        servers["mlx-lm draft (serial)"] = (
             lm + ["--draft-model", str(draft), "--num-draft-tokens", mlx_lm_k],
             str(target),
-        ),
-    }
+        )
     skip = [name.strip() for name in args.skip.split(",") if name.strip()]
     servers = {n: v for n, v in servers.items() if not any(n.startswith(x) for x in skip)}
     procs, urls = {}, {}

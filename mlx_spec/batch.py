@@ -666,11 +666,13 @@ class BatchDecoder:
 # ------------------------------------------------------------------------------ the API layer
 
 
-def make_batch_decoder(pair, num_draft_tokens=None) -> BatchDecoder:
-    """A BatchDecoder over a loaded pair; refuses (SpecError) what cannot be batched yet."""
+def make_batch_decoder(pair, num_draft_tokens=None, plain: bool = False) -> BatchDecoder:
+    """A BatchDecoder over a loaded pair; refuses (SpecError) what cannot be batched yet.
+    `plain`: no drafts at all (continuous batching of the target), as the server batches a
+    pair whose drafter a batch cannot take (a head)."""
     if getattr(pair, "link", None) is not None:
         raise SpecError("a target sharded over several machines cannot be batched yet")
-    kind = pair.config.drafter
+    kind = None if plain else pair.config.drafter
     if kind is not None and kind not in BATCHED_KINDS:
         raise SpecError(
             f"the {kind} drafter is not batched yet (batches draft with: "

@@ -241,6 +241,9 @@ class Decoder:
         `sequence` it holds), or None (the drafter starts over at the next prefill)."""
         self.cache, self.sequence, self.unfed = cache, list(sequence), 1
         self.stale = self.active = False
+        # a head reads the target's layers, which a batch row does not keep: the next
+        # drafting prefill starts over, as after a reply decoded without drafts
+        self.hidden_gap = bool(self.hidden_layers)
         if self.drafter is not None:
             self.drafter.reset()
             if draft is not None:

@@ -631,8 +631,15 @@ def test_request_timeout_is_504(slow):
     assert info.value.body["code"] == "request_timeout"
 
 
-def test_sigterm_finishes_the_running_request_then_exits_cleanly(slow):
-    proc, url = slow
+@pytest.fixture
+def draining(long_model, tmp_path):
+    """A server of its own (the test stops it), its request timeout long enough for a 300-token
+    reply on a slow machine (with `slow`'s 2 s that reply timed out on a 2-core one)."""
+    yield from slow_server(long_model, tmp_path, request_timeout=60)
+
+
+def test_sigterm_finishes_the_running_request_then_exits_cleanly(draining):
+    proc, url = draining
     stream = slow_client(url).completions.create(
         model="long", prompt="The", max_tokens=300, stream=True, temperature=0
     )

@@ -11,6 +11,7 @@ for the batch to finish and run single-stream, still equal to `generate`.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import subprocess
 import sys
@@ -25,6 +26,8 @@ from test_server import metrics as read_metrics
 from test_server import serving
 
 from mlx_spec import generate, load_pair
+from test_eagle import head_weights, subset
+from test_eagle import write_head as write_eagle
 from mlx_spec.processors import make_processors
 
 KEY_A, KEY_B = "key-a", "key-b"
@@ -285,6 +288,77 @@ def test_rows_look_up_only_their_own_text(models, pair):
         assert metrics(url)["mlx_spec_batch_size_max"] >= 2  # the probes shared her passes
         alice.close()
     assert beside == alone
+
+
+@pytest.fixture(scope="module")
+def head_server(models):
+    """The long target drafted by a random EAGLE-3 head (k fixed at 3), --max-batch 4: heads
+    are not batched, so requests that queue together batch plainly."""
+    root, target, _ = models
+    head = root / "eagle3"
+    cfg = json.loads((target / "config.json").read_text())
+    write_eagle(head, cfg, head_weights(cfg, subset(VOCAB, 96, 1), seed=5, embed=False))
+    args = ["--target", str(target), "--drafter", "eagle3", "--head", str(head),
+            "--num-draft-tokens", str(K), "--max-batch", "4", "--api-key", KEY_A]  # fmt: skip
+    log = root / "head_server"
+    log.mkdir()
+    with serving(args, log) as (_, url):
+        yield url, head, log
+
+
+def test_a_head_pair_drafts_alone_and_batches_plainly_when_requests_queue(head_server, pair):
+    """The default demo pair drafts with a head, which a batch cannot take. A lone request
+    drafts with it; requests that queue while one runs share one plain batch, but a seeded
+    sampled one runs alone (its samples stay the same); the turn after a batched one drafts
+    again from a fresh prefill (a batch row keeps none of the target layers a head reads).
+    Every greedy reply is the target's."""
+    url, head, log = head_server
+    assert "requests that queue together batch without drafts" in (log / "stderr.log").read_text()
+    lone = streamed(url, KEY_A, "chat", PROMPTS[0], temperature=0)  # nobody beside it
+    assert lone["text"] == generate(pair, chat(PROMPTS[0]), max_tokens=TOKENS, temperature=0).text
+    assert lone["spec"]["batched"] is False and lone["spec"]["drafter"] == "eagle3"
+    assert lone["spec"]["drafted"] > 0
+    anchor = client(url).completions.create(
+        model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
+    )
+    next(iter(anchor))  # the anchor drafts alone; the next ones queue behind it
+    seeded = {"temperature": 0.8, "seed": 7}
+    jobs = [(text, {"temperature": 0}) for text in PROMPTS[1:]] + [(PROMPTS[0], seeded)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = []
+        for i, (text, kw) in enumerate(jobs):  # one by one: the queue's order is known
+            futures.append(pool.submit(streamed, url, KEY_A, "chat", text, **kw))
+            wait_until(lambda n=i + 1: metrics(url)["mlx_spec_queue_waiting"] == n, "no queue")
+        anchor.close()  # the three greedy requests start together, then the seeded one
+        queued = [f.result() for f in futures]
+    for (text, _), got in zip(jobs[:3], queued[:3], strict=True):
+        expected = generate(pair, chat(text), max_tokens=TOKENS, temperature=0).text
+        assert got["text"] == expected
+        assert got["spec"]["batched"] is True and got["spec"]["drafted"] == 0
+        assert got["tokens"] == TOKENS
+    assert metrics(url)["mlx_spec_batch_size_max"] == 3
+    # a seeded sampled request is never batched plainly: alone it drafts, and samples what
+    # it samples every time it is sent alone
+    head_pair = load_pair(
+        target=str(pair.config.target), drafter="eagle3", head=str(head), num_draft_tokens=K
+    )
+    alone = generate(head_pair, chat(PROMPTS[0]), max_tokens=TOKENS, **seeded)
+    assert queued[3]["text"] == alone.text and queued[3]["spec"]["batched"] is False
+    assert queued[3]["spec"]["drafted"] > 0
+    # the conversation of a batched reply goes on alone: its row kept none of the layers the
+    # head reads, so the prefill starts over and the head drafts again
+    messages = [
+        *chat(PROMPTS[1]),
+        {"role": "assistant", "content": queued[0]["text"]},
+        {"role": "user", "content": "And then?"},
+    ]
+    expected = generate(pair, messages, max_tokens=TOKENS, temperature=0).text
+    r = client(url).chat.completions.create(
+        model="long", messages=messages, max_tokens=TOKENS, temperature=0
+    )
+    assert r.choices[0].message.content == expected
+    assert r.model_extra["speculation"]["batched"] is False
+    assert r.model_extra["speculation"]["drafted"] > 0
 
 
 @pytest.mark.parametrize("value", ["0", "-3"])

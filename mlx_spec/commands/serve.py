@@ -103,7 +103,8 @@ def setup_arg_parser(parser):
         type=positive_int,
         default=DEFAULT_MAX_BATCH,
         help=f"requests decoded together in one batch that still drafts (default"
-        f" {DEFAULT_MAX_BATCH}: one at a time). Pairs or requests a batch cannot take run alone",
+        f" {DEFAULT_MAX_BATCH}: one at a time). Requests a batch cannot take run alone; a pair"
+        " whose drafter a batch cannot take (a head) batches without drafts, a lone request drafts",
     )
     g.add_argument(
         "--request-timeout", type=seconds, default=600.0, help="seconds, queue wait included"
@@ -276,12 +277,20 @@ def main(args):
     url = f"http://{f'[{host}]' if ':' in host else host}:{bound}/v1"
     history = "on" if engine.history is not None else "off"
     batch = f"batch {args.max_batch}" if engine.batch is not None else "not batched"
+    if engine.batch_plain:
+        batch += ", plain: a request alone drafts"
     print(
         f"mlx-spec serve: {name} (drafter {engine.drafter}, history lookup {history}, {batch})"
         f" on {url}"
     )
     if engine.batch is None and args.max_batch > 1:
         print(f"mlx-spec serve: not batched: {one_line(engine.batch_refusal)}", file=sys.stderr)
+    elif engine.batch_plain:  # why concurrent requests decode without drafts
+        print(
+            f"mlx-spec serve: requests that queue together batch without drafts: "
+            f"{one_line(engine.batch_refusal)}",
+            file=sys.stderr,
+        )
     sys.stdout.flush()
     # uvicorn re-raises the signal that stopped it once it is done; after a graceful
     # shutdown that must not kill the process before the engine thread is joined

@@ -5,7 +5,9 @@ Requests queue and one thread decodes: one stream at a time (single-stream decod
 memory-bound regime speculation is for), or, with --max-batch N and a pair that batches, up to N
 requests together as rows of one `batch.BatchDecoder` that still drafts (`_serve_batch`): rows
 join between rounds as they are taken from the queue and leave as they finish. A request the
-batch cannot take waits until the running rows finish, then runs alone. A batched row starts
+batch cannot take waits until the running rows finish, then runs alone. A pair whose drafter a
+batch cannot take (a head: EAGLE-3, DFlash, MTP) batches plainly, without drafts: a request
+that finds no other waiting drafts alone; requests that queue together share plain passes. A batched row starts
 from its partition's kept decoder as a single stream does (only new tokens are prefilled) and
 gives its caches back when it leaves; its lookup searches its own text and its partition's
 history, as a single stream does.
@@ -60,6 +62,10 @@ from .protocol import ApiError, GenRequest, speculation, usage
 from .stops import StopText
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the batch-size histogram's upper bounds
+# How long a lone request to a pair that batches only plainly waits for company before it
+# drafts alone: requests a client sends together arrive within milliseconds of each other
+# here, and 30 ms is a quarter of one token of the demo target on this CPU.
+JOIN_WAIT = 0.03
 
 
 @dataclass
@@ -226,7 +232,8 @@ class Engine:
         self.raw_reasoning = raw_reasoning  # think text stays in content
         self.max_batch = max_batch  # 1: one stream at a time
         self.batch = None  # the resident pair's BatchDecoder, when it batches
-        self.batch_refusal = "--max-batch 1"  # why the pair is not batched
+        self.batch_plain = False  # it batches without drafts (the pair's drafter cannot)
+        self.batch_refusal = "--max-batch 1"  # why the pair is not batched (or not drafted)
         self.metrics = Metrics()
         self.queues: dict[str, deque] = {}  # partition -> its waiting jobs
         self.turns: deque = deque()  # partitions with waiting jobs, next to serve first
@@ -248,12 +255,18 @@ class Engine:
         self.pair, self.name = pair, name
         self.history = self._new_history()
         self.cache = PromptCache(pair, self.prompt_cache_bytes, self.history)
-        self.batch = None
+        self.batch, self.batch_plain = None, False
         if pair is not None and self.max_batch > 1:
             try:  # checked once: the caches' kinds and the drafter's (batch.BATCHED_KINDS)
                 self.batch = make_batch_decoder(pair)
             except SpecError as err:
                 self.batch_refusal = str(err)
+            if self.batch is None and pair.speculative:
+                try:  # a drafter a batch cannot take: its target may still batch plainly
+                    self.batch, self.batch_plain = make_batch_decoder(pair, plain=True), True
+                    self.batch_refusal = f"the {pair.config.drafter} drafter is not batched yet"
+                except SpecError as err:
+                    self.batch_refusal = str(err)
 
     def _new_history(self) -> HistoryIndex | None:
         """A history for lookup across requests, when the drafter kind uses one."""
@@ -432,6 +445,19 @@ class Engine:
             self.running.append(job)
             return job
 
+    def _joined(self) -> bool:
+        """Whether a batchable job waits beside the one just taken, or comes within JOIN_WAIT
+        (clients that start together): a plain batch then serves them at once, where alone the
+        first would draft and the others wait for its whole reply."""
+        deadline = time.monotonic() + JOIN_WAIT
+        with self.ready:
+            while not self.turns and not self.closing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.ready.wait(left)
+            return bool(self.turns) and self.batchable(self.queues[self.turns[0]][0].request)
+
     def _done(self, job: Job) -> None:
         with self.lock:
             if job in self.running:
@@ -469,7 +495,7 @@ class Engine:
             if job is None:
                 return
             start = time.monotonic()
-            batched = self.batchable(job.request)
+            batched = self.batchable(job.request) and (not self.batch_plain or self._joined())
             try:
                 if batched:
                     self._serve_batch(job)
@@ -594,8 +620,13 @@ class Engine:
 
     def batchable(self, req: GenRequest) -> bool:
         """Whether this request may join the batch: the resident pair batches, and it asks
-        for nothing a batch row cannot do yet (processors, logprobs, constraints, a swap)."""
+        for nothing a batch row cannot do yet (processors, logprobs, constraints, a swap). In
+        a plain batch (a head pair) a seeded sampled request is not batched: alone it drafts,
+        and its samples are the ones it gets every time only if it always runs alone."""
         if self.batch is None or req.model != self.name:
+            return False
+        config = req.generation
+        if self.batch_plain and config.seed is not None and not config.sampling.greedy:
             return False
         forced_tool = req.kind == "chat" and req.tools and req.tool_choice not in ("auto", "none")
         return (
@@ -633,7 +664,7 @@ class Engine:
                 row.job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
                 self._done(row.job)
             self.metrics.batch_size = 0
-            self.batch = make_batch_decoder(self.pair)
+            self.batch = make_batch_decoder(self.pair, plain=self.batch_plain)
 
     def _admit(self, job: Job, live: dict) -> None:
         """Prefill a job's prompt and add it to the batch (or answer it: left, late, bad).
