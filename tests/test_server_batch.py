@@ -22,12 +22,12 @@ import pytest
 import tiny
 from conftest import VOCAB
 from real_configs import _llama3_rope
+from test_eagle import head_weights, subset
+from test_eagle import write_head as write_eagle
 from test_server import metrics as read_metrics
 from test_server import serving
 
 from mlx_spec import generate, load_pair
-from test_eagle import head_weights, subset
-from test_eagle import write_head as write_eagle
 from mlx_spec.processors import make_processors
 
 KEY_A, KEY_B = "key-a", "key-b"

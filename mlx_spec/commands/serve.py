@@ -103,7 +103,7 @@ def setup_arg_parser(parser):
         type=positive_int,
         default=DEFAULT_MAX_BATCH,
         help=f"requests decoded together in one batch that still drafts (default"
-        f" {DEFAULT_MAX_BATCH}: one at a time). Requests a batch cannot take run alone; a pair"
+        f" {DEFAULT_MAX_BATCH}; 1: one at a time). Requests a batch cannot take run alone; a pair"
         " whose drafter a batch cannot take (a head) batches without drafts, a lone request drafts",
     )
     g.add_argument(
