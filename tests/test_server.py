@@ -569,11 +569,11 @@ def queueing(long_model, tmp_path_factory):
     yield from slow_server(long_model, tmp_path_factory.mktemp("queueing"), request_timeout=60)
 
 
-def slow_server(path, root, request_timeout: float):
+def slow_server(path, root, request_timeout: float, shutdown_timeout: float = 8):
     args = [
         "--target", str(path), "--no-draft", "--max-queue", str(SLOW_QUEUE), "--max-batch", "1",
         "--request-timeout", str(request_timeout),
-        "--shutdown-timeout", "8",
+        "--shutdown-timeout", str(shutdown_timeout),
     ]  # fmt: skip
     with serving(args, root) as (proc, url):
         yield proc, url
@@ -633,9 +633,10 @@ def test_request_timeout_is_504(slow):
 
 @pytest.fixture
 def draining(long_model, tmp_path):
-    """A server of its own (the test stops it), its request timeout long enough for a 300-token
-    reply on a slow machine (with `slow`'s 2 s that reply timed out on a 2-core one)."""
-    yield from slow_server(long_model, tmp_path, request_timeout=60)
+    """A server of its own (the test stops it), its request timeout and shutdown grace long
+    enough for a 300-token reply on a slow machine (with `slow`'s 2 s that reply timed out on a
+    2-core one)."""
+    yield from slow_server(long_model, tmp_path, request_timeout=60, shutdown_timeout=40)
 
 
 def test_sigterm_finishes_the_running_request_then_exits_cleanly(draining):

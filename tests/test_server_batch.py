@@ -323,7 +323,9 @@ def test_a_head_pair_drafts_alone_and_batches_plainly_when_requests_queue(head_s
     )
     next(iter(anchor))  # the anchor drafts alone; the next ones queue behind it
     seeded = {"temperature": 0.8, "seed": 7}
-    jobs = [(text, {"temperature": 0}) for text in PROMPTS[1:]] + [(PROMPTS[0], seeded)]
+    short = 4  # the first row's reply: its prompt is most of what its caches hold
+    jobs = [(PROMPTS[1], {"temperature": 0, "max_tokens": short})]
+    jobs += [(text, {"temperature": 0}) for text in PROMPTS[2:]] + [(PROMPTS[0], seeded)]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = []
         for i, (text, kw) in enumerate(jobs):  # one by one: the queue's order is known
@@ -331,11 +333,12 @@ def test_a_head_pair_drafts_alone_and_batches_plainly_when_requests_queue(head_s
             wait_until(lambda n=i + 1: metrics(url)["mlx_spec_queue_waiting"] == n, "no queue")
         anchor.close()  # the three greedy requests start together, then the seeded one
         queued = [f.result() for f in futures]
-    for (text, _), got in zip(jobs[:3], queued[:3], strict=True):
-        expected = generate(pair, chat(text), max_tokens=TOKENS, temperature=0).text
-        assert got["text"] == expected
+    for (text, kw), got in zip(jobs[:3], queued[:3], strict=True):
+        settings = {"max_tokens": TOKENS, **kw}
+        assert got["text"] == generate(pair, chat(text), **settings).text
         assert got["spec"]["batched"] is True and got["spec"]["drafted"] == 0
-        assert got["tokens"] == TOKENS
+        assert got["spec"]["drafter"] == "none"  # a plain row: the head could not draft
+        assert got["tokens"] == settings["max_tokens"]
     assert metrics(url)["mlx_spec_batch_size_max"] == 3
     # a seeded sampled request is never batched plainly: alone it drafts, and samples what
     # it samples every time it is sent alone
@@ -345,20 +348,13 @@ def test_a_head_pair_drafts_alone_and_batches_plainly_when_requests_queue(head_s
     alone = generate(head_pair, chat(PROMPTS[0]), max_tokens=TOKENS, **seeded)
     assert queued[3]["text"] == alone.text and queued[3]["spec"]["batched"] is False
     assert queued[3]["spec"]["drafted"] > 0
-    # the conversation of a batched reply goes on alone: its row kept none of the layers the
-    # head reads, so the prefill starts over and the head drafts again
-    messages = [
-        *chat(PROMPTS[1]),
-        {"role": "assistant", "content": queued[0]["text"]},
-        {"role": "user", "content": "And then?"},
-    ]
-    expected = generate(pair, messages, max_tokens=TOKENS, temperature=0).text
-    r = client(url).chat.completions.create(
-        model="long", messages=messages, max_tokens=TOKENS, temperature=0
-    )
-    assert r.choices[0].message.content == expected
-    assert r.model_extra["speculation"]["batched"] is False
-    assert r.model_extra["speculation"]["drafted"] > 0
+    # the first row's prompt again, alone: it starts from the caches that row handed back,
+    # which hold none of the layers the head reads, so its prefill starts over (nothing
+    # reused) and the head drafts again
+    again = streamed(url, KEY_A, "chat", PROMPTS[1], temperature=0)
+    assert again["text"] == generate(pair, chat(PROMPTS[1]), max_tokens=TOKENS).text
+    assert again["spec"]["batched"] is False and again["spec"]["drafted"] > 0
+    assert again["spec"]["prompt_tokens_reused"] == 0
 
 
 @pytest.mark.parametrize("value", ["0", "-3"])

@@ -44,7 +44,7 @@ from jinja2 import TemplateError
 from mlx_lm.utils import common_prefix_len
 
 from .. import caches
-from ..batch import into_decoder, make_batch_decoder
+from ..batch import BATCHED_KINDS, into_decoder, make_batch_decoder
 from ..engine import (
     EventMaker,
     constraint_for,
@@ -261,7 +261,7 @@ class Engine:
                 self.batch = make_batch_decoder(pair)
             except SpecError as err:
                 self.batch_refusal = str(err)
-            if self.batch is None and pair.speculative:
+            if self.batch is None and pair.speculative and pair.config.drafter not in BATCHED_KINDS:
                 try:  # a drafter a batch cannot take: its target may still batch plainly
                     self.batch, self.batch_plain = make_batch_decoder(pair, plain=True), True
                     self.batch_refusal = f"the {pair.config.drafter} drafter is not batched yet"
@@ -445,18 +445,23 @@ class Engine:
             self.running.append(job)
             return job
 
-    def _joined(self) -> bool:
-        """Whether a batchable job waits beside the one just taken, or comes within JOIN_WAIT
-        (clients that start together): a plain batch then serves them at once, where alone the
-        first would draft and the others wait for its whole reply."""
-        deadline = time.monotonic() + JOIN_WAIT
+    def _companion(self) -> Job | None:
+        """A batchable job waiting beside the one just taken, or coming within JOIN_WAIT
+        (clients that start together), taken from the queue: a plain batch then serves them
+        at once, where alone the first would draft and the others wait for its whole reply.
+        With --max-queue 0 nothing can wait beside a running job: no wait."""
+        deadline = time.monotonic() + (JOIN_WAIT if self.max_queue else 0.0)
         with self.ready:
             while not self.turns and not self.closing:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return False
+                    return None
                 self.ready.wait(left)
-            return bool(self.turns) and self.batchable(self.queues[self.turns[0]][0].request)
+            if self.closing or not self.batchable(self.queues[self.turns[0]][0].request):
+                return None
+            job = self._pop()
+            self.running.append(job)
+            return job
 
     def _done(self, job: Job) -> None:
         with self.lock:
@@ -495,10 +500,15 @@ class Engine:
             if job is None:
                 return
             start = time.monotonic()
-            batched = self.batchable(job.request) and (not self.batch_plain or self._joined())
+            batched = False
             try:
+                batched = self.batchable(job.request)
+                companion = None
+                if batched and self.batch_plain:  # alone, the request drafts
+                    companion = self._companion()
+                    batched = companion is not None
                 if batched:
-                    self._serve_batch(job)
+                    self._serve_batch(job, companion)
                 else:
                     self._serve(job)
             finally:
@@ -636,12 +646,13 @@ class Engine:
             and not make_processors(**req.penalties)
         )
 
-    def _serve_batch(self, first: Job) -> None:
-        """Serve `first` and every batchable job queued while it runs in one BatchDecoder,
-        up to max_batch rows, until no row is left. The queue is served in its order: when
-        the next job cannot be batched, no more rows join; it runs alone once these finish."""
+    def _serve_batch(self, first: Job, second: Job | None = None) -> None:
+        """Serve `first` (and `second`, already taken) and every batchable job queued while
+        they run in one BatchDecoder, up to max_batch rows, until no row is left. The queue is
+        served in its order: when the next job cannot be batched, no more rows join; it runs
+        alone once these finish."""
         live: dict[int, BatchRow] = {}
-        pending = [first]
+        pending = [second, first] if second is not None else [first]
         try:
             while True:
                 while len(live) < self.max_batch:
@@ -660,9 +671,10 @@ class Engine:
                 self._round(live)
         except Exception as err:  # a bug: every row answers 500; the next batch starts anew
             traceback.print_exc(file=sys.stderr)
-            for row in live.values():
-                row.job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
-                self._done(row.job)
+            error = ApiError(500, f"internal error: {type(err).__name__}: {err}")
+            for job in [row.job for row in live.values()] + pending:  # (taken, not admitted)
+                job.put("error", error)
+                self._done(job)
             self.metrics.batch_size = 0
             self.batch = make_batch_decoder(self.pair, plain=self.batch_plain)
 
@@ -742,7 +754,10 @@ class Engine:
         _, history = self._partition(row.job.request.partition)
         if history is not None:  # later single-stream requests may draft from it
             history.add(row.sequence)
-        spec = speculation(row.stats, self.drafter, history is not None)
+        if self.batch_plain:  # the row could not draft: the pair's drafter is not batched
+            spec = speculation(row.stats, "none", False)
+        else:
+            spec = speculation(row.stats, self.drafter, history is not None)
         spec["batched"] = True
         self._conclude(row.reply, row.stats, spec)
         self.recent_seconds = [*self.recent_seconds[-7:], time.monotonic() - row.started]
