@@ -457,11 +457,7 @@ class Engine:
                 if left <= 0:
                     return None
                 self.ready.wait(left)
-            if self.closing or not self.batchable(self.queues[self.turns[0]][0].request):
-                return None
-            job = self._pop()
-            self.running.append(job)
-            return job
+            return self._take_batchable()  # (the lock is reentrant)
 
     def _done(self, job: Job) -> None:
         with self.lock:
