@@ -8,6 +8,7 @@ temperature), tokens per target pass, and whether its greedy output is the plain
 
     flock /tmp/bench.lock python benchmarks/demo_drafters.py            # the shipped head
     flock /tmp/bench.lock python benchmarks/demo_drafters.py --head DIR # another head
+    flock /tmp/bench.lock python benchmarks/demo_drafters.py --head A --head B  # two, side by side
     # with a LoRA self-draft from `mlx-spec distill --pair smollm2-self --draft-bits 3`:
     flock /tmp/bench.lock python benchmarks/demo_drafters.py --lora ADAPTER
 """
@@ -34,11 +35,15 @@ DEMO = "smollm2-demo"
 def configurations(args) -> dict[str, dict]:
     """name -> pair_config keywords (over the demo target)."""
     made = {"plain": {"skip_draft": True}}
-    # the demo pair's own head (shipped in the package) unless --head names another, at each
-    # draft length of --head-k
-    head = {"drafter": "eagle3", "head": args.head} if args.head else {}
-    for k in args.head_k.split(","):
-        made[f"EAGLE-3 head k={k}"] = {**head, "num_draft_tokens": k}  # "1" or "auto": as --k
+    # the demo pair's own head (shipped in the package) unless --head names others, at each
+    # draft length of --head-k; two heads or more are told apart by their folder's name
+    heads = args.head or [None]
+    for where in heads:
+        head = {"drafter": "eagle3", "head": where} if where else {}
+        label = f" {Path(where).name}" if len(heads) > 1 else ""
+        for k in args.head_k.split(","):
+            # k "1" or "auto": as --k
+            made[f"EAGLE-3 head{label} k={k}"] = {**head, "num_draft_tokens": k}
     made["self-draft 3-bit"] = {"drafter": "model", "draft_bits": 3}
     made["self-draft 4-bit"] = {"drafter": "model", "draft_bits": 4}
     if args.lora:
@@ -53,7 +58,11 @@ def configurations(args) -> dict[str, dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--head", help="an EAGLE-3 head directory (default: the demo's shipped head)")
+    p.add_argument(
+        "--head",
+        action="append",
+        help="an EAGLE-3 head directory (default: the demo's shipped head); again for another",
+    )
     p.add_argument("--head-k", default="auto", help="the head's draft lengths, e.g. 1,auto")
     p.add_argument("--lora", help="a LoRA adapter for the 3-bit self-draft")
     p.add_argument("--temps", default="0,0.7")
@@ -75,7 +84,11 @@ def main(argv=None) -> int:
     pairs = {}
     for name, config in configs.items():
         print(f"loading {name}…", file=sys.stderr)
-        pairs[name] = load_pair(config)
+        try:  # a --head that is not a head folder: one line too
+            pairs[name] = load_pair(config)
+        except SpecError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     names = ["mlx-lm plain", *pairs]
     runs = []  # (name, temperature, prompt index, run index, Run)
     for r in range(args.runs):

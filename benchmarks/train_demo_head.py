@@ -63,6 +63,41 @@ TEMPLATES = [
     "Summarise the history of {s} in a few sentences.",
     "Write a short story that involves {s}.",
 ]
+# chat's own forms (how do I, what is a good way to, some tips for ...) over everyday
+# activities: the templates above ask about things, chat asks how to do them
+# fmt: off
+ACTIVITIES = [
+    "cooking dinner on a budget", "running a first 5k", "keeping a journal", "learning to swim",
+    "planting a vegetable garden", "painting a bedroom", "training a puppy", "making new friends",
+    "studying for an exam", "speaking up in meetings", "waking up earlier", "drinking more water",
+    "reading more books", "cleaning the kitchen", "organising a closet", "planning a road trip",
+    "packing for a flight", "learning to draw", "practising the piano", "baking cookies",
+    "writing a resume", "preparing for a job interview", "asking for a raise", "starting a blog",
+    "learning to code", "fixing a flat bicycle tyre", "keeping houseplants alive", "meal prepping",
+    "saving for a holiday", "paying off a credit card", "choosing a laptop", "backing up photos",
+    "making a website", "learning to knit", "hosting a dinner party", "moving to a new city",
+    "sleeping better", "reducing screen time", "staying calm before a test", "taking better notes",
+    "giving a toast at a wedding", "writing a short story", "starting to meditate",
+    "brewing good coffee at home", "teaching a child to read", "decorating a small apartment",
+    "walking more every day", "learning chess openings", "cutting down on sugar",
+    "making a weekly budget", "writing a thank-you letter", "negotiating rent",
+    "remembering names", "getting over a cold", "working with a difficult coworker",
+    "keeping a tidy desk", "learning to cook pasta", "volunteering in my town",
+    "taking photos with a phone", "preparing a presentation", "stretching after exercise",
+]
+# fmt: on
+CHAT_TEMPLATES = [
+    "How do I get better at {s}?",
+    "What is a good way to start {s}?",
+    "What are some tips for {s}?",
+    "How can I make {s} easier?",
+    "What mistakes do beginners make when {s}?",
+    "I want to try {s}. Where should I begin?",
+    "Can you give me a simple plan for {s}?",
+    "Why is {s} so hard for me?",
+    "What should I know before {s}?",
+    "How long does it take to get good at {s}?",
+]
 EXTRA = [
     "Write a Python function that adds two numbers.",
     "Write a Python function that counts the vowels in a string.",
@@ -83,10 +118,13 @@ EXTRA = [
 ]
 
 
-def corpus(count: int, seed: int = 0) -> list[str]:
-    """`count` distinct prompts, none of them a held-out bench prompt."""
+def corpus(count: int, seed: int = 0, chat_forms: bool = False) -> list[str]:
+    """`count` distinct prompts, none of them a held-out bench prompt; `chat_forms` adds the
+    CHAT_TEMPLATES over ACTIVITIES to the pool (not the shipped head's recipe: not yet run)."""
     held = {line.strip() for line in HELD_OUT.read_text().splitlines() if line.strip()}
     made = [t.format(s=s) for t, s in itertools.product(TEMPLATES, SUBJECTS)]
+    if chat_forms:
+        made += [t.format(s=s) for t, s in itertools.product(CHAT_TEMPLATES, ACTIVITIES)]
     random.Random(seed).shuffle(made)
     prompts = [p for p in [*BUILTIN_PROMPTS, *EXTRA, *made] if p not in held]
     return list(dict.fromkeys(prompts))[:count]
@@ -110,6 +148,11 @@ def main(argv=None) -> int:
     p.add_argument("--reply-tokens", type=int, default=160, help="tokens of each reply")
     # then 3 draft steps, not 7: in equal time 0.308 against 0.251 held-out at step 1 (README)
     p.add_argument("--ttt-steps", type=int, default=3, help="draft steps trained after warm-up")
+    p.add_argument(
+        "--chat-forms",
+        action="store_true",
+        help="also chat-style how-to prompts (313 of 1,000; not run end to end yet)",
+    )
     p.add_argument("--install", metavar="RUN", help="copy a finished run into the package")
     p.add_argument("--resume", action="store_true")
     args, rest = p.parse_known_args(argv)
@@ -119,7 +162,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = out.parent / f"{out.name}-prompts.txt"
-    data.write_text("\n".join(corpus(args.prompts)) + "\n")
+    data.write_text("\n".join(corpus(args.prompts, chat_forms=args.chat_forms)) + "\n")
     flags = [
         "distill", "--drafter", "eagle3", "--pair", "smollm2-demo", "--data", str(data),
         "--out", str(out), "--steps", str(args.steps), "--draft-vocab", "2048",
