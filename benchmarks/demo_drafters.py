@@ -36,11 +36,11 @@ def configurations(args) -> dict[str, dict]:
     """name -> pair_config keywords (over the demo target)."""
     made = {"plain": {"skip_draft": True}}
     # the demo pair's own head (shipped in the package) unless --head names others, at each
-    # draft length of --head-k; two heads or more are told apart by their folder's name
+    # draft length of --head-k; two heads or more are told apart by their paths as given
     heads = args.head or [None]
     for where in heads:
         head = {"drafter": "eagle3", "head": where} if where else {}
-        label = f" {Path(where).name}" if len(heads) > 1 else ""
+        label = f" {where}" if len(heads) > 1 else ""
         for k in args.head_k.split(","):
             # k "1" or "auto": as --k
             made[f"EAGLE-3 head{label} k={k}"] = {**head, "num_draft_tokens": k}
@@ -74,21 +74,19 @@ def main(argv=None) -> int:
 
     temps = [float(t) for t in args.temps.split(",")]
     prompts = [line.strip() for line in PROMPTS.read_text().splitlines() if line.strip()]
-    try:  # a bad --head-k, --head or --lora: one line, exit 2, before anything loads
+    # a bad --head-k or --lora: one line, exit 2, before anything loads; a --head that is not
+    # a head folder: one line when its pair loads
+    try:
         configs = {
             name: pair_config(DEMO, **changes) for name, changes in configurations(args).items()
         }
+        pairs = {}
+        for name, config in configs.items():
+            print(f"loading {name}…", file=sys.stderr)
+            pairs[name] = load_pair(config)
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    pairs = {}
-    for name, config in configs.items():
-        print(f"loading {name}…", file=sys.stderr)
-        try:  # a --head that is not a head folder: one line too
-            pairs[name] = load_pair(config)
-        except SpecError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
     names = ["mlx-lm plain", *pairs]
     runs = []  # (name, temperature, prompt index, run index, Run)
     for r in range(args.runs):
