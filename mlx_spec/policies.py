@@ -169,7 +169,10 @@ class Estimate:
         self.count += 1
 
 
-ACCEPT_MEMORY = 0.15  # weight of the newest round in the acceptance estimates (~7 rounds)
+ACCEPT_MEMORY = 0.15  # weight of the newest round in the reach and batch estimates (~7 rounds)
+# a draft position's acceptance: counts decayed by this per observation (~40 rounds of evidence)
+ACCEPT_DECAY = 0.95
+PRIOR_WEIGHT = 2.0  # ... plus this many pseudo-observations of the prior
 PLAIN_MEMORY = 0.1  # ... in a plain token's time (timed token by token)
 ROUND_MEMORY = 0.9  # decay per round of the round-time fit (~10 rounds)
 PRIOR_ACCEPTANCE = 0.6  # before a position has been seen
@@ -181,6 +184,30 @@ PROBE_MAX_INTERVAL = 256  # plain tokens between probes at most
 WARMUP_PLAIN = 4  # plain tokens that time a plain step at the start
 CALIBRATION_ROUNDS = 3  # first rounds whose draft and verify parts are timed apart
 EXPLORE_EVERY = 8  # drafting rounds between tries of a longer draft
+
+
+@dataclass
+class Rate:
+    """How often a draft position is accepted: decayed counts, shrunk toward a prior while
+    they are few, (hits + w * prior) / (seen + w). An exponential average over ~7 rounds swung
+    with every outcome: the demo's head, accepting ~32 %, read anywhere in 0.19-0.45 and the
+    controller paused on the dips (49 % of a reply plain, 1.06x against 1.17x at a fixed k = 1);
+    and a later position, seen only when the ones before it were accepted, kept its first
+    value for dozens of rounds. Here each position's prior is the position before it, so an
+    unseen or rarely seen position leans on the best evidence there is."""
+
+    decay: float = ACCEPT_DECAY
+    hits: float = 0.0
+    seen: float = 0.0
+    count: int = 0
+
+    def add(self, accepted: float) -> None:
+        self.hits = self.decay * self.hits + accepted
+        self.seen = self.decay * self.seen + 1.0
+        self.count += 1
+
+    def value(self, prior: float) -> float:
+        return (self.hits + PRIOR_WEIGHT * prior) / (self.seen + PRIOR_WEIGHT)
 
 
 @dataclass
@@ -218,17 +245,18 @@ class Controller:
     accepted_total: int = 0  # ... and accepted by the target
 
     def __post_init__(self):
-        self.accept = [Estimate(ACCEPT_MEMORY) for _ in range(self.k_max)]
+        self.accept = [Rate() for _ in range(self.k_max)]
         self.reach = [Estimate(ACCEPT_MEMORY) for _ in range(self.k_max)]
 
     # ------------------------------------------------------------------ the model of a round
 
     def acceptance(self, i: int) -> float:
-        """a_i for 0-based position i; an unseen position borrows from the one before."""
-        e = self.accept[i]
-        if e.count:
-            return e.value
-        return self.acceptance(i - 1) if i > 0 else PRIOR_ACCEPTANCE
+        """a_i for 0-based position i: its counts, shrunk toward the position before it (the
+        first toward PRIOR_ACCEPTANCE)."""
+        a = PRIOR_ACCEPTANCE
+        for rate in self.accept[: i + 1]:
+            a = rate.value(a)
+        return a
 
     def proposed(self, j: int) -> float:
         """R_j for 0-based position j: the chance a j-th draft token is proposed (given what
@@ -406,7 +434,6 @@ class Controller:
             self.reach[j].value = self._reach(j)
             self.reach[j].add(float(j < drafted))
         for i in range(min(drafted, verified + 1)):
-            self.accept[i].value = self.acceptance(i)
             self.accept[i].add(float(i < verified))
         if split is not None:
             draft_seconds, steps, verify_seconds, rows = split
@@ -449,7 +476,9 @@ class Controller:
             },
             "round_fit": {"base": rel(line[0]), "per_token": rel(line[1])} if line else None,
             "verify_curve": {n: rel(e.value) for n, e in sorted(self.verify.items())},
-            "acceptance": [round(e.value, 3) for e in self.accept if e.count],
+            "acceptance": [
+                round(self.acceptance(i), 3) for i, e in enumerate(self.accept) if e.count
+            ],
         }
 
 
