@@ -190,10 +190,10 @@ EXPLORE_EVERY = 8  # drafting rounds between tries of a longer draft
 class Rate:
     """How often a draft position is accepted: decayed counts, shrunk toward a prior while
     they are few, (hits + w * prior) / (seen + w). An exponential average over ~7 rounds swung
-    with every outcome: the demo's head, accepting ~32 %, read anywhere in 0.19-0.45 and the
-    controller paused on the dips (49 % of a reply plain, 1.06x against 1.17x at a fixed k = 1);
-    and a later position, seen only when the ones before it were accepted, kept its first
-    value for dozens of rounds. Here each position's prior is the position before it, so an
+    with every outcome (at 32 % acceptance its standard deviation is 0.13) and the controller
+    paused on the dips: the demo's head ran 49 % of a reply plain, 1.06x against 1.17x at a
+    fixed k = 1; and a later position, seen only when the ones before it were accepted, kept
+    its first value for dozens of rounds. Here each position's prior is the position before it, so an
     unseen or rarely seen position leans on the best evidence there is."""
 
     decay: float = ACCEPT_DECAY
