@@ -193,8 +193,8 @@ class Rate:
     with every outcome (at 32 % acceptance its standard deviation is 0.13) and the controller
     paused on the dips: the demo's head ran 49 % of a reply plain, 1.06x against 1.17x at a
     fixed k = 1; and a later position, seen only when the ones before it were accepted, kept
-    its first value for dozens of rounds. Here each position's prior is the position before it, so an
-    unseen or rarely seen position leans on the best evidence there is."""
+    its first value for dozens of rounds. Here each position's prior is the position before
+    it, so an unseen or rarely seen position leans on the best evidence there is."""
 
     decay: float = ACCEPT_DECAY
     hits: float = 0.0
