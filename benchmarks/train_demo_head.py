@@ -118,22 +118,15 @@ EXTRA = [
 ]
 
 
-def corpus(
-    count: int, seed: int = 0, chat_forms: bool = False, all_chat: bool = False
-) -> list[str]:
+def corpus(count: int, seed: int = 0, chat_forms: bool = False) -> list[str]:
     """`count` distinct prompts, none of them a held-out bench prompt; `chat_forms` adds the
     CHAT_TEMPLATES over ACTIVITIES to the pool (the shipped head's recipe: on the bench's chat
     prompts its head kept 41 % of k = 1 drafts, against 32 % for the same recipe without)."""
     held = {line.strip() for line in HELD_OUT.read_text().splitlines() if line.strip()}
     made = [t.format(s=s) for t, s in itertools.product(TEMPLATES, SUBJECTS)]
-    chat = [t.format(s=s) for t, s in itertools.product(CHAT_TEMPLATES, ACTIVITIES)]
-    if all_chat:  # every chat form first (610), the other templates fill the rest
-        random.Random(seed).shuffle(made)
-        random.Random(seed + 1).shuffle(chat)
-        made = chat + made
-    else:
-        made += chat if chat_forms else []
-        random.Random(seed).shuffle(made)
+    if chat_forms:
+        made += [t.format(s=s) for t, s in itertools.product(CHAT_TEMPLATES, ACTIVITIES)]
+    random.Random(seed).shuffle(made)
     prompts = [p for p in [*BUILTIN_PROMPTS, *EXTRA, *made] if p not in held]
     return list(dict.fromkeys(prompts))[:count]
 
@@ -162,11 +155,6 @@ def main(argv=None) -> int:
         default=True,
         help="chat-style how-to prompts in the corpus (313 of 1,000; the shipped head's recipe)",
     )
-    p.add_argument(
-        "--all-chat-forms",
-        action="store_true",
-        help="every chat form (610 of 1,000) before the other templates",
-    )
     p.add_argument("--install", metavar="RUN", help="copy a finished run into the package")
     p.add_argument("--resume", action="store_true")
     args, rest = p.parse_known_args(argv)
@@ -176,10 +164,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = out.parent / f"{out.name}-prompts.txt"
-    data.write_text(
-        "\n".join(corpus(args.prompts, chat_forms=args.chat_forms, all_chat=args.all_chat_forms))
-        + "\n"
-    )
+    data.write_text("\n".join(corpus(args.prompts, chat_forms=args.chat_forms)) + "\n")
     flags = [
         "distill", "--drafter", "eagle3", "--pair", "smollm2-demo", "--data", str(data),
         "--out", str(out), "--steps", str(args.steps), "--draft-vocab", "2048",
