@@ -8,7 +8,7 @@ decide, so the output stays exactly the target's whatever they choose.
 `Controller` (behind `auto`) picks k to maximise expected tokens per second from what this run
 measures: the wall time of a round for each k it tried (draft steps + the verify pass + the
 round's host work), the time of a plain decoding step, and the draft's acceptance per position
-with a memory of the last few rounds. When no k is expected to beat a plain step it decodes
+from decayed counts over ~40 rounds. When no k is expected to beat a plain step it decodes
 plainly and re-probes with a short draft now and then.
 """
 
