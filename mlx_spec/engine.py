@@ -723,6 +723,10 @@ def stream_rounds(
     tokens, max_tokens = prompt_tokens(pair, prompt, config)
     speculative = config.use_draft and pair.speculative
     processors = list(config.processors)
+    for p in processors:  # ids a processor indexes by must lie inside the vocabulary
+        check = getattr(p, "check_vocab", None)
+        if check is not None and pair.vocab_size is not None:
+            check(pair.vocab_size)
     forced = None
     if constraint is not None:
         grammar_state = constraint.processor(len(tokens))

@@ -25,6 +25,8 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from .errors import SpecError
+
 DEFAULT_CONTEXT = 20  # tokens a penalty looks back over, as mlx-lm's defaults
 
 
@@ -123,15 +125,34 @@ class LogitBias:
     """Additive bias per token id (OpenAI's `logit_bias`; -100 bans a token, +100 forces it)."""
 
     def __init__(self, bias: dict[int, float]):
-        self.ids = mx.array(list(bias), mx.int32)
-        self.values = mx.array(list(bias.values()), mx.float32)
-        self.empty = not bias
+        self.bias = {int(k): float(v) for k, v in bias.items()}
+        if any(k < 0 for k in self.bias):
+            raise SpecError(f"logit_bias keys must be token ids >= 0, got {min(self.bias)}")
+        self.max_id = max(self.bias, default=-1)
+        self.ids = mx.array(list(self.bias), mx.int32)
+        self.values = mx.array(list(self.bias.values()), mx.float32)
 
     def __bool__(self) -> bool:
-        return not self.empty
+        return bool(self.bias)
+
+    def check_vocab(self, vocab: int) -> None:
+        """Refuse ids past the target's vocabulary before anything runs: MLX does not
+        bounds-check a scatter, and one such id corrupted the server's heap."""
+        if self.max_id >= vocab:
+            raise SpecError(
+                f"logit_bias token id {self.max_id} is out of range: ids are [0, {vocab})"
+            )
 
     def __call__(self, context, proposed, logits):
-        return logits.at[:, self.ids].add(self.values.astype(logits.dtype))
+        vocab = logits.shape[-1]
+        ids, values = self.ids, self.values
+        if self.max_id >= vocab:  # a draft with a smaller vocabulary: it cannot propose those
+            inside = {k: v for k, v in self.bias.items() if k < vocab}
+            if not inside:
+                return logits
+            ids = mx.array(list(inside), mx.int32)
+            values = mx.array(list(inside.values()), mx.float32)
+        return logits.at[:, ids].add(values.astype(logits.dtype))
 
 
 def make_processors(

@@ -262,6 +262,7 @@ def main(args):
         timeout_graceful_shutdown=args.shutdown_timeout + 2,
     )
     server = GracefulServer(config, engine, args.shutdown_timeout)
+    engine.on_death = lambda: setattr(server, "should_exit", True)  # uvicorn polls it
     try:
         engine.start()
     except (SpecError, KeyboardInterrupt) as err:
@@ -301,6 +302,8 @@ def main(args):
     except KeyboardInterrupt:
         status = 130
     engine.stop(timeout=args.shutdown_timeout + 5)
+    if engine.failure is not None:  # non-zero, so that a supervisor restarts the server
+        status = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # MLX's threads may abort the interpreter's normal exit after work in another thread

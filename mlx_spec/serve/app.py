@@ -15,8 +15,8 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -195,12 +195,36 @@ async def read_json(request: Request, limit: int) -> dict:
             413, f"the request body is {size} bytes; the limit is {limit}", code="request_too_large"
         )
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=not_finite, parse_float=finite_float)
+    except NotFinite as err:
+        raise ApiError(400, str(err), code="invalid_value") from None
     except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
         raise ApiError(400, "the body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    try:  # a lone surrogate ("\ud800") parses but is no text: the tokenizer raises on it
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        message = "the body holds a lone UTF-16 surrogate (\\ud800-\\udfff): not valid Unicode"
+        raise ApiError(400, message, code="invalid_value") from None
     return data
+
+
+class NotFinite(ValueError):
+    pass
+
+
+def not_finite(name: str):
+    """JSON's NaN / Infinity (Python's parser accepts them): every bound compares false with
+    NaN, so a NaN temperature once passed validation and killed the engine thread."""
+    raise NotFinite(f"numbers must be finite, got {name}")
+
+
+def finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses to inf
+        raise NotFinite(f"numbers must be finite, got {text[:32]}")
+    return value
 
 
 def sse(data) -> dict:
@@ -218,7 +242,7 @@ class JobResponse:
     def __init__(self, job: Job, on_status, engine: Engine, keepalive: float, headers=None):
         self.job, self.on_status, self.engine = job, on_status, engine
         self.keepalive, self.headers = keepalive, headers or {}
-        self.rid = ("chatcmpl-" if job.request.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.rid = ("chatcmpl-" if job.request.kind == "chat" else "cmpl-") + job.id
         self.created = int(time.time())
         self.started = False  # the stream's headers went out
         self.offset = 0  # completions logprobs: text offset of the next token
@@ -252,7 +276,7 @@ class JobResponse:
             if remaining <= 0:
                 self.job.cancel()
                 self.engine.withdraw(self.job)
-                return ("error", timeout_error())
+                return ("error", timeout_error(self.job))
             wait = min(remaining, self.keepalive) if self.job.request.stream else remaining
             try:
                 return await asyncio.wait_for(self.job.items.get(), max(wait, 0.001))
@@ -505,6 +529,9 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(request: Request) -> Response:
+        if not engine.alive:  # a supervisor restarts the server on this (it exits too)
+            reason = f"{type(engine.failure).__name__}: {engine.failure}" if engine.failure else ""
+            return JSONResponse({"status": "dead", "error": reason}, status_code=503)
         return JSONResponse({"status": "ok", "model": engine.name, "busy": engine.busy})
 
     async def metrics(request: Request) -> Response:

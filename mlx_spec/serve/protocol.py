@@ -8,6 +8,7 @@ named in the response's `X-Ignored-Fields` header; `user` never affects generati
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 from ..config import SEED_LIMIT, GenerationConfig
@@ -19,6 +20,7 @@ MAX_LOGIT_BIAS = 1024  # entries
 PENALTY_CONTEXT_MAX = 1 << 16
 # apply_chat_template's own parameters: a client must not pass them as template variables
 TEMPLATE_ARGUMENTS = {
+    "messages",  # the name the template itself renders the conversation under
     "conversation",
     "tools",
     "documents",
@@ -33,6 +35,16 @@ TEMPLATE_ARGUMENTS = {
     "return_dict",
     "return_assistant_tokens_mask",
     "tokenizer_kwargs",
+    # the template's functions (jinja's and transformers' globals): a string in their place
+    # makes the template fail with a TypeError
+    "range",
+    "dict",
+    "lipsum",
+    "cycler",
+    "joiner",
+    "namespace",
+    "raise_exception",
+    "strftime_now",
 }
 TEMPLATE_VALUE = str | int | float | bool | type(None)
 MAX_TEMPLATE_STRING = 256
@@ -188,6 +200,8 @@ def number(data: dict, name: str, default: float, lo: float, hi: float, open_lo=
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad(f"{name} must be a number, got {value!r}", name, "invalid_type")
+    if not math.isfinite(value):  # NaN passes every bound below
+        raise bad(f"{name} must be finite, got {value}", name)
     if value < lo or value > hi or (open_lo and value == lo):
         left = "(" if open_lo else "["
         raise bad(f"{name} must be in {left}{lo}, {hi}], got {value}", name)
@@ -258,6 +272,7 @@ def penalties(data: dict) -> dict:
             if token < 0 or str(token) != str(k).strip():
                 raise bad(f"logit_bias keys must be token ids, got {k!r}", "logit_bias")
             if isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
+                # (NaN fails the range test too: every comparison with it is false)
                 raise bad(
                     f"logit_bias values must be numbers in [-100, 100], got {v!r}", "logit_bias"
                 )

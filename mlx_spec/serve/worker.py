@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -82,6 +83,8 @@ class Job:
     deadline: float  # time.monotonic() after which the job gives up
     items: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)  # in the response and the log
+    shutdown: bool = False  # its deadline is the shutdown's grace period (SIGTERM)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -246,6 +249,8 @@ class Engine:
         self.running: list[Job] = []  # the jobs being generated (several when batched)
         self.recent_seconds: list[float] = []  # durations of the last jobs (Retry-After)
         self.thread = threading.Thread(target=self._run, name="mlx-spec-engine", daemon=True)
+        self.failure: BaseException | None = None  # why the engine thread ended, if it broke
+        self.on_death: Callable[[], None] | None = None  # called on that thread when it does
         self.loaded: Future = Future()  # the start-up pair is resident (or failed to load)
         self._install(pair, name)
 
@@ -362,6 +367,8 @@ class Engine:
     def check_capacity(self, partition: str = "") -> None:
         """A 503 or 429 now, before a request's body is read, when it could not be queued."""
         with self.lock:
+            if self.failure is not None:
+                raise ApiError(503, "the engine stopped; the server is exiting", code="engine_dead")
             if self.closing:
                 raise ApiError(503, "the server is shutting down", code="shutting_down")
             # --max-queue 0: a request is taken only when the engine is idle
@@ -476,6 +483,7 @@ class Engine:
             self.waiting = 0
             for job in self.running:
                 job.deadline = min(job.deadline, time.monotonic() + grace)
+                job.shutdown = True  # cut at that deadline: say why, not "timed out"
             self.ready.notify_all()
 
     def stop(self, grace: float = 0.0, timeout: float | None = None) -> None:
@@ -491,27 +499,70 @@ class Engine:
             self.loaded.set_exception(err)
             return
         self.loaded.set_result(None)
-        while True:
-            job = self._next_job()
-            if job is None:
-                return
-            start = time.monotonic()
-            batched = False
-            try:
-                batched = self.batchable(job.request)
-                companion = None
-                if batched and self.batch_plain:  # alone, the request drafts
-                    companion = self._companion()
-                    batched = companion is not None
-                if batched:
-                    self._serve_batch(job, companion)
-                else:
-                    self._serve(job)
-            finally:
-                with self.lock:
-                    self.busy, self.running = False, []
-                if not batched:  # (batched jobs are timed as each leaves)
-                    self.recent_seconds = [*self.recent_seconds[-7:], time.monotonic() - start]
+        job = None
+        try:
+            while True:
+                job = self._next_job()
+                if job is None:
+                    return
+                self._take(job)
+                job = None
+        except BaseException as err:  # the loop itself broke: nobody may wait on it
+            self._die(err, job)
+            raise
+
+    def _take(self, job: Job) -> None:
+        """Serve one job taken from the queue (with what batches beside it). Whatever goes
+        wrong fails that job alone: once, a ValueError raised before `_serve` ended the engine
+        thread, and every later request hung while /health said ok."""
+        start = time.monotonic()
+        batched = False
+        try:
+            batched = self.batchable(job.request)
+            companion = None
+            if batched and self.batch_plain:  # alone, the request drafts
+                companion = self._companion()
+                batched = companion is not None
+            if batched:
+                self._serve_batch(job, companion)
+            else:
+                self._serve(job)
+        except Exception as err:  # a bug outside _serve's own guard: this job fails alone
+            log_error(err, job)
+            job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+        finally:
+            with self.lock:
+                self.busy, self.running = False, []
+            if not batched:  # (batched jobs are timed as each leaves)
+                self.recent_seconds = [*self.recent_seconds[-7:], time.monotonic() - start]
+
+    def _die(self, err: BaseException, job: Job | None) -> None:
+        """The engine thread is ending on an error: refuse new jobs, fail the queued and
+        running ones (503), and tell the server (`on_death`) so that it exits non-zero."""
+        with self.lock:
+            self.failure = err
+            self.closing = True
+            error = ApiError(503, f"the engine stopped: {type(err).__name__}: {err}")
+            jobs = [job] if job is not None else []
+            jobs += [j for j in self.running if j is not job]
+            for j in [*jobs, *(j for q in self.queues.values() for j in q)]:
+                j.put("error", error)
+            self.queues.clear()
+            self.turns.clear()
+            self.waiting = 0
+            self.running = []
+        print(
+            f"mlx-spec serve: the engine thread died: {type(err).__name__}: {err}", file=sys.stderr
+        )
+        if self.on_death is not None:
+            self.on_death()
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has ended on an error (or ended at all, not closing)."""
+        if self.failure is not None:
+            return False
+        return self.closing or not self.thread.ident or self.thread.is_alive()
 
     # ------------------------------------------------------------------ one job
 
@@ -523,7 +574,7 @@ class Engine:
             return True
         if time.monotonic() > job.deadline:
             self.metrics.timeouts += 1
-            job.put("error", timeout_error())
+            job.put("error", timeout_error(job))
             return True
         return False
 
@@ -537,13 +588,13 @@ class Engine:
                 self.metrics.cancelled += 1
             else:
                 self.metrics.timeouts += 1
-                job.put("error", timeout_error())
+                job.put("error", timeout_error(job))
         except ApiError as err:
             job.put("error", err)
         except SpecError as err:  # bad input found by the engine: a prompt too long, ...
             job.put("error", ApiError(400, str(err), code="invalid_value"))
         except Exception as err:  # a bug: answer 500 and keep serving
-            traceback.print_exc(file=sys.stderr)
+            log_error(err, job)
             job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
 
     def _prompt(self, pair, req: GenRequest) -> list[int]:
@@ -828,7 +879,7 @@ class Reply:
         if self.ended == "cancelled":
             return
         if self.ended == "timeout":
-            self.job.put("error", timeout_error())
+            self.job.put("error", timeout_error(self.job))
             return
         if self.ended is None:
             held = [x[1] for x in self.held] if self.held else None
@@ -844,5 +895,15 @@ class Reply:
         self.job.put("done", Outcome(finish, usage(stats), spec))
 
 
-def timeout_error() -> ApiError:
+def log_error(err: BaseException, job: Job) -> None:
+    """A request's unexpected error: its traceback and, last, one line naming the request."""
+    traceback.print_exception(err, file=sys.stderr)
+    print(f"mlx-spec serve: request {job.id} failed: {type(err).__name__}: {err}", file=sys.stderr)
+
+
+def timeout_error(job: Job | None = None) -> ApiError:
+    """Why a job's deadline passed: its own timeout, or the server's shutdown grace."""
+    if job is not None and job.shutdown:
+        message = "the server is shutting down: the reply was cut after --shutdown-timeout"
+        return ApiError(503, message, code="shutting_down")
     return ApiError(504, "the request timed out (--request-timeout)", code="request_timeout")

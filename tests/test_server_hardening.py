@@ -1,0 +1,217 @@
+"""Issue 45: what once killed or froze `mlx-spec serve` with one request, each against a real
+server process (plus the engine's own guard, in-process). Every test here failed on the main
+of 2026-12-03: the process died (logit_bias), the engine thread died and later requests hung
+(NaN), or the answer was a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+
+import pytest
+import tiny
+from conftest import VOCAB
+from test_server import KEY, health, request, serving, slow_client, slow_server
+
+from mlx_spec.serve.protocol import GenRequest
+from mlx_spec.serve.worker import Engine, Job
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hardening")
+    args = [
+        "--target", str(tiny_models.target), "--draft", str(tiny_models.draft),
+        "--num-draft-tokens", "3", "--api-key", KEY, "--max-tokens-limit", "64",
+    ]  # fmt: skip
+    with serving(args, root) as (proc, url):
+        yield proc, url
+
+
+def chat_body(**extra) -> dict:
+    return {
+        "model": "target",
+        "messages": [{"role": "user", "content": "Hello there"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def still_serving(proc, url) -> None:
+    """The process lives, /health is ok and an ordinary request is answered."""
+    assert proc.poll() is None, "the server process died"
+    assert health(url) == 200
+    r = request("POST", url + "/chat/completions", chat_body(), timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"]
+
+
+def one_400(r, *words) -> str:
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "\n" not in message
+    for w in words:
+        assert w in message, message
+    return message
+
+
+@pytest.mark.parametrize("token", [VOCAB, VOCAB + 1, 10**6, 2**31 - 1])
+def test_logit_bias_past_the_vocabulary_is_400_not_a_heap_corruption(server, token):
+    proc, url = server
+    r = request("POST", url + "/chat/completions", chat_body(logit_bias={str(token): 1}))
+    one_400(r, "logit_bias", "out of range")
+    still_serving(proc, url)
+
+
+def test_logit_bias_at_the_last_id_still_works(server):
+    proc, url = server
+    r = request("POST", url + "/chat/completions", chat_body(logit_bias={str(VOCAB - 1): 100}))
+    assert r.status_code == 200, r.text
+    still_serving(proc, url)
+
+
+NON_FINITE = [b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1e999"]
+NUMERIC = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"]
+
+
+@pytest.mark.parametrize("field", NUMERIC)
+@pytest.mark.parametrize("value", NON_FINITE)
+def test_non_finite_numbers_are_400_and_the_engine_lives(server, field, value):
+    proc, url = server
+    raw = json.dumps(chat_body(**{field: 12345})).encode().replace(b"12345", value)
+    r = request("POST", url + "/chat/completions", raw)
+    one_400(r, "finite")
+    still_serving(proc, url)
+
+
+def test_non_finite_inside_logit_bias_and_completions(server):
+    proc, url = server
+    raw = b'{"model": "target", "prompt": "Hi", "max_tokens": 4, "logit_bias": {"5": NaN}}'
+    one_400(request("POST", url + "/completions", raw), "finite")
+    still_serving(proc, url)
+
+
+def test_lone_surrogate_is_400(server):
+    proc, url = server
+    raw = b'{"model": "target", "messages": [{"role": "user", "content": "\\ud800 hi"}]}'
+    one_400(request("POST", url + "/chat/completions", raw), "surrogate")
+    still_serving(proc, url)
+
+
+@pytest.mark.parametrize("name", ["messages", "range", "raise_exception", "namespace"])
+def test_template_kwargs_cannot_replace_the_templates_own_names(server, name):
+    proc, url = server
+    r = request("POST", url + "/chat/completions", chat_body(chat_template_kwargs={name: "x"}))
+    one_400(r, "chat_template_kwargs")
+    still_serving(proc, url)
+
+
+# ------------------------------------------------------------ the engine thread's own guard
+
+
+def run_job(engine: Engine, loop, req: GenRequest, seconds: float = 60) -> tuple:
+    """Submit a job and wait for its last item ("done" or "error")."""
+    job = Job(req, loop, time.monotonic() + seconds)
+    engine.submit(job)
+
+    async def last():
+        while True:
+            item = await asyncio.wait_for(job.items.get(), seconds)
+            if item[0] in ("done", "error"):
+                return item
+
+    return asyncio.run_coroutine_threadsafe(last(), loop).result(seconds + 5)
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+def gen_request(text="Hello") -> GenRequest:
+    return GenRequest("chat", "tiny", [{"role": "user", "content": text}], 4, temperature=0)
+
+
+def test_an_error_before_serving_fails_that_request_alone(pair, loop):
+    """Once `batchable` raised on a NaN temperature, the thread ended and every later request
+    waited for its timeout. Now that request gets a 500 and the next is served."""
+    engine = Engine(pair, "tiny", lambda name: pair, ["tiny"])
+    engine.start()
+    real = engine.batchable
+    calls = []
+
+    def broken(req):
+        calls.append(req)
+        if len(calls) == 1:
+            raise ValueError("a bug before the request is served")
+        return real(req)
+
+    engine.batchable = broken
+    try:
+        kind, err = run_job(engine, loop, gen_request())
+        assert kind == "error" and err.status == 500 and "a bug" in err.message
+        kind, outcome = run_job(engine, loop, gen_request())
+        assert kind == "done", outcome
+        assert engine.alive and engine.thread.is_alive()
+    finally:
+        engine.stop(timeout=10)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_engine_fails_its_jobs_and_says_so(pair, loop):
+    """If the thread's loop itself ever breaks, the running job gets a 503, new ones are
+    refused, `alive` turns false (/health answers 503) and the server is told to exit."""
+    engine = Engine(pair, "tiny", lambda name: pair, ["tiny"])
+    died = threading.Event()
+    engine.on_death = died.set
+    engine.start()
+
+    def broken(job):
+        raise SystemExit("the loop broke")  # not an Exception: _take's own guard lets it pass
+
+    engine._take = broken
+    kind, err = run_job(engine, loop, gen_request())
+    assert kind == "error" and err.status == 503 and "engine stopped" in err.message
+    assert died.wait(5)
+    engine.thread.join(5)
+    assert not engine.alive
+    with pytest.raises(Exception) as info:
+        engine.check_capacity()
+    assert info.value.status == 503
+
+
+# ------------------------------------------------------------------------ shutdown wording
+
+
+@pytest.fixture
+def draining(tiny_models, tmp_path):
+    cfg = {**tiny.llama_config(VOCAB, layers=4), "max_position_embeddings": 8192}
+    weights = tiny.random_weights(cfg, seed=0)
+    weights["lm_head.weight"][2] = 0  # <|im_end|> is never chosen: replies run to max_tokens
+    path = tiny.write_model(tmp_path / "long", cfg, weights, tiny_models.tokenizer)
+    yield from slow_server(path, tmp_path, request_timeout=120, shutdown_timeout=1)
+
+
+def test_sigterm_cutting_a_stream_says_shutting_down_not_timed_out(draining):
+    proc, url = draining
+    stream = slow_client(url).completions.create(
+        model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
+    )
+    chunks = iter(stream)
+    next(chunks)
+    proc.send_signal(signal.SIGTERM)
+    with pytest.raises(Exception) as info:
+        for _ in chunks:
+            pass
+    assert "shutting down" in str(info.value), info.value
+    assert "timed out" not in str(info.value)
+    assert proc.wait(30) == 0
