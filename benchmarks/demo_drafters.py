@@ -22,10 +22,10 @@ import sys
 from pathlib import Path
 
 import mlx_spec  # noqa: F401  (first: it loads OpenBLAS before mlx)
-from mlx_spec.bench import run_mlx_lm, run_mlx_spec
-from mlx_spec.engine import encode_prompt
+from mlx_spec.decode.prompts import encode_prompt
 from mlx_spec.errors import SpecError
-from mlx_spec.loading import load_pair, pair_config
+from mlx_spec.measure.benchmark import run_mlx_lm, run_mlx_spec
+from mlx_spec.pairs.loading import load_pair, pair_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "benchmarks" / "chat_prompts.txt"

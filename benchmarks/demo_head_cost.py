@@ -17,11 +17,11 @@ import tempfile
 from pathlib import Path
 
 import mlx_spec  # noqa: F401  (first: it loads OpenBLAS before mlx)
-from mlx_spec import head_train as ht
-from mlx_spec.bench import run_mlx_spec
-from mlx_spec.engine import encode_prompt
-from mlx_spec.loading import load_pair, pair_config
-from mlx_spec.model_dir import text_config
+from mlx_spec.decode.prompts import encode_prompt
+from mlx_spec.measure.benchmark import run_mlx_spec
+from mlx_spec.models.model_dir import text_config
+from mlx_spec.pairs.loading import load_pair, pair_config
+from mlx_spec.train import eagle_head as ht
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = "smollm2-demo"

@@ -28,10 +28,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
-from mlx_spec import head_train as ht
-from mlx_spec.distill import read_sequences
-from mlx_spec.loading import load_pair
-from mlx_spec.model_dir import text_config
+from mlx_spec.models.model_dir import text_config
+from mlx_spec.pairs.loading import load_pair
+from mlx_spec.train import eagle_head as ht
+from mlx_spec.train.common import read_sequences
 
 STARTS = ("target", "scaled", "pass")
 

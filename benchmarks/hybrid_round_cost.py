@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import mlx_spec  # noqa: E402  (first: OpenBLAS before mlx.core)
-import mlx_spec.engine as engine  # noqa: E402
+import mlx_spec.decode.engine as engine  # noqa: E402
 
 # isort: split
 import tiny  # noqa: E402

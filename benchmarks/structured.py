@@ -60,7 +60,7 @@ def main() -> int:
         if args.only and name not in args.only:
             continue
         messages = [{"role": "user", "content": PROMPTS[name]}]
-        constraint = mlx_spec.engine.constraint_for(alone, schema=schema)
+        constraint = mlx_spec.decode.prompts.constraint_for(alone, schema=schema)
         rows = {c: [] for c in CONFIGS}
         for run in range(args.runs + 1):  # run 0 warms up (not counted)
             order = CONFIGS[run % len(CONFIGS) :] + CONFIGS[: run % len(CONFIGS)]

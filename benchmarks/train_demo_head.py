@@ -24,7 +24,7 @@ from pathlib import Path
 
 import mlx_spec  # noqa: F401  (first: it loads OpenBLAS before mlx)
 from mlx_spec.cli import main as cli
-from mlx_spec.distill import BUILTIN_PROMPTS
+from mlx_spec.train.common import BUILTIN_PROMPTS
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGED = ROOT / "mlx_spec" / "heads" / "smollm2-135m-eagle3"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlx_spec.drafters import Drafter, DrafterKind
-from mlx_spec.errors import SpecError
 
 
 class RepeatLast(Drafter):
@@ -34,11 +33,6 @@ class RepeatKind(DrafterKind):
     name = "repeat"
     max_draft = RepeatLast.max_draft
     help = "the last token again (an example kind)"
-
-    @classmethod
-    def validate(cls, config) -> None:
-        if config.draft_confidence is not None:
-            raise SpecError("the repeat drafter has no confidence to stop on")
 
     @classmethod
     def build(cls, pair) -> RepeatLast:

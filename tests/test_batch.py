@@ -17,16 +17,16 @@ from test_greedy_equality import reference
 
 import mlx_spec
 from mlx_spec import GenerationConfig, SpecError, generate, load_pair
-from mlx_spec.batch import BatchDecoder, BatchTiming, into_decoder, make_batch_decoder
-from mlx_spec.drafters import prefill_cache
-from mlx_spec.engine import RoundRecord
-from mlx_spec.policies import (
+from mlx_spec.core.batch_policy import (
     PROBE_ROUNDS,
     PROBE_ROUNDS_HOPELESS,
     BatchController,
     choose_batch_k,
     interpolate,
 )
+from mlx_spec.decode.batch import BatchDecoder, BatchTiming, into_decoder, make_batch_decoder
+from mlx_spec.decode.events import RoundRecord
+from mlx_spec.drafters import prefill_cache
 
 TEXTS = [
     "The quick brown fox",
@@ -316,7 +316,7 @@ def test_a_sampled_row_in_a_mixed_batch_follows_the_target(tiny_models, monkeypa
     print(f"batched: chi-square {stat:.1f} (99.9% threshold {threshold:.1f})")
     assert stat < threshold
     # the same harness rejects a wrong acceptance rule, so the check can fail
-    monkeypatch.setattr(mlx_spec.batch, "verify_stochastic", accept_everything)
+    monkeypatch.setattr(mlx_spec.decode.batch, "verify_stochastic", accept_everything)
     stat, threshold = chi_square(sampled_first_two(pair, params, 800), probs)
     assert stat > threshold
 

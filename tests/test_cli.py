@@ -11,7 +11,7 @@ import pytest
 
 from mlx_spec import generate, load_pair
 from mlx_spec.cli import main
-from mlx_spec.policies import Fixed
+from mlx_spec.core.policies import Fixed
 
 STATS_KEYS = {
     "prompt_tokens",
@@ -186,7 +186,7 @@ def test_user_file_adds_and_overrides_pairs(tmp_path, monkeypatch, tiny_models, 
 def test_no_acceptance_verdict_when_nothing_was_drafted():
     """auto paused drafting for the whole reply: no acceptance to show, no hint to give."""
     from mlx_spec.commands.generate import hint
-    from mlx_spec.stats import Stats
+    from mlx_spec.core.stats import Stats
 
     paused = Stats(num_draft_tokens=8, generated_tokens=7, target_passes=8)
     assert hint(paused) is None and "acceptance –" in paused.summary()
@@ -200,7 +200,7 @@ def test_the_reference_blas_is_named_once_with_the_stats(tiny_models, no_openbla
     """On Linux without OpenBLAS loaded, one line after the stats says so and how to fix it
     (it triples decode time silently otherwise); `--json` carries it as `blas_notice`. With
     OpenBLAS loaded: no line, and `blas_notice` is null."""
-    from mlx_spec import blas
+    from mlx_spec.runtime import blas
 
     env = {"MLX_SPEC_NO_OPENBLAS": "1"} if no_openblas else {}
     pair = ["--target", str(tiny_models.target), "--draft", str(tiny_models.draft)]

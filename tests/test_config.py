@@ -7,8 +7,8 @@ import pytest
 
 from mlx_spec import GenerationConfig, PairConfig, SpecError
 from mlx_spec.cli import main
-from mlx_spec.loading import pair_config
-from mlx_spec.policies import Auto, Fixed
+from mlx_spec.core.policies import Auto, Fixed
+from mlx_spec.pairs.loading import pair_config
 
 
 def test_switching_kinds_on_a_named_pair_applies_the_draft_in_the_same_step():
@@ -98,3 +98,22 @@ def test_pair_config_is_frozen_and_each_copy_checked():
     with pytest.raises(SpecError, match="needs a draft model"):
         config.replace(drafter="model")
     assert config.with_drafter("ngram").num_draft_tokens == config.num_draft_tokens
+
+
+def test_sampling_settings_have_one_home():
+    """GenerationConfig keeps temperature / top_p / top_k / min_p in its SamplingParams only
+    (it once re-declared them as fields of its own); the keywords work as ever."""
+    import dataclasses
+
+    from mlx_spec import SamplingParams
+
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert names == {"temperature", "top_p", "top_k", "min_p"}
+    assert not names & {f.name for f in dataclasses.fields(GenerationConfig)}
+    config = GenerationConfig(64, 0.7, seed=3)
+    assert config.sampling == SamplingParams(0.7) and config.temperature == 0.7
+    changed = config.replace(top_p=0.5, max_tokens=8)
+    assert changed.sampling == SamplingParams(0.7, 0.5) and changed.seed == 3
+    assert GenerationConfig.of(config, temperature=0.0).sampling.greedy
+    with pytest.raises(SpecError, match="temperature"):
+        GenerationConfig(temperature=float("nan"))

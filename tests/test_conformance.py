@@ -180,7 +180,7 @@ def test_a_stream_stopped_by_an_error_leaves_nothing_lazy(pairs, family):
 
 
 def test_the_server_engine_loads_on_its_own_thread():
-    from mlx_spec.serve.worker import Engine
+    from mlx_spec.server.worker import Engine
 
     threads = []
 
@@ -266,7 +266,9 @@ async def test_chat_app_at_two_temperatures_with_the_race(pairs, family):
 
     pair = load_pair(family)  # loaded on this thread, never run; the app runs it on its own
     expected = chat_reference(pairs(family), "Tell me a story")
-    app = ChatApp(pair, pair_name=family, max_tokens=REPLY, compare=True, seed=0)
+    app = ChatApp(
+        pair, pair_name=family, compare=True, generation=GenerationConfig(max_tokens=REPLY, seed=0)
+    )
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
         await ask(app, pilot, "Tell me a story")
@@ -298,7 +300,12 @@ async def test_chat_app_loads_on_its_model_thread(registry, monkeypatch):
 
     stream_rounds.__wrapped__ = tui.app.stream_rounds
     monkeypatch.setattr(tui.app, "stream_rounds", stream_rounds)
-    app = ChatApp(loader=loader, pair_name="llama3.1", max_tokens=REPLY, compare=True)
+    app = ChatApp(
+        loader=loader,
+        pair_name="llama3.1",
+        compare=True,
+        generation=GenerationConfig(max_tokens=REPLY),
+    )
     async with app.run_test(size=(120, 40)) as pilot:
         await finish(app, pilot)
         assert app.pair is not None

@@ -12,8 +12,7 @@ from test_distribution import chi_square, exact_joint, first_two
 from test_greedy_equality import PROMPTS, reference
 
 from mlx_spec import SamplingParams, generate, load_pair, make_decoder
-from mlx_spec.drafters import LookupThenModel, ModelDrafter, NGramDrafter
-from mlx_spec.policies import (
+from mlx_spec.core.policies import (
     PRIOR_ACCEPTANCE,
     PROBE_MAX_INTERVAL,
     Auto,
@@ -21,6 +20,7 @@ from mlx_spec.policies import (
     Fixed,
     draft_length,
 )
+from mlx_spec.drafters import LookupThenModel, ModelDrafter, NGramDrafter
 
 # ------------------------------------------------------------- the controller on its own
 

@@ -17,8 +17,8 @@ from test_greedy_equality import PROMPTS, reference
 
 from mlx_spec import Decoder, SamplingParams, SpecError, generate, load_pair
 from mlx_spec.cli import main
+from mlx_spec.core.processors import Penalties
 from mlx_spec.drafters.dflash import DFlashArgs, DFlashDrafter, DFlashHead
-from mlx_spec.processors import Penalties
 
 
 def head_config(target: dict, layer_ids, block_size=8, mask=5, layers=1) -> dict:

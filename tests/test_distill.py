@@ -11,8 +11,9 @@ import pytest
 
 from mlx_spec import generate, load_pair
 from mlx_spec.cli import main
-from mlx_spec.distill import Prompt, Settings, distill, read_data
 from mlx_spec.errors import SpecError
+from mlx_spec.train.common import Prompt, Settings, read_data
+from mlx_spec.train.lora import distill
 
 QUICK = dict(steps=40, learning_rate=1e-3, reply_tokens=32, max_length=128, eval_every=10)
 
@@ -90,7 +91,8 @@ def test_the_adapter_loads_through_every_entry_point(trained, tiny_models, tmp_p
     code, bench, _ = cli(capsys, "bench", *common, "--draft-adapter", out, "--json", "--runs",
                          "1", "--k", "2", "--temps", "0", "--max-tokens", "8")  # fmt: skip
     assert code == 0 and json.loads(bench)
-    from mlx_spec.cli import build_parser, pair_from_args
+    from mlx_spec.cli import build_parser
+    from mlx_spec.commands.args import pair_from_args
 
     chat_args = build_parser().parse_args(["chat", *common, "--draft-adapter", str(out)])
     assert pair_from_args(chat_args).draft_adapter == out
@@ -246,7 +248,8 @@ def test_quantized_draft_trains_as_qlora(tiny_models, tmp_path):
     assert isinstance(layer.linear, nn.QuantizedLinear)  # LoRA over the quantized weights
     from mlx_lm.utils import dequantize_model
 
-    from mlx_spec.loading import apply_draft_adapter, load_draft_model
+    from mlx_spec.models.adapters import apply_draft_adapter
+    from mlx_spec.pairs.loading import load_draft_model
 
     trained_on = dequantize_model(load_draft_model(quantized))
     apply_draft_adapter(trained_on, adapter, 4)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import mlx_spec
-from mlx_spec import distributed
 from mlx_spec.errors import SpecError
+from mlx_spec.models import distributed
 
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent

@@ -13,10 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_spec.engine as engine
+import mlx_spec.decode.engine as engine
 from mlx_spec import Decoder, SamplingParams, load_pair
+from mlx_spec.core.sampling import probabilities
 from mlx_spec.drafters import ModelDrafter
-from mlx_spec.sampling import probabilities
 
 PROMPT = [5, 9, 3, 12, 7]
 VOCAB = 16

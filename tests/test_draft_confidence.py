@@ -15,9 +15,9 @@ from test_greedy_equality import PROMPTS, reference
 
 from mlx_spec import Decoder, SamplingParams, generate, load_pair, make_decoder
 from mlx_spec.cli import main
+from mlx_spec.core.policies import FixedK
+from mlx_spec.core.sampling import probabilities
 from mlx_spec.drafters import LookupThenModel, ModelDrafter, NGramDrafter
-from mlx_spec.policies import FixedK
-from mlx_spec.sampling import probabilities
 
 REPEATING = "one two three four five one two three four five one two three"
 

@@ -24,9 +24,9 @@ from mlx_spec import (
     make_decoder,
 )
 from mlx_spec.cli import main
+from mlx_spec.core.hidden import FINAL_NORM, capturing
+from mlx_spec.core.policies import Fixed
 from mlx_spec.drafters import KINDS, register
-from mlx_spec.hidden import FINAL_NORM, capturing
-from mlx_spec.policies import Fixed
 
 
 @pytest.fixture(autouse=True)
@@ -45,8 +45,8 @@ def test_a_registered_kind_is_validated_where_the_config_is_built(tiny_models):
         PairConfig(target, drafter="repeat", num_draft_tokens=6)
     with pytest.raises(SpecError, match="needs no draft model"):
         PairConfig(target, draft=str(tiny_models.draft), drafter="repeat")
-    with pytest.raises(SpecError, match="no confidence"):
-        PairConfig(target, drafter="repeat", draft_confidence=0.5)
+    with pytest.raises(SpecError, match="the repeat drafter has no draft-confidence setting"):
+        PairConfig(target, drafter="repeat", draft_confidence=0.5)  # (the kind declares none)
     with pytest.raises(
         SpecError, match="drafter must be one of model, ngram, ngram\\+model, .*repeat"
     ):
@@ -185,7 +185,7 @@ class HeadKind(RepeatKind):
 def test_a_head_kind_is_named_loaded_and_counted(tiny_models, tmp_path, monkeypatch):
     import mlx.nn as nn
 
-    import mlx_spec.loading as loading
+    import mlx_spec.pairs.loading as loading
 
     monkeypatch.setitem(KINDS, HeadKind.name, HeadKind)  # registered for this test only
     target = str(tiny_models.target)
@@ -247,7 +247,7 @@ def test_hidden_states_cover_every_position_across_turns(family_pair):
 def test_a_plain_step_that_ends_the_reply_hands_its_row():
     """The end-of-sequence token's pass was fed the token before it: that row is handed too
     (a round of one plain step, no model: the Round carries the pass's output)."""
-    import mlx_spec.engine as engine
+    import mlx_spec.decode.engine as engine
 
     seen = []
 
@@ -274,10 +274,23 @@ def test_a_head_named_by_hub_id_that_is_not_here_is_one_line(tiny_models, monkey
 
 
 def test_the_curated_head_pairs_parse():
-    from mlx_spec.registry import load_registry
+    from mlx_spec.pairs.registry import load_registry
 
     heads = {n: p for n, p in load_registry().pairs.items() if p.head is not None}
     assert {"llama3.1-8b-eagle3", "llama3.1-8b-dflash", "qwen3-8b-dflash"} <= set(heads)
     assert heads.pop("smollm2-demo").head == "package:mlx_spec/heads/smollm2-135m-eagle3"
     for pair in heads.values():  # hub ids, kept as ids (not made paths beside models.toml)
         assert pair.head.count("/") == 1 and pair.kind.needs_head
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle3", "mtp", "dflash"])
+def test_a_setting_a_kind_does_not_read_is_refused_alike(tiny_models, tmp_path, kind):
+    """draft_confidence on a kind that does not read it: one message for every kind (ngram
+    once ignored it silently; the head kinds said it three different ways)."""
+    head = {"head": str(tmp_path)} if KINDS[kind].needs_head else {}
+    with pytest.raises(SpecError) as info:
+        PairConfig(str(tiny_models.target), drafter=kind, draft_confidence=0.5, **head)
+    assert str(info.value) == f"the {kind} drafter has no draft-confidence setting"
+    # switching a confident model pair to such a kind drops the setting it cannot use
+    config = PairConfig(str(tiny_models.target), draft=str(tiny_models.draft), draft_confidence=0.5)
+    assert config.with_drafter(kind, **head).draft_confidence is None

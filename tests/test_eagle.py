@@ -18,8 +18,8 @@ from test_greedy_equality import PROMPTS, reference
 
 from mlx_spec import SamplingParams, SpecError, generate, load_pair, make_decoder
 from mlx_spec.cli import main
+from mlx_spec.core.hidden import capturing
 from mlx_spec.drafters.eagle import EagleDrafter, capture_layers
-from mlx_spec.hidden import capturing
 
 # ----------------------------------------------------------------------------- tiny heads
 

@@ -18,7 +18,8 @@ from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache
 from mlx_lm.sample_utils import make_sampler
 from test_distribution import chi_square, exact_joint, first_two
 
-from mlx_spec import SamplingParams, SpecError, caches, generate, load_pair, make_decoder
+from mlx_spec import SamplingParams, SpecError, generate, load_pair, make_decoder
+from mlx_spec.core import caches
 from mlx_spec.drafters import ModelDrafter
 
 FAMILIES = list(tiny.family_configs(320))

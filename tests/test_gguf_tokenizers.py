@@ -17,7 +17,7 @@ import regex
 from gguf_tiny import byte_tokens
 from transformers import PreTrainedTokenizerFast
 
-from mlx_spec.gguf import write_tokenizer
+from mlx_spec.models.gguf import write_tokenizer
 
 # the pre-tokenizer regexes of each family, as its Hugging Face tokenizer.json (or, for the
 # multi-regex ones, llama.cpp's llama-vocab.cpp) writes them

@@ -16,10 +16,10 @@ from test_eagle import head_weights, subset, write_head
 from test_greedy_equality import PROMPTS, reference
 
 from mlx_spec import generate, load_pair
-from mlx_spec.batch import check_batchable
 from mlx_spec.cli import main
+from mlx_spec.decode.batch import check_batchable
 from mlx_spec.errors import SpecError
-from mlx_spec.head_train import ttt_forward
+from mlx_spec.train.eagle_ttt import ttt_forward
 
 # small and fast: 24 built-in prompts (5 held out), 3 draft steps of test-time training
 FLAGS = ["--temp", "0", "--max-prompts", "24", "--reply-tokens", "32", "--batch-size", "4"]
@@ -193,7 +193,7 @@ def test_ttt_steps_feed_the_head_its_own_output(trained, targets, norm_before_fc
     from mlx.utils import tree_map
 
     from mlx_spec import make_decoder
-    from mlx_spec.head_train import Batch
+    from mlx_spec.train.eagle_ttt import Batch
 
     out, _ = trained["qwen3"]
     pair = load_pair(target=str(targets["qwen3"]), drafter="eagle3", head=str(out))
@@ -204,7 +204,7 @@ def test_ttt_steps_feed_the_head_its_own_output(trained, targets, norm_before_fc
         head.input_norm.weight = mx.random.uniform(0.5, 2.0, (width,), key=mx.random.key(3))
     head.update(tree_map(lambda w: w.astype(mx.float32), head.parameters()))  # exact compare
     tokens = pair.tokenizer.encode(PROMPTS[1])
-    from mlx_spec.hidden import capturing
+    from mlx_spec.core.hidden import capturing
 
     with capturing(pair.target, head.layers_read) as hidden:
         pair.target(mx.array(tokens)[None])
@@ -236,9 +236,10 @@ def test_the_replies_passes_give_a_separate_passes_features(targets, prefill_col
     position. A recurrent target is refused there."""
     import numpy as np
 
-    from mlx_spec import head_train
-    from mlx_spec.distill import Settings
-    from mlx_spec.head_train import TOP_K, replies_with_features, target_features
+    from mlx_spec.train import eagle_head as head_train
+    from mlx_spec.train.common import Settings
+    from mlx_spec.train.eagle_head import replies_with_features
+    from mlx_spec.train.eagle_ttt import TOP_K, target_features
 
     pair = load_pair(target=str(targets["qwen3"]), skip_draft=True)
     if prefill_columns:

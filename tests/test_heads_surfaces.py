@@ -18,9 +18,9 @@ from test_mtp import original_checkpoint
 from test_server import serving
 from test_tui import finish, send
 
-from mlx_spec import generate, load_pair, make_decoder
+from mlx_spec import GenerationConfig, generate, load_pair, make_decoder
 from mlx_spec.cli import main
-from mlx_spec.policies import Controller
+from mlx_spec.core.policies import Controller
 from tui.app import ChatApp
 from tui.widgets import StatsPanel
 
@@ -85,7 +85,7 @@ async def test_chat_app_with_a_head(models, expected, kind):
     pair = head_pair(models, kind)
     res = generate(pair, CHAT, max_tokens=TOKENS, decoder=make_decoder(pair))
     assert res.tokens == expected.tokens
-    app = ChatApp(pair, pair_name=kind, max_tokens=TOKENS)
+    app = ChatApp(pair, pair_name=kind, generation=GenerationConfig(max_tokens=TOKENS))
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, CHAT[0]["content"])
         reply = await finish(app, pilot)
@@ -176,14 +176,15 @@ def test_a_models_toml_head_pair(toml_pairs, expected, kind, capsys):
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_memory_check_counts_the_head(models, kind, monkeypatch, capsys):
     """Memory that holds the target and its KV cache but not the head too: refused."""
-    import mlx_spec.loading as loading
+    import mlx_spec.models.memory as memory
+    from mlx_spec.models.model_dir import context_length
 
     target = models["target"]
     config = json.loads((target / "config.json").read_text())
-    context = min(loading._context_length(config) or 4096, loading.DEFAULT_MEMORY_CONTEXT)
-    alone = loading.weights_bytes(target) + loading.kv_cache_bytes(config, context)
+    context = min(context_length(config) or 4096, memory.DEFAULT_MEMORY_CONTEXT)
+    alone = memory.weights_bytes(target) + memory.kv_cache_bytes(config, context)
     head = sum(f.stat().st_size for f in models[kind].glob("*.safetensors"))
-    monkeypatch.setattr(loading, "machine_memory", lambda: (alone + head // 2, "test memory"))
+    monkeypatch.setattr(memory, "machine_memory", lambda: (alone + head // 2, "test memory"))
     run = ["generate", "--max-tokens", "2", "--temp", "0", "hi"]
     assert main(["generate", "--target", str(target), *run[1:]]) == 0  # the target fits
     capsys.readouterr()

@@ -456,7 +456,7 @@ def test_convert_into_a_read_only_parent(good_gguf, tmp_path, capsys):
 
 
 def _cached(good_gguf) -> Path:
-    from mlx_spec.gguf import converted_path
+    from mlx_spec.models.gguf import converted_path
 
     return converted_path(good_gguf)
 
@@ -477,7 +477,7 @@ def test_damaged_cached_conversion_is_redone(good_gguf, cache, damage):
     damage(out)
     assert _cached(good_gguf) == out
     assert (out / "config.json").read_text() == good_config
-    from mlx_spec.model_dir import check_model_dir
+    from mlx_spec.models.model_dir import check_model_dir
 
     check_model_dir(out)
 
@@ -494,7 +494,7 @@ def test_stale_partial_conversion_is_removed(good_gguf, cache):
 
 
 def test_partial_conversion_of_a_live_run_is_kept(good_gguf, cache):
-    from mlx_spec.gguf.cache import _lock, remove_stale
+    from mlx_spec.models.gguf.cache import _lock, remove_stale
 
     out = _cached(good_gguf)
     live = out.parent / ".other-q.inprogress"
@@ -509,7 +509,7 @@ def test_partial_conversion_of_a_live_run_is_kept(good_gguf, cache):
 CONVERT_SCRIPT = """
 import sys
 from pathlib import Path
-from mlx_spec.gguf import converted_path
+from mlx_spec.models.gguf import converted_path
 print(converted_path(Path(sys.argv[1])))
 """
 
@@ -531,7 +531,7 @@ def test_two_processes_convert_the_same_file(good_gguf, cache):
     assert [p.returncode for p in procs] == [0, 0], [r[1] for r in results]
     assert results[0][0] == results[1][0]
     out = Path(results[0][0].strip())
-    from mlx_spec.model_dir import check_model_dir
+    from mlx_spec.models.model_dir import check_model_dir
 
     check_model_dir(out)
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]
@@ -573,7 +573,7 @@ def test_bad_models_toml(tmp_path, monkeypatch, capsys, text, expected):
 
 @pytest.mark.parametrize("group_size", [64, 128])
 def test_good_group_sizes_parse(tmp_path, group_size):
-    from mlx_spec.registry import parse_file
+    from mlx_spec.pairs.registry import parse_file
 
     f = tmp_path / "models.toml"
     f.write_text(PAIR + f"draft = {{ from_target = true, bits = 3, group_size = {group_size} }}\n")
@@ -584,7 +584,7 @@ def test_good_group_sizes_parse(tmp_path, group_size):
 def test_requantize_refuses_group_sizes_mlx_cannot_use(tiny_models, group_size):
     from mlx_lm.utils import load_model
 
-    from mlx_spec.quantize import requantized_copy
+    from mlx_spec.models.quantize import requantized_copy
 
     model, _ = load_model(tiny_models.target)
     with pytest.raises(SpecError, match="group size"):
@@ -595,9 +595,9 @@ def test_requantize_refuses_group_sizes_mlx_cannot_use(tiny_models, group_size):
 
 
 def test_memory_check_refuses_with_figures(tiny_models, monkeypatch, capsys):
-    import mlx_spec.loading as loading
+    import mlx_spec.models.memory as memory
 
-    monkeypatch.setattr(loading, "machine_memory", lambda: (1000, "system memory"))
+    monkeypatch.setattr(memory, "machine_memory", lambda: (1000, "system memory"))
     argv = ["generate", "--target", str(tiny_models.target), "--draft", str(tiny_models.draft)]
     line = one_line_error(capsys, [*argv, "--max-tokens", "2", "hi"])
     assert "system memory is 0.0 GB" in line and "target" in line and "draft" in line
@@ -606,7 +606,8 @@ def test_memory_check_refuses_with_figures(tiny_models, monkeypatch, capsys):
 
 
 def test_memory_estimate_counts_weights_and_cache(tiny_models, monkeypatch):
-    import mlx_spec.loading as loading
+    import mlx_spec.models.memory as memory
+    import mlx_spec.pairs.loading as loading
 
     seen = {}
 
@@ -614,16 +615,16 @@ def test_memory_estimate_counts_weights_and_cache(tiny_models, monkeypatch):
         seen["asked"] = True
         return 10**15, "system memory"
 
-    monkeypatch.setattr(loading, "machine_memory", fake)
+    monkeypatch.setattr(memory, "machine_memory", fake)
     loading.load_pair(target=str(tiny_models.target))
     assert seen
     with pytest.raises(SpecError, match="KV cache for 1000000000 tokens"):
-        monkeypatch.setattr(loading, "machine_memory", lambda: (10**9, "system memory"))
+        monkeypatch.setattr(memory, "machine_memory", lambda: (10**9, "system memory"))
         loading.load_pair(target=str(tiny_models.target), context=10**9)
     size = (tiny_models.target / "model.safetensors").stat().st_size
-    assert loading.weights_bytes(tiny_models.target) == size
+    assert memory.weights_bytes(tiny_models.target) == size
     cfg = json.loads((tiny_models.target / "config.json").read_text())
-    kv = loading.kv_cache_bytes(cfg, 100)
+    kv = memory.kv_cache_bytes(cfg, 100)
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     assert (

@@ -16,9 +16,9 @@ from test_greedy_equality import reference
 
 from mlx_spec import SamplingParams, generate, load_pair, make_decoder
 from mlx_spec.cli import main as cli_main
-from mlx_spec.commands.heads import locate
-from mlx_spec.drafters import mtp
-from mlx_spec.hidden import FINAL_NORM, capturing
+from mlx_spec.core.hidden import FINAL_NORM, capturing
+from mlx_spec.drafters import mtp, mtp_head
+from mlx_spec.drafters.mtp_extract import locate
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of"]
 MLX_NORMS = (  # the target's norms mlx-lm shifts by one when it reads an original checkpoint
@@ -73,7 +73,7 @@ def original_checkpoint(
             v = v - 1.0  # zero-centred: (1 + w) x
         hf[name] = v
     mx.random.seed(seed + 100)
-    head = dict(tree_flatten(mtp.MTPHead(config).parameters()))
+    head = dict(tree_flatten(mtp_head.MTPHead(config).parameters()))
     for k, v in head.items():
         if v.ndim == 1:  # norms: zero-centred in the file, not all zero
             head[k] = 0.1 * mx.random.normal(v.shape)
@@ -152,7 +152,7 @@ def test_extract_reads_only_the_mtp_shards_and_keeps_the_tensors(checkpoint):
 def test_the_target_still_loads_and_the_head_reads_its_final_norm(mtp_pair):
     """mlx-lm drops mtp.* at load; the head is the kind's, and hidden states are the
     final norm's output (what the target's lm_head reads)."""
-    assert isinstance(mtp_pair.head, mtp.MTPHead)
+    assert isinstance(mtp_pair.head, mtp_head.MTPHead)
     ids = mx.array([[5, 9, 3, 12]])
     with capturing(mtp_pair.target, (FINAL_NORM,)) as got:
         logits = mtp_pair.target(ids)
@@ -288,11 +288,11 @@ def test_head_directory_checks(checkpoint, tmp_path):
     target, head, _ = checkpoint
     config = json.loads((target / "config.json").read_text())
     with pytest.raises(mtp.SpecError, match="not an MTP head"):
-        mtp.load_head(target, config)
+        mtp_head.load_head(target, config)
     other = dict(config, text_config={**config["text_config"], "vocab_size": 999})
     with pytest.raises(mtp.SpecError, match="vocab_size"):
-        mtp.load_head(head, other)
-    assert np.isfinite(float(mtp.load_head(head, config).fc.weight.sum()))
+        mtp_head.load_head(head, other)
+    assert np.isfinite(float(mtp_head.load_head(head, config).fc.weight.sum()))
 
 
 def cached_heads(root) -> list[str]:
@@ -308,7 +308,7 @@ def test_a_pair_names_the_original_checkpoint(checkpoint, tmp_path, monkeypatch,
     """`draft = { head = "mtp", path = ORIGINAL }`: the head is extracted once into the cache
     ($MLX_SPEC_CACHE/heads), the same head `heads extract` writes, and reused after; an
     interrupted extract leaves nothing behind; `mlx-spec models` says whether it is there."""
-    from mlx_spec.commands import heads
+    from mlx_spec.drafters import mtp_extract as heads
 
     target, head, _ = checkpoint
     monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path / "cache"))
@@ -371,7 +371,7 @@ def test_an_original_named_by_hub_id_while_offline_is_one_line(
 
 
 def test_each_curated_qwen35_target_has_an_mtp_pair():
-    from mlx_spec.registry import load_registry
+    from mlx_spec.pairs.registry import load_registry
 
     pairs = load_registry().pairs.values()
     targets = {p.target for p in pairs if "/Qwen3.5-" in p.target and p.drafter != "mtp"}

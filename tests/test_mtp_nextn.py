@@ -23,10 +23,10 @@ from test_greedy_equality import reference
 
 from mlx_spec import SamplingParams, generate, load_pair, make_decoder
 from mlx_spec.cli import main as cli_main
-from mlx_spec.commands.heads import locate
-from mlx_spec.drafters import mtp
+from mlx_spec.core.hidden import FINAL_NORM, capturing
+from mlx_spec.drafters import mtp, mtp_head
 from mlx_spec.drafters.base import TargetOutput
-from mlx_spec.hidden import FINAL_NORM, capturing
+from mlx_spec.drafters.mtp_extract import locate
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of"]
 OUTPUTS = ("o_proj.weight", "down_proj.weight")
@@ -69,7 +69,9 @@ def write_original(
             if k.startswith("model.layers.") and k.endswith(OUTPUTS):
                 weights[k] = v * 0.05
     mx.random.seed(seed + 100)
-    head = {k: v.astype(mx.float32) for k, v in tree_flatten(mtp.build_head(config).parameters())}
+    head = {
+        k: v.astype(mx.float32) for k, v in tree_flatten(mtp_head.build_head(config).parameters())
+    }
     for k, v in head.items():
         if v.ndim == 1:  # plain RMS norms near 1, biases near 0
             head[k] = ("norm" in k) + 0.1 * mx.random.normal(v.shape)
@@ -154,7 +156,7 @@ def test_extract_reads_only_the_layer_shards_and_converts_it(family):
 
 def test_the_head_reads_the_final_norm_and_the_target_loads_without_the_layer(family):
     _, _, _, _, pair = family
-    assert isinstance(pair.head, mtp.NextNHead)
+    assert isinstance(pair.head, mtp_head.NextNHead)
     assert len(pair.target.layers) == pair.target_config["num_hidden_layers"]
     ids = mx.array([[5, 9, 3, 12]])
     with capturing(pair.target, (FINAL_NORM,)) as got:

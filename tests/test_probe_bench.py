@@ -10,12 +10,12 @@ import tiny
 from conftest import VOCAB
 from mlx_lm.models.cache import ArraysCache
 
-from mlx_spec import caches
-from mlx_spec.bench import format_rows, run_bench, summarise
 from mlx_spec.cli import main
 from mlx_spec.commands.probe import MIN_SAMPLE_ROUNDS, SAMPLE_PROMPT, run_probe
-from mlx_spec.policies import expected_tokens
-from mlx_spec.probe import (
+from mlx_spec.core import caches
+from mlx_spec.core.policies import expected_tokens
+from mlx_spec.measure.benchmark import format_rows, run_bench, summarise
+from mlx_spec.measure.verify_cost import (
     MAX_REPS,
     MIN_REPS,
     PREFIX,

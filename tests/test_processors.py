@@ -18,9 +18,9 @@ import pytest
 from test_distribution import PROMPT, VOCAB, chi_square
 
 from mlx_spec import Decoder, SamplingParams, generate, load_pair
+from mlx_spec.core.processors import LogitBias, Penalties, make_processors
+from mlx_spec.core.sampling import probabilities
 from mlx_spec.drafters import ModelDrafter
-from mlx_spec.processors import LogitBias, Penalties, make_processors
-from mlx_spec.sampling import probabilities
 
 SETTINGS = dict(
     repetition_penalty=1.3,
@@ -118,7 +118,7 @@ def test_speculative_greedy_equals_plain_with_penalties(tiny_models, drafter):
 
 def exact_penalised_joint(pair, params, processors) -> np.ndarray:
     """P(t1, t2) under the target alone with the processors, by enumeration."""
-    from mlx_spec.processors import apply
+    from mlx_spec.core.processors import apply
 
     logits1 = pair.target(mx.array([PROMPT]))[0, -1]
     p1 = probabilities(apply(processors, PROMPT, [], logits1), params)
@@ -189,7 +189,7 @@ def test_logprobs_under_speculation_are_the_targets(tiny_models):
     n = len(pair.tokenizer.encode(prompt))
     for i, e in enumerate(plain[:5]):
         row = logits[n - 1 + i]
-        from mlx_spec.processors import apply
+        from mlx_spec.core.processors import apply
 
         row = apply(processors, ids[: n + i], [], row)
         expected = (row - mx.logsumexp(row)).tolist()[e.token]

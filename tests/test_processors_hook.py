@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlx_spec import generate, load_pair
-from mlx_spec.processors import apply
+from mlx_spec.core.processors import apply
 
 
 class Recorder:

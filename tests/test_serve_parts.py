@@ -7,9 +7,9 @@ import pytest
 from test_greedy_equality import reference
 
 from mlx_spec import generate, load_pair, make_decoder
+from mlx_spec.decode.history import HistoryIndex
 from mlx_spec.drafters import NGramDrafter
-from mlx_spec.history import HistoryIndex
-from mlx_spec.serve.stops import StopText
+from mlx_spec.server.stops import StopText
 
 
 def test_history_finds_each_ngram_at_its_latest_occurrence():
@@ -99,7 +99,7 @@ def test_chat_templates_render_in_a_sandbox(tiny_models):
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from transformers import AutoTokenizer
 
-    from mlx_spec.engine import encode_prompt
+    from mlx_spec.decode.prompts import encode_prompt
 
     hf = AutoTokenizer.from_pretrained(str(tiny_models.tokenizer))
     hf.chat_template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
@@ -111,8 +111,8 @@ def test_chat_templates_render_in_a_sandbox(tiny_models):
 
 
 def test_prompt_cache_keeps_recent_conversations_within_its_bytes(pair):
-    from mlx_spec.engine import encode_prompt
-    from mlx_spec.serve.worker import PromptCache, decoder_bytes
+    from mlx_spec.decode.prompts import encode_prompt
+    from mlx_spec.server.worker import PromptCache, decoder_bytes
 
     prompts = ["The quick brown fox", "Paris is the capital", "def add(a, b):", "Once upon"]
     ids = [encode_prompt(pair.tokenizer, p) for p in prompts]
@@ -136,8 +136,8 @@ def test_prompt_cache_keeps_recent_conversations_within_its_bytes(pair):
 def test_prompt_cache_takes_the_conversation_a_prompt_continues(pair):
     """Two kept sequences share a prompt's first part: it takes the one it mostly continues,
     even when the other (long: it would lose most of its cache) shares as much and is older."""
-    from mlx_spec.engine import encode_prompt
-    from mlx_spec.serve.worker import PromptCache
+    from mlx_spec.decode.prompts import encode_prompt
+    from mlx_spec.server.worker import PromptCache
 
     cache = PromptCache(pair, max_bytes=1 << 30, history=None)
     prompt = encode_prompt(pair.tokenizer, "The quick brown fox jumps over the lazy dog.")
@@ -163,7 +163,7 @@ def tool_tokenizer(tmp_path_factory):
 
 
 def chat_request(**kw):
-    from mlx_spec.serve.protocol import GenRequest
+    from mlx_spec.server.protocol import GenRequest
 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     return GenRequest(kind="chat", model="m", prompt=[], max_tokens=10, tools=tools, **kw)
@@ -179,7 +179,7 @@ def split_all(out, pieces):
 
 
 def test_reasoning_and_a_call_split_across_any_pieces(tool_tokenizer):
-    from mlx_spec.serve.output import Output
+    from mlx_spec.server.output import Output
 
     call = '{"name":"get_weather","arguments":{"city":"Oslo"}}'
     text = f"<think>hmm</think>Sure.<tool_call>{call}</tool_call>"
@@ -194,7 +194,7 @@ def test_reasoning_and_a_call_split_across_any_pieces(tool_tokenizer):
 
 
 def test_a_truncated_call_stays_text_and_raw_reasoning_stays_content(tool_tokenizer):
-    from mlx_spec.serve.output import Output
+    from mlx_spec.server.output import Output
 
     out = Output(tool_tokenizer, chat_request(), prompt=[])
     content, _, calls = split_all(out, ['<tool_call>{"name":"get_we'])  # max_tokens cut it
@@ -205,7 +205,7 @@ def test_a_truncated_call_stays_text_and_raw_reasoning_stays_content(tool_tokeni
 
 
 def test_a_named_tool_choice_parses_what_follows_the_forced_head(tool_tokenizer):
-    from mlx_spec.serve.output import Output, forced_prefix
+    from mlx_spec.server.output import Output, forced_prefix
 
     choice = {"type": "function", "function": {"name": "get_weather"}}
     head = forced_prefix(tool_tokenizer, choice)
@@ -216,7 +216,7 @@ def test_a_named_tool_choice_parses_what_follows_the_forced_head(tool_tokenizer)
 
 
 def test_a_template_that_opens_thinking_starts_in_reasoning(tool_tokenizer):
-    from mlx_spec.serve.output import Output
+    from mlx_spec.server.output import Output
 
     prompt = tool_tokenizer.encode("<|im_start|>assistant\n<think>", add_special_tokens=False)
     out = Output(tool_tokenizer, chat_request(), prompt=prompt)
@@ -226,8 +226,8 @@ def test_a_template_that_opens_thinking_starts_in_reasoning(tool_tokenizer):
 
 def test_prefill_stops_between_chunks_and_the_decoder_recovers(pair):
     """abort() is asked between prefill chunks; the half-filled caches are not reused."""
-    from mlx_spec.config import GenerationConfig
-    from mlx_spec.engine import stream_rounds
+    from mlx_spec.decode.config import GenerationConfig
+    from mlx_spec.decode.engine import stream_rounds
     from mlx_spec.errors import Aborted
 
     prompt = pair.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)[:300]
@@ -247,7 +247,7 @@ def test_prefill_stops_between_chunks_and_the_decoder_recovers(pair):
         chunks.append(len(tokens))
         return real(model, cache, tokens, step=64, **kwargs)
 
-    import mlx_spec.engine as engine
+    import mlx_spec.decode.engine as engine
 
     engine.prefill_cache, saved = small_chunks, engine.prefill_cache
     try:
@@ -266,9 +266,9 @@ def test_the_tool_grammar_continues_the_forced_head_to_the_end_of_turn(tool_toke
     parameters), `}`, a newline, the end tag, then only end of turn."""
     import numpy as np
 
-    from mlx_spec.grammar import Constraint
-    from mlx_spec.serve.output import tool_grammar
-    from mlx_spec.serve.protocol import GenRequest
+    from mlx_spec.core.grammar import Constraint
+    from mlx_spec.server.output import tool_grammar
+    from mlx_spec.server.protocol import GenRequest
 
     days = {"days": {"type": "integer", "minimum": 1, "maximum": 9}}
     params = {"type": "object", "properties": days, "required": ["days"]}

@@ -336,7 +336,7 @@ def test_completion_logprobs_legacy_shape(client, pair):
 
 
 def test_penalties_and_logit_bias_equal_the_library(client, pair):
-    from mlx_spec.processors import make_processors
+    from mlx_spec.core.processors import make_processors
 
     settings = dict(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={"60": 3.0})
     prompt = "def add(a, b):\n    return a + b\n"

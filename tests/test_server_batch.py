@@ -28,7 +28,7 @@ from test_server import metrics as read_metrics
 from test_server import serving
 
 from mlx_spec import generate, load_pair
-from mlx_spec.processors import make_processors
+from mlx_spec.core.processors import make_processors
 
 KEY_A, KEY_B = "key-a", "key-b"
 K = 3

@@ -19,11 +19,11 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from test_distribution import accept_everything, chi_square
 
-import mlx_spec.engine as engine
+import mlx_spec.decode.engine as engine
 from mlx_spec import Decoder, SamplingParams, SpecError, generate, load_pair
+from mlx_spec.core.grammar import JSON_OPTIONS, Constraint
+from mlx_spec.core.sampling import probabilities
 from mlx_spec.drafters import ModelDrafter, NGramDrafter
-from mlx_spec.grammar import JSON_OPTIONS, Constraint
-from mlx_spec.sampling import probabilities
 
 PERSON = {
     "type": "object",

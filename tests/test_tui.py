@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from mlx_spec import generate, load_pair, make_decoder
+from mlx_spec import GenerationConfig, generate, load_pair, make_decoder
 from tui.app import ChatApp
 from tui.widgets import CONTROL_CHARS, ReplyView, StatsPanel, round_strip, sparkline
 
@@ -76,7 +76,7 @@ async def test_reply_colours_follow_the_engine(chat_pair):
         decoder=make_decoder(chat_pair),
     )
     assert 0 < expected.stats.acceptance_rate < 1  # mixed rounds: both colours appear
-    app = ChatApp(chat_pair, pair_name="tiny", max_tokens=40)
+    app = ChatApp(chat_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=40))
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
         reply = await finish(app, pilot)
@@ -130,7 +130,7 @@ async def test_reply_colours_follow_the_engine(chat_pair):
 
 
 async def test_follow_up_reuses_the_cache(chat_pair):
-    app = ChatApp(chat_pair, pair_name="tiny", max_tokens=12)
+    app = ChatApp(chat_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=12))
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
         await finish(app, pilot)
@@ -145,7 +145,7 @@ async def test_follow_up_reuses_the_cache(chat_pair):
 async def test_escape_stops_a_reply_and_keeps_it(slow_pair):
     # 200 tokens: long enough to stop mid-way, short enough that the follow-up conversation
     # still fits the tiny model's 512-token context
-    app = ChatApp(slow_pair, pair_name="tiny", max_tokens=200)
+    app = ChatApp(slow_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=200))
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
         # stop once some text is out (a first round's token can still be half a character)
@@ -158,14 +158,14 @@ async def test_escape_stops_a_reply_and_keeps_it(slow_pair):
         assert reply.note == "[stopped]"
         assert 0 < len([p for p in reply.pieces if p[1] != "rejected"]) < 200
         assert app.history[-1] == {"role": "assistant", "content": reply.text}
-        app.max_tokens = 8  # (a short second reply: the suite's time)
+        app.generation = app.generation.replace(max_tokens=8)  # (a short second reply)
         await send(pilot, "again")  # the app takes a new message after a stop
         second = await finish(app, pilot)
         assert second is not reply and second.pieces
 
 
 async def test_new_chat_clears_the_conversation(chat_pair):
-    app = ChatApp(chat_pair, pair_name="tiny", max_tokens=8)
+    app = ChatApp(chat_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=8))
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
         await finish(app, pilot)
@@ -176,7 +176,7 @@ async def test_new_chat_clears_the_conversation(chat_pair):
 
 
 async def test_speculation_off_means_all_target_tokens(chat_pair):
-    app = ChatApp(chat_pair, pair_name="tiny", max_tokens=20)
+    app = ChatApp(chat_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=20))
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("f2")
         await send(pilot, PROMPT)
@@ -194,7 +194,7 @@ async def test_speculation_off_means_all_target_tokens(chat_pair):
 
 
 async def test_quit_during_generation_exits_zero(slow_pair):
-    app = ChatApp(slow_pair, pair_name="tiny", max_tokens=480)
+    app = ChatApp(slow_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=480))
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
         await pilot.pause(0.05)
@@ -204,7 +204,7 @@ async def test_quit_during_generation_exits_zero(slow_pair):
 
 
 def test_snapshot_after_a_reply(chat_pair, snap_compare):
-    app = ChatApp(chat_pair, pair_name="tiny", max_tokens=24)
+    app = ChatApp(chat_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=24))
 
     async def run_before(pilot):
         await send(pilot, PROMPT)
@@ -224,7 +224,7 @@ def test_snapshot_after_a_reply(chat_pair, snap_compare):
 async def test_panel_shows_what_auto_decided(tiny_models):
     """With `auto` the panel says what the controller chose and why."""
     pair = load_pair(target=str(tiny_models.target), draft=str(tiny_models.noisy))
-    app = ChatApp(pair, pair_name="tiny", max_tokens=30)
+    app = ChatApp(pair, pair_name="tiny", generation=GenerationConfig(max_tokens=30))
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
         await finish(app, pilot)
@@ -252,7 +252,7 @@ async def test_an_exception_in_generation_leaves_a_usable_app(chat_pair):
     import dataclasses
 
     broken = dataclasses.replace(chat_pair, target=Broken(chat_pair.target))
-    app = ChatApp(broken, pair_name="tiny", max_tokens=10)
+    app = ChatApp(broken, pair_name="tiny", generation=GenerationConfig(max_tokens=10))
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
         reply = await finish(app, pilot)
@@ -278,7 +278,7 @@ async def test_a_base_model_without_chat_template_chats_in_plain_turns(tiny_mode
         f.unlink()
     pair = load_pair(target=str(base), draft=str(tiny_models.noisy), num_draft_tokens=3)
     assert not pair.tokenizer.has_chat_template
-    app = ChatApp(pair, pair_name="base", max_tokens=30)
+    app = ChatApp(pair, pair_name="base", generation=GenerationConfig(max_tokens=30))
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
         reply = await finish(app, pilot)
@@ -291,7 +291,9 @@ async def test_a_base_model_without_chat_template_chats_in_plain_turns(tiny_mode
 
 @pytest.mark.parametrize("compare", [False, True], ids=["f9", "--compare"])
 async def test_race_against_plain_decoding(chat_pair, compare):
-    app = ChatApp(chat_pair, pair_name="tiny", max_tokens=24, compare=compare)
+    app = ChatApp(
+        chat_pair, pair_name="tiny", compare=compare, generation=GenerationConfig(max_tokens=24)
+    )
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
         await finish(app, pilot)
@@ -357,7 +359,7 @@ async def test_thinking_off_goes_through_the_chat_template(tiny_models, tmp_path
     config.pop("chat_template", None)
     (qwen_like / "tokenizer_config.json").write_text(json.dumps(config))
     pair = load_pair(target=str(qwen_like), draft=str(tiny_models.noisy), num_draft_tokens=3)
-    app = ChatApp(pair, pair_name="thinking", max_tokens=5)
+    app = ChatApp(pair, pair_name="thinking", generation=GenerationConfig(max_tokens=5))
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
         await finish(app, pilot)
@@ -373,7 +375,7 @@ async def test_copy_save_and_system_message(chat_pair, tmp_path, monkeypatch):
     import json
 
     monkeypatch.chdir(tmp_path)
-    app = ChatApp(chat_pair, pair_name="tiny", max_tokens=12)
+    app = ChatApp(chat_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=12))
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
         reply = await finish(app, pilot)
@@ -425,7 +427,7 @@ async def test_a_long_reply_moves_finished_paragraphs_into_their_own_widgets(
     expected = generate(pair, [{"role": "user", "content": PROMPT}], max_tokens=300)
     assert expected.text.count("\n") > 10 and {"accepted", "regenerated"} <= set(expected.kinds)
     monkeypatch.setattr(ReplyView, "TAIL_LINES", 3)  # blocks of a few lines: several of them
-    app = ChatApp(pair, pair_name="cycle", max_tokens=300)
+    app = ChatApp(pair, pair_name="cycle", generation=GenerationConfig(max_tokens=300))
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
         reply = await finish(app, pilot)
@@ -572,7 +574,9 @@ async def test_a_picked_pair_downloads_with_a_progress_bar_in_bytes(
             target="tiny/target", draft="tiny/draft", num_draft_tokens=4, progress=progress
         )
 
-    app = ChatApp(chat_pair, loader=loader, pair_name="tiny", max_tokens=20)
+    app = ChatApp(
+        chat_pair, loader=loader, pair_name="tiny", generation=GenerationConfig(max_tokens=20)
+    )
     async with app.run_test(size=(120, 40)) as pilot:
         bar = app.query_one("#download", ProgressBar)
         assert not bar.display
@@ -615,7 +619,7 @@ async def test_a_pair_that_cannot_load_becomes_an_error_line(
     def loader(name, progress):
         return load_pair(target="mlx-spec-tests/not-downloaded", progress=progress)
 
-    app = ChatApp(loader=loader, pair_name=None, max_tokens=10)
+    app = ChatApp(loader=loader, pair_name=None, generation=GenerationConfig(max_tokens=10))
     async with app.run_test(size=(120, 40)) as pilot:
         await app.workers.wait_for_complete()
         await pilot.pause(0.1)
@@ -645,7 +649,9 @@ async def test_a_saved_chat_reloads_and_goes_on(chat_pair, tmp_path, monkeypatch
     from tui.app import read_saved
 
     monkeypatch.chdir(tmp_path)
-    app = ChatApp(chat_pair, pair_name="tiny", max_tokens=8, system="Be brief.")
+    app = ChatApp(
+        chat_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=8, system="Be brief.")
+    )
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
         await finish(app, pilot)
@@ -656,7 +662,9 @@ async def test_a_saved_chat_reloads_and_goes_on(chat_pair, tmp_path, monkeypatch
     assert record == {"messages": history, "system": "Be brief."}
     markdown = saved.with_suffix(".md").read_text()
     assert all(m["content"] in markdown for m in history) and "Be brief." in markdown
-    again = ChatApp(chat_pair, pair_name="tiny", max_tokens=8, saved=record)
+    again = ChatApp(
+        chat_pair, pair_name="tiny", saved=record, generation=GenerationConfig(max_tokens=8)
+    )
     async with again.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
         shown = [str(w.content) for w in again.query(".user, .assistant")]

@@ -23,11 +23,13 @@ from textual.widgets.option_list import Option
 from textual.worker import get_current_worker
 
 from mlx_spec import GenerationConfig, SpecError, Stats, make_decoder, stream_rounds
-from mlx_spec.loading import DownloadProgress
-from mlx_spec.policies import Auto, Fixed, draft_length
-from mlx_spec.threads import ModelThread
+from mlx_spec.core.policies import Auto, Fixed
+from mlx_spec.models.hub import DownloadProgress
+from mlx_spec.runtime.threads import ModelThread
 
 from .widgets import ReplyView, StatsPanel
+
+DEFAULT_MAX_TOKENS = 1024
 
 REFRESH_HZ = 30
 FIXED_K_MAX = 16  # f4 steps a fixed k up to here (`auto` keeps to policies.K_MAX)
@@ -158,28 +160,25 @@ class ChatApp(App):
         *,
         loader=None,
         pair_name: str | None = None,
-        num_draft_tokens=None,  # an int, "auto", policies.Fixed/Auto; None: the pair's own
-        temperature: float = 0.0,
-        max_tokens: int = 1024,
-        seed: int | None = None,
+        generation: GenerationConfig | None = None,
         compare: bool = False,
-        system: str | None = None,
         saved: dict | None = None,
     ):
         """Give a loaded `pair`, or a `loader(name, progress) -> pair` run in a worker.
+        `generation`: the settings every reply starts from (default: 1024 tokens, greedy, the
+        pair's k); its temperature, k and system message can change while chatting.
         `compare`: race every reply against plain decoding (as f9 does). `saved`: a
         conversation saved with ctrl+s (see `read_saved`) to go on with."""
         super().__init__()
+        generation = generation or GenerationConfig(max_tokens=DEFAULT_MAX_TOKENS)
         self.pair = None
         self.loader = loader
         self.pair_name = pair_name
         # reactives, set without their watchers: the panel they refresh is not mounted yet
-        self.set_reactive(
-            ChatApp.k, None if num_draft_tokens is None else draft_length(num_draft_tokens)
-        )
-        self.set_reactive(ChatApp.temperature, temperature)
-        self.max_tokens = max_tokens
-        self.seed = seed
+        self.set_reactive(ChatApp.k, generation.num_draft_tokens)  # None: the pair's own
+        self.set_reactive(ChatApp.temperature, generation.temperature)
+        self.generation = generation
+        system = generation.system
         self.show_rejected = False  # f8: the draft's losing guesses, struck through
         self.compare = compare
         self.fold_thinking = False  # f10: <think> blocks folded
@@ -307,8 +306,8 @@ class ChatApp(App):
     def action_pick_pair(self) -> None:
         if self.loader is None or self.reply is not None:
             return
-        from mlx_spec.loading import pair_downloaded
-        from mlx_spec.registry import load_registry
+        from mlx_spec.pairs.loading import pair_downloaded
+        from mlx_spec.pairs.registry import load_registry
 
         rows = []
         for name, spec in load_registry().pairs.items():
@@ -365,13 +364,14 @@ class ChatApp(App):
         so_far, plain_turns = "", not self.pair.tokenizer.has_chat_template
         try:
             if self.decoder is None or self.decoder.pair is not self.pair:
-                self.decoder = make_decoder(self.pair, self.seed)
-            config = GenerationConfig(
-                self.max_tokens,
-                self.temperature,
+                self.decoder = make_decoder(self.pair, self.generation.seed)
+            config = self.generation.replace(
+                temperature=self.temperature,
                 num_draft_tokens=self.k,
                 chat_template_kwargs={"enable_thinking": self.thinking},
                 use_draft=self.speculation and not race,
+                system=None,  # the conversation carries it (self.system)
+                seed=None,  # the decoder's key, seeded once above, runs on across replies
             )
             prompt = conversation(messages, self.pair.tokenizer, self.system)
             for batch in stream_rounds(

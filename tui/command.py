@@ -7,7 +7,7 @@ import sys
 
 
 def setup_arg_parser(parser):
-    from mlx_spec.cli import add_pair_args, positive_int, seed
+    from mlx_spec.commands.args import add_pair_args, positive_int, seed
 
     add_pair_args(parser)
     parser.add_argument("--temp", type=float, default=0.0, help="temperature (0: greedy)")
@@ -27,8 +27,9 @@ def setup_arg_parser(parser):
 
 
 def main(args):
-    from mlx_spec.cli import DEFAULT_PAIR, pair_from_args
-    from mlx_spec.sampling import SamplingParams
+    from mlx_spec import GenerationConfig
+    from mlx_spec.commands.args import DEFAULT_PAIR, pair_from_args
+    from mlx_spec.core.sampling import SamplingParams
 
     from .app import ChatApp, read_saved
 
@@ -45,15 +46,18 @@ def main(args):
         picked["skip_draft"] = False
         return pair_from_args(args, progress, name=name, draft_adapter=None, **picked)
 
+    generation = GenerationConfig(
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        seed=args.seed,
+        num_draft_tokens=args.num_draft_tokens,
+        system=args.system,
+    )
     app = ChatApp(
         loader=loader,
         pair_name=None if args.target else (args.pair or DEFAULT_PAIR),
-        num_draft_tokens=args.num_draft_tokens,
-        temperature=args.temp,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
+        generation=generation,
         compare=args.compare,
-        system=args.system,
         saved=saved,
     )
     app.run()

@@ -8,8 +8,8 @@ import math
 import sys
 from pathlib import Path
 
-from ..cli import add_pair_args, pair_from_args, positive_int
 from ..errors import SpecError
+from .args import add_pair_args, pair_from_args, positive_int
 
 
 def float_list(text: str) -> list[float]:
@@ -53,7 +53,7 @@ def setup_arg_parser(parser):
 
 
 def read_prompts(path: str | None, only: str | None = None) -> dict[str, str]:
-    from ..bench import PROMPTS
+    from ..measure.benchmark import PROMPTS
 
     if path is not None and only is not None:
         raise SpecError("--only picks built-in prompts; it does not go with --prompts")
@@ -79,7 +79,7 @@ def read_prompts(path: str | None, only: str | None = None) -> dict[str, str]:
 
 
 def plot(rows, path: str) -> None:
-    from ..plotting import pyplot
+    from ..measure.plots import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 4))
@@ -93,7 +93,7 @@ def plot(rows, path: str) -> None:
 
 
 def main(args):
-    from ..distributed import rank_zero_prints
+    from ..models.distributed import rank_zero_prints
 
     if not args.k or any(k != "auto" and k < 1 for k in args.k):
         raise SpecError("--k takes draft lengths >= 1 or auto, e.g. 2,4,auto")
@@ -106,8 +106,8 @@ def main(args):
 
 
 def report(pair, args, prompts) -> int:
-    from ..bench import format_rows, run_bench, summarise, to_json
-    from ..blas import describe
+    from ..measure.benchmark import format_rows, run_bench, summarise, to_json
+    from ..runtime.blas import describe
 
     say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr))
     say(f"BLAS: {describe()}")

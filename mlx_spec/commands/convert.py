@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..model_dir import new_output_dir
+from ..models.model_dir import new_output_dir
 
 
 def setup_arg_parser(parser):
@@ -20,7 +20,7 @@ def setup_arg_parser(parser):
 
 
 def main(args):
-    from ..gguf import convert
+    from ..models.gguf import convert
 
     out = new_output_dir(args.out)
     start = time.perf_counter()

@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..cli import add_pair_args, nonnegative_int, pair_from_args, positive_int
 from ..errors import SpecError
+from .args import add_pair_args, nonnegative_int, pair_from_args, positive_int
 
 DEFAULT_OUT = "draft-adapter"
 DEFAULT_HEAD_OUT = "eagle3-head"
@@ -27,8 +27,8 @@ def fraction(text: str) -> float:
 
 
 def setup_arg_parser(parser):
-    from ..distill import LOSSES, Settings
-    from ..head_train import HeadSettings
+    from ..train.common import LOSSES, Settings
+    from ..train.eagle_head import HeadSettings
 
     d, h = Settings(), HeadSettings()
 
@@ -129,8 +129,8 @@ def setup_arg_parser(parser):
 
 
 def settings_from_args(args):
-    from ..distill import Settings
-    from ..head_train import HeadSettings
+    from ..train.common import Settings
+    from ..train.eagle_head import HeadSettings
 
     head = args.drafter == "eagle3"
     d = HeadSettings() if head else Settings()
@@ -204,9 +204,10 @@ class Bar:
 
 
 def main(args):
-    from ..distill import distill, format_table, read_data
     from ..drafters import KINDS
-    from ..loading import NO_ADAPTER
+    from ..pairs.loading import NO_ADAPTER
+    from ..train.common import read_data
+    from ..train.lora import distill, format_table
 
     if args.drafter == "eagle3":
         return main_head(args)
@@ -220,7 +221,7 @@ def main(args):
     prompts = read_data(args.data, args.max_prompts, args.seed)  # bad data fails before loading
     out = Path(args.out or DEFAULT_OUT).expanduser()
     if args.plot:
-        from ..plotting import pyplot
+        from ..measure.plots import pyplot
 
         pyplot()
     bar = Bar()
@@ -246,9 +247,9 @@ def main(args):
 
 def main_head(args):
     """--drafter eagle3: an EAGLE-3 head for the target, on its own replies."""
-    from ..distill import read_data
-    from ..head_train import check_out, format_table, train_head
-    from ..loading import resolve_head
+    from ..models.hub import resolve_head
+    from ..train.common import read_data
+    from ..train.eagle_head import check_out, format_table, train_head
 
     if args.no_draft or args.draft or args.draft_bits:
         raise SpecError("an EAGLE-3 head drafts from the target alone; drop the draft flags")
@@ -260,7 +261,7 @@ def main_head(args):
     check_target(args)  # a target a head can read, before its weights load
     check_out(out, args.resume)
     if args.plot:
-        from ..plotting import pyplot
+        from ..measure.plots import pyplot
 
         pyplot()  # no matplotlib: said before the training, not after
     bar = Bar()
@@ -282,10 +283,10 @@ def main_head(args):
 
 
 def check_target(args) -> None:
-    from ..cli import pair_config_from_args
-    from ..head_train import head_config
-    from ..loading import resolve_model
-    from ..model_dir import json_object
+    from ..models.hub import resolve_model
+    from ..models.model_dir import json_object
+    from ..train.eagle_build import head_config
+    from .args import pair_config_from_args
 
     config = pair_config_from_args(args, drafter=None, head=None, skip_draft=True)
     path = resolve_model(config.target, config.dtype)
@@ -294,6 +295,6 @@ def check_target(args) -> None:
 
 
 def plot_report(report: dict, path: str) -> None:
-    from ..head_train import plot
+    from ..train.eagle_head import plot
 
     plot(report, path)

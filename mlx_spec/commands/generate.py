@@ -6,8 +6,8 @@ import json
 import os
 import sys
 
-from ..cli import add_pair_args, pair_from_args, seed
 from ..errors import SpecError
+from .args import add_pair_args, pair_from_args, seed
 
 COLORS = {
     "accepted": "\x1b[32m",  # green: a draft token the target accepted
@@ -108,20 +108,20 @@ def read_constraint(args) -> dict:
         if not text.strip():
             raise SpecError(f"the grammar file {path} is empty")
         return {"grammar": text}
-    from ..grammar import read_schema
+    from ..core.grammar import read_schema
 
     return {"schema": read_schema(text, f"the schema file {path}")}
 
 
 def main(args):
-    from ..distributed import rank_zero_prints
+    from ..models.distributed import rank_zero_prints
 
     text = read_prompt(args)
     constraint = read_constraint(args)
     config = generation_config(args)  # bad sampling flags fail before anything loads
     pair = pair_from_args(args)
     if constraint:  # compiled once, against the loaded tokenizer: errors before generating
-        from ..engine import constraint_for
+        from ..decode.prompts import constraint_for
 
         forced = not (args.no_forced_tokens or args.no_draft)  # the baseline drafts nothing
         config = config.replace(grammar=constraint_for(pair, **constraint), forced_tokens=forced)
@@ -130,7 +130,7 @@ def main(args):
 
 
 def generation_config(args):
-    from ..config import GenerationConfig
+    from ..decode.config import GenerationConfig
 
     return GenerationConfig(
         args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p, args.seed,
@@ -139,9 +139,9 @@ def generation_config(args):
 
 
 def reply(pair, args, text: str, config) -> int:
-    from .. import blas
-    from ..engine import generate, stream
-    from ..stats import Stats
+    from ..core.stats import Stats
+    from ..decode.engine import generate, stream
+    from ..runtime import blas
 
     prompt = build_prompt(pair, args, text)
     if args.json:

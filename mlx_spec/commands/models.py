@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..loading import pair_downloaded
-from ..registry import load_registry, user_file
+from ..pairs.loading import pair_downloaded
+from ..pairs.registry import load_registry, user_file
 
 
 def setup_arg_parser(parser):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from ..cli import add_pair_args, nonnegative_int, pair_from_args, positive_int
 from ..errors import SpecError
+from .args import add_pair_args, nonnegative_int, pair_from_args, positive_int
 
 SAMPLE_PROMPT = "Explain in a few sentences how a bicycle's gears make pedalling easier."
 SAMPLE_K = 4
@@ -54,9 +54,9 @@ def positive_float(text: str) -> float:
 def sample_acceptance(pair, temperature: float, max_tokens: int, deadline: float, clock):
     """Sample from `pair` at k=SAMPLE_K until `max_tokens` or the deadline (after at least
     MIN_SAMPLE_ROUNDS rounds); the run's stats."""
-    from ..config import GenerationConfig
-    from ..engine import stream_rounds
-    from ..stats import Stats
+    from ..core.stats import Stats
+    from ..decode.config import GenerationConfig
+    from ..decode.engine import stream_rounds
 
     stats = Stats()
     config = GenerationConfig(max_tokens, temperature, seed=0, num_draft_tokens=SAMPLE_K)
@@ -75,8 +75,9 @@ def time_head(pair, ks, clock) -> dict[int, float]:
     a drafting head, which has no draft model to time step by step, is measured."""
     import mlx.core as mx
 
-    from ..engine import encode_prompt, make_decoder
-    from ..sampling import SamplingParams
+    from ..core.sampling import SamplingParams
+    from ..decode.engine import make_decoder
+    from ..decode.prompts import encode_prompt
 
     decoder = make_decoder(pair, seed=0)
     decoder.prefill(encode_prompt(pair.tokenizer, [{"role": "user", "content": SAMPLE_PROMPT}]))
@@ -104,8 +105,7 @@ def run_probe(
     times, and the sample for α stops at the deadline (after MIN_SAMPLE_ROUNDS rounds)."""
     import time
 
-    from .. import blas
-    from ..probe import (
+    from ..measure.verify_cost import (
         PassTimer,
         ProbeResult,
         classify_regime,
@@ -115,6 +115,7 @@ def run_probe(
         time_passes,
         verdict,
     )
+    from ..runtime import blas
 
     clock = clock or time.perf_counter
     begin = clock()
@@ -200,7 +201,7 @@ def format_table(r) -> str:
 
 
 def plot(r, path: str) -> None:
-    from ..plotting import pyplot
+    from ..measure.plots import pyplot
 
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))

@@ -10,8 +10,8 @@ import socket
 import sys
 from pathlib import Path
 
-from ..cli import add_pair_args, int_at_least, nonnegative_int, pair_from_args, positive_int
 from ..errors import SpecError, one_line
+from .args import add_pair_args, int_at_least, nonnegative_int, pair_from_args, positive_int
 
 API_KEY_ENV = "MLX_SPEC_API_KEY"
 DEFAULT_MAX_TOKENS = 512
@@ -168,7 +168,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def served_name(args) -> str:
-    from ..cli import DEFAULT_PAIR
+    from .args import DEFAULT_PAIR
 
     if args.target:
         return Path(args.target).stem if args.target.endswith(".gguf") else Path(args.target).name
@@ -189,16 +189,16 @@ def main(args):
     try:
         import uvicorn
 
-        from ..serve.app import GracefulServer, Settings, create_app
-        from ..serve.protocol import Limits
-        from ..serve.worker import Engine
+        from ..server.app import GracefulServer, Settings, create_app
+        from ..server.protocol import Limits
+        from ..server.worker import Engine
     except ImportError as err:
         raise SpecError(
             f"mlx-spec serve needs {err.name}, a dependency of mlx-spec that is missing here: "
             "reinstall mlx-spec"
         ) from None
-    from ..loading import load_pair, pair_downloaded
-    from ..registry import load_registry
+    from ..pairs.loading import load_pair, pair_downloaded
+    from ..pairs.registry import load_registry
 
     limit = args.max_tokens_limit
     default_max = args.default_max_tokens

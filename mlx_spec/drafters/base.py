@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .. import caches
+from ..core import caches
+from ..core.hidden import capturing
+from ..core.sampling import SamplingParams
 from ..errors import Aborted, SpecError
-from ..hidden import capturing
-from ..sampling import SamplingParams
+from ..models.hub import is_downloaded, resolve_head
 
 
 @dataclass
@@ -112,6 +113,9 @@ class DrafterKind:
     needs_head = False  # a head directory must be named (--head DIR): MTP, EAGLE-3, DFlash
     uses_history = False  # the server hands it a HistoryIndex (prompt lookup across requests)
     max_draft: int | None = None  # the most tokens a round can draft (None: any k)
+    # the optional drafter settings of PairConfig it reads; PairConfig refuses the others with
+    # one message for every kind (ngram lengths have defaults and are kept for a later switch)
+    settings: tuple[str, ...] = ()
     help = ""
 
     @classmethod
@@ -122,15 +126,11 @@ class DrafterKind:
     def resolve_head(cls, name: str, target_config: dict, progress=None):
         """The head directory a pair names (a path, package:MODULE/DIR or a hub id),
         downloaded when missing; called by load_pair before any weights are loaded."""
-        from ..loading import resolve_head
-
         return resolve_head(name, progress)
 
     @classmethod
     def head_downloaded(cls, name: str, target: str) -> bool:
         """Whether `resolve_head` would find the head here, without the network."""
-        from ..loading import is_downloaded
-
         return is_downloaded(name)
 
     @classmethod

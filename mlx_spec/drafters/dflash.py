@@ -44,12 +44,12 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .. import caches
+from ..core import caches
+from ..core.hidden import decoder_stack, layer_list
+from ..core.processors import apply as apply_processors
+from ..core.sampling import probabilities, sample
 from ..errors import SpecError
-from ..hidden import decoder_stack, layer_list
-from ..model_dir import text_config
-from ..processors import apply as apply_processors
-from ..sampling import probabilities, sample
+from ..models.model_dir import text_config
 from .base import Drafter, DrafterKind
 
 
@@ -402,11 +402,6 @@ class DFlashKind(DrafterKind):
     name = "dflash"
     needs_head = True
     help = "a DFlash block-diffusion head (z-lab): one forward drafts a block"
-
-    @classmethod
-    def validate(cls, config) -> None:
-        if config.draft_confidence is not None:
-            raise SpecError("the dflash drafter has no confidence to stop on")
 
     @classmethod
     def load_head(cls, path, target, target_config: dict) -> DFlashHead:

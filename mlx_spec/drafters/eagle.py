@@ -38,11 +38,11 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import common_prefix_len
 
+from ..core.hidden import decoder_stack
+from ..core.processors import apply as apply_processors
+from ..core.sampling import probabilities, sample
 from ..errors import SpecError
-from ..hidden import decoder_stack
-from ..model_dir import json_object, text_config
-from ..processors import apply as apply_processors
-from ..sampling import probabilities, sample
+from ..models.model_dir import json_object, text_config
 from .base import Drafter, DrafterKind
 
 CHUNK = 2048  # rows of a prompt fed to the head at once (bounds the prefill's peak memory)
@@ -468,11 +468,6 @@ class EagleKind(DrafterKind):
     name = "eagle3"
     needs_head = True
     help = "an EAGLE-3 head (--head DIR): drafts from three of the target's layers"
-
-    @classmethod
-    def validate(cls, config) -> None:
-        if config.draft_confidence is not None:
-            raise SpecError("the eagle3 drafter has no draft-confidence setting")
 
     @classmethod
     def load_head(cls, path, target, target_config):

@@ -52,6 +52,7 @@ class LookupThenModel(Drafter):
 
 class LookupThenModelKind(DrafterKind):
     name = "ngram+model"
+    settings = ("draft_confidence",)
     needs_model = True
     uses_history = True
     help = "lookup first, the draft model when lookup finds nothing"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
-from .. import caches
-from ..processors import apply as apply_processors
-from ..sampling import probabilities, sample
+from ..core import caches
+from ..core.processors import apply as apply_processors
+from ..core.sampling import probabilities, sample
 from .base import Drafter, DrafterKind, prefill_cache
 
 
@@ -124,6 +124,7 @@ class ModelDrafter(Drafter):
 
 class ModelKind(DrafterKind):
     name = "model"
+    settings = ("draft_confidence",)
     needs_model = True
     help = "the draft model"
 

@@ -1,0 +1,792 @@
+"""Continuous batching that still speculates: B requests advance together, one target pass a round.
+
+`BatchDecoder` keeps one batched KV cache (mlx-lm's left-padded `BatchKVCache`) for the target
+and, with a draft model, one for the draft. Each round (`step`):
+
+1. every row proposes up to k tokens: the draft model batched the same way (one forward over the
+   B rows per draft step), or prompt lookup in the row's own context;
+2. ONE target pass over (B, K+1) tokens, K the longest proposal: `[last, x1..xk, pad..]` a row;
+3. each row is verified on its own rows of logits by the single-stream functions
+   (`verify_greedy`, `verify_stochastic`) under its own sampling settings and random key, which
+   it splits exactly as `engine.Decoder` does, so a seeded row samples what it would alone;
+4. each row forgets what it rejected (`rollback_rows`).
+
+Rows join between rounds (`add`: prefilled alone, then merged in) and leave when they finish or
+are cancelled (`cancel`, `remove`). Every row's output is the target's, whatever runs beside it.
+
+Kept caches (the server's prompt cache): a row may start from a kept single-stream
+`engine.Decoder` whose sequence shares a prefix with its prompt (`add(..., kept=decoder)`): the
+decoder's target and draft caches are trimmed to that prefix and only the rest is prefilled.
+A row added with `keep=True` hands its caches back when it leaves (`RowState`:
+`RowUpdate.state`, or `remove`'s result), extracted from the batch (mlx-lm's
+`BatchKVCache.extract`, which drops the row's left padding), and `into_decoder` turns them into
+a decoder a single stream or a later row continues from. Every length is checked against the
+invariants below; a cache that does not hold what they say raises SpecError.
+
+Rolling back per row: after the pass row i holds K+1 new entries and keeps n_i + 1 (its last
+token and its accepted drafts). Every row is trimmed by the smallest rejection (free), and each
+row with more is rolled right by the rest (`prepare(right_padding=...)` + `finalize()`): its
+rejected entries move past the end and its left padding grows, so the mask hides what is left
+there. Why this: trimming every row to the most rejected and re-feeding the others' accepted
+tokens throttles all rows to the worst row's acceptance; holes in the cache need a custom mask
+and never shrink. Cost: in rounds where rows rejected different numbers, one gather per layer
+over its K/V (as much memory traffic as the attention of one pass, small beside the weights at
+these context lengths); left padding grows by the difference (at most the fastest row's
+length, the waste of any batch of prompts of different lengths) and `filter` reclaims it as
+rows leave.
+
+A row with nothing to propose (lookup found no match, or its reply ends next token) costs no
+draft steps; in the verify pass it is padded to the batch's widest proposal. Grouping rows by
+k instead would take one pass per group, each reading all the weights again: in the
+memory-bound regime where speculation pays, a pass costs far more than its padded rows. When
+no row proposes anything the round is a plain step, one row of width 1 per request.
+
+Threads: one thread owns the MLX arrays (streams are per thread, threads.py). A server worker
+thread calls `add`, `step` and `cancel`'s effect from that thread; `cancel` itself only marks
+the row, so another thread may call it; the row leaves at the start of the next `step`.
+
+Over 600 lines: `BatchDecoder` repeats the single stream's round for B rows (verification,
+the end-token cut, records) beside its batched cache bookkeeping; the one-decoder work
+(issue 46) writes the round once for both.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    ChunkedKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+from mlx_lm.utils import common_prefix_len
+
+from ..core import caches
+from ..core.acceptance import verify_greedy, verify_stochastic
+from ..core.batch_policy import BatchController
+from ..core.policies import Auto, DraftLength, Fixed, draft_length
+from ..core.sampling import SamplingParams, check_seed, probabilities, sample
+from ..core.stats import Stats
+from ..drafters import NGramDrafter, prefill_cache
+from ..errors import SpecError
+from .config import GenerationConfig
+from .events import Result, RoundRecord, token_kind
+from .prompts import prompt_tokens
+from .rounds import Round, pad_vocab, point_mass
+
+# drafter kinds a batch can run: a draft model batched like the target, or lookup per row
+BATCHED_KINDS = ("model", "ngram")
+# Tokens the draft missed (plain rounds) that ride along in a drafting round's first step; more
+# get a pass of their own, kept out of the round's timing: the controller would otherwise take
+# a long catch-up for the cost of a draft step (a compute-bound draft: one step per token).
+CATCH_UP_RIDES = 4
+
+
+def _why_not(c) -> str:
+    if isinstance(c, ArraysCache):
+        return (
+            "keeps a recurrent state (ArraysCache: Qwen3.5, Mamba), which a batch cannot "
+            "roll back per row"
+        )
+    if isinstance(c, RotatingKVCache):
+        return (
+            "has sliding-window layers (RotatingKVCache): mlx-lm's BatchRotatingKVCache cannot "
+            "forget tokens once a row has passed its window"
+        )
+    if isinstance(c, ChunkedKVCache):
+        return "uses chunked attention (ChunkedKVCache), which mlx-lm cannot batch"
+    return f"uses {type(c).__name__} layers, which cannot be batched with a roll-back per row"
+
+
+def check_batchable(model, role: str = "target") -> None:
+    """Refuse a model whose cache the batch cannot roll back per row: only plain KVCache
+    layers merge into a BatchKVCache that forgets per row."""
+    for c in caches._leaves(make_prompt_cache(model)):
+        if type(c) is not KVCache:
+            raise SpecError(
+                f"the {role} model {_why_not(c)}; decode it one request at a time (generate)"
+            )
+
+
+def merge_rows(row_caches: list[list]) -> list:
+    """Single-row KVCaches (one list per row) -> one BatchKVCache per layer, left-padded."""
+    return [BatchKVCache.merge([c[i] for c in row_caches]) for i in range(len(row_caches[0]))]
+
+
+def rollback_rows(cache: list, rejected: list[int]) -> None:
+    """Forget the last `rejected[i]` entries of row i in every layer (see the module's note)."""
+    low = min(rejected)
+    rest = [r - low for r in rejected]
+    for c in cache:
+        if low:
+            c.trim(low)
+        if max(rest):
+            c.prepare(right_padding=rest)
+            c.finalize()
+
+
+@dataclass
+class Row:
+    """One request in the batch."""
+
+    id: int
+    sequence: list[int]  # prompt + emitted tokens (+ the end-of-sequence token, if one ended it)
+    params: SamplingParams
+    max_tokens: int
+    key: mx.array | None  # None: greedy rows draw nothing
+    use_draft: bool = True
+    lookup: NGramDrafter | None = None
+    emitted: int = 0
+    prompt_tokens: int = 0
+    reused: int = 0  # prompt tokens a kept decoder's caches held
+    keep: bool = False  # hand the caches back when the row leaves
+    k_max: int | None = None  # the row's own num_draft_tokens: its k is at most this
+
+    def next_key(self) -> mx.array:
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+
+def row_k_max(length) -> int | None:
+    """A row's own num_draft_tokens as a cap on the batch's k: Fixed(k) -> k, Auto(k_max) ->
+    k_max, None (the pair's) -> no cap. A fixed-k batch with a smaller row drafts that row's k
+    every round, as `generate` alone with that k does."""
+    if length is None:
+        return None
+    length = draft_length(length)
+    return length.k if isinstance(length, Fixed) else length.k_max
+
+
+def draft_tail(row: Row, lag: int) -> list[int]:
+    """The last `lag` tokens of the row's context as its draft row holds them: a one-token
+    prompt's token twice (see `add`). A row that does not draft may be shorter than the lag
+    (the draft fed its row nothing): it is padded alike, its draft row is never read."""
+    tail = row.sequence[-lag:]
+    return [row.sequence[0]] * (lag - len(tail)) + tail
+
+
+@dataclass
+class RowState:
+    """A row's caches as it leaves, as a single stream keeps them (see `into_decoder`)."""
+
+    sequence: list[int]
+    cache: list  # one KVCache per target layer, holding sequence[:-1]
+    draft_cache: list | None  # one per draft layer, holding draft_tokens (None: no draft's)
+    draft_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RowUpdate:
+    """What one `step` did for one row."""
+
+    tokens: list[int]  # emitted this round (an end-of-sequence token is not one)
+    round: Round
+    done: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "cancelled" when done
+    state: RowState | None = None  # a leaving row added with keep=True: its caches
+
+
+def _held(cache: list, tokens: int, what: str) -> None:
+    """Every layer holds `tokens` entries, or SpecError (a cache that is not what it says)."""
+    sizes = {c.size() for c in cache}
+    if sizes != {tokens}:
+        raise SpecError(f"the {what} cache holds {sorted(sizes)} tokens, not {tokens}")
+
+
+def _plain(cache: list, what: str) -> None:
+    if any(type(c) is not KVCache for c in cache):
+        raise SpecError(f"the kept {what} cache is not made of plain KV caches")
+
+
+def kept_caches(kept, prompt: list[int], draft_held: list[int] | None):
+    """Take a kept `engine.Decoder`'s caches for `prompt`: (target cache, reused tokens,
+    draft cache, draft reused), each trimmed to its shared prefix with what the row's cache
+    must hold (target: prompt[:-1]; draft: `draft_held`, the row's context but the batch's last
+    `lag` tokens; None: the row does not draft, the draft's cache is not taken). The decoder
+    is left empty (`Decoder.give_up`); one that may be mid-round gives nothing."""
+    given = kept.give_up()
+    if given is None:
+        return None, 0, None, 0
+    cache, held, draft = given
+    _plain(cache, "target")
+    _held(cache, len(held), "kept target")
+    reuse = min(common_prefix_len(held, prompt), len(prompt) - 1)
+    caches.rollback(cache, len(held) - reuse)
+    _held(cache, reuse, "kept target")
+    if draft_held is None or draft is None:
+        return cache, reuse, None, 0
+    draft_cache, cached = draft
+    _plain(draft_cache, "draft")
+    _held(draft_cache, len(cached), "kept draft")
+    draft_reuse = common_prefix_len(cached, draft_held)
+    caches.rollback(draft_cache, len(cached) - draft_reuse)
+    return cache, reuse, draft_cache, draft_reuse
+
+
+def into_decoder(decoder, state: RowState):
+    """A leaving row's caches into `decoder` (an `engine.Decoder` of the same pair), checked:
+    it then holds the row's sequence as if a single stream had generated it (target cache:
+    all but the last token; a draft model's: `state.draft_tokens`, the rest unfed; prompt
+    lookup rebuilds its index from the next prompt). Returns the decoder."""
+    _held(state.cache, len(state.sequence) - 1, "row's target")
+    draft = None
+    if state.draft_cache is not None:
+        _held(state.draft_cache, len(state.draft_tokens), "row's draft")
+        draft = (state.draft_cache, state.draft_tokens)
+    return decoder.adopt(state.sequence, state.cache, draft)
+
+
+@dataclass
+class BatchTiming:
+    """The last round's measured parts (what the controller learns from)."""
+
+    rows: int = 0  # target rows in the verify pass: B x (K+1)
+    draft_steps: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+
+class BatchDecoder:
+    """Speculative decoding over a batch of requests that join and leave between rounds.
+
+    `draft`: a draft model (batched like the target); `lookup`: (ngram_max, ngram_min) for
+    prompt lookup per row; neither: plain continuous batching. `num_draft_tokens`: an int,
+    `Fixed(k)` or `Auto()` (a `BatchController`: k from measured pass costs per row count).
+    A draft model's confidence stop (draft_confidence) is not applied here: a batched draft
+    runs k steps for every row.
+
+    Invariants between rounds: the target cache holds each row's `sequence[:-1]`; the draft
+    cache holds each row's `sequence[:-lag]` with one `lag` (>= 2) for all rows, so every
+    draft pass is over a rectangle (see `_draft`); a row joins at that lag (its prompt
+    shorter than it: the others catch up first). A row that does not draft holds nothing of
+    its own in the draft cache (only what each draft pass feeds every row).
+    """
+
+    def __init__(
+        self,
+        target,
+        draft=None,
+        *,
+        lookup: tuple[int, int] | None = None,
+        eos_token_ids=(),
+        num_draft_tokens: DraftLength | int | str = 4,
+        vocab: int | None = None,
+    ):
+        if draft is not None and lookup is not None:
+            raise SpecError("a batch drafts with a draft model or with lookup, not both")
+        check_batchable(target, "target")
+        if draft is not None:
+            check_batchable(draft, "draft")
+        self.target, self.draft, self.lookup = target, draft, lookup
+        self.eos = set(eos_token_ids)
+        self.vocab = vocab
+        length = draft_length(num_draft_tokens)
+        self.drafting = draft is not None or lookup is not None
+        self.fixed_k = length.k if isinstance(length, Fixed) else None
+        k_max = length.k_max if isinstance(length, Auto) else length.k
+        self.controller = (
+            BatchController(k_max, draft is not None) if self.fixed_k is None else None
+        )
+        self.rows: list[Row] = []
+        self.cache: list | None = None
+        self.draft_cache: list | None = None
+        self.lag = 2
+        self.cancelled: set[int] = set()
+        self.timing = BatchTiming()
+        self._ids = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    # ----------------------------------------------------------------------- rows come and go
+
+    def add(
+        self,
+        prompt: list[int],
+        config: GenerationConfig | None = None,
+        max_tokens=None,
+        history=None,
+        *,
+        kept=None,
+        keep: bool = False,
+    ) -> int:
+        """Prefill `prompt` (token ids) alone and merge it into the batch; its row id.
+        From `config` a row takes its sampling settings, seed, max_tokens (`max_tokens`
+        overrides it, e.g. capped by the context), use_draft and num_draft_tokens, a cap on
+        the batch's k for this row (`row_k_max`).
+        `history`: a HistoryIndex the row's lookup also searches (its own client's: the
+        server passes the row's partition, so no row drafts from another's text).
+        `kept`: an `engine.Decoder` of the same pair (the server's prompt cache, the row's
+        own client's) whose caches the row starts from, so only the prompt's tokens past the
+        shared prefix are prefilled (`row(id).reused` says how many were not); it gives its
+        caches up (`kept_caches`). `keep`: hand the caches back when the row leaves."""
+        config = GenerationConfig.of(config)
+        constrained = any(x is not None for x in (config.schema, config.grammar, config.regex))
+        unsupported = [
+            name
+            for name, asked in (
+                ("processors", bool(config.processors)),
+                ("logprobs", config.logprobs is not None),
+                ("schema / grammar / regex", constrained),
+            )
+            if asked
+        ]
+        if unsupported:
+            raise SpecError(f"{', '.join(unsupported)} cannot be batched yet: use generate")
+        if not prompt:
+            raise SpecError("the prompt is empty")
+        params = config.sampling
+        key = None
+        if not params.greedy:
+            seed = check_seed(config.seed) if config.seed is not None else time.time_ns() % 2**63
+            key = mx.random.key(seed)
+        row = Row(
+            self._ids,
+            list(prompt),
+            params,
+            max_tokens if max_tokens is not None else config.max_tokens,
+            key,
+            use_draft=config.use_draft and self.drafting and not self._draft_cannot_pay(),
+            prompt_tokens=len(prompt),
+            keep=keep,
+            k_max=row_k_max(config.num_draft_tokens),
+        )
+        self._ids += 1
+        # a one-token prompt: the draft sees its token twice (only its guesses change); a
+        # row that never drafts is not prefilled (its draft row holds only what each draft
+        # pass feeds every row, and its guesses are never used)
+        context = prompt if len(prompt) >= 2 else prompt * 2
+        drafts = self.draft is not None and row.use_draft
+        if drafts and len(context) < self.lag:
+            self._catch_up()  # the batch's draft to lag 2: the new row can start there
+        # the new row's draft holds its context but the batch's last `lag` tokens, as every
+        # row's does: after plain rounds a row joins without a catch-up of the others
+        end = len(context) - self.lag if drafts else 0
+        cache = draft_cache = None
+        draft_reuse = 0
+        if kept is not None:
+            cache, row.reused, draft_cache, draft_reuse = kept_caches(
+                kept, prompt, context[:end] if drafts else None
+            )
+        cache = cache if cache is not None else make_prompt_cache(self.target)
+        # until the controller knows a lone row's step costs, the prefill times them
+        timed = self.controller is not None and self.controller.wants_timing()
+        plain = prefill_cache(self.target, cache, prompt[row.reused : -1], timed=timed)
+        if timed:
+            # a draft step is timed on a scratch cache of the context's last tokens, before
+            # the draft's prefill: a draft that cannot pay is then never prefilled (the demo's
+            # compute-bound 4-bit draft: ~0.1 s a prompt token, most of a first token's wait)
+            step = None
+            if drafts:
+                scratch = make_prompt_cache(self.draft)
+                step = prefill_cache(self.draft, scratch, context[-3:], timed=True)
+            self.controller.calibrate(plain, step)
+            if drafts and self._draft_cannot_pay():
+                row.use_draft = drafts = False
+                end, draft_cache, draft_reuse = 0, None, 0  # a kept draft cache is dropped
+        if self.draft is not None:
+            draft_cache = draft_cache if draft_cache is not None else make_prompt_cache(self.draft)
+            begin, fed = time.perf_counter(), context[draft_reuse:end]
+            prefill_cache(self.draft, draft_cache, fed)
+            if self.controller is not None and len(fed) >= CATCH_UP_RIDES:
+                # what the draft costs a token when it takes many in: a catch-up's price
+                self.controller.observe_catch_up(len(fed), time.perf_counter() - begin)
+        if self.lookup is not None:
+            row.lookup = NGramDrafter(*self.lookup, history=history)
+            row.lookup.prefill(prompt)
+        merged = merge_rows([cache])
+        merged_draft = merge_rows([draft_cache]) if draft_cache is not None else None
+        if self.cache is None:
+            self.cache, self.draft_cache = merged, merged_draft
+        else:
+            for c, m in zip(self.cache, merged, strict=True):
+                c.extend(m)
+            if merged_draft is not None:
+                for c, m in zip(self.draft_cache, merged_draft, strict=True):
+                    c.extend(m)
+        self.rows.append(row)
+        self._settle()
+        return row.id
+
+    def _draft_cannot_pay(self) -> bool:
+        """Whether a draft model could not pay even alone and always accepted, by the costs
+        measured (`auto`): a row that joins then decodes plainly and is not prefilled
+        through the draft (a compute-bound draft's prefill costs as much as its decoding)."""
+        c = self.controller
+        if c is None or self.draft is None or 1 not in c.passes or 1 not in c.draft_steps:
+            return False
+        return c.hopeless(1, c.draft_seconds(1))
+
+    def cancel(self, row_id: int) -> None:
+        """Mark a row to leave at the start of the next `step` (safe from any thread)."""
+        self.cancelled.add(row_id)
+
+    def row(self, row_id: int) -> Row:
+        return next(r for r in self.rows if r.id == row_id)
+
+    def remove(self, row_id: int) -> RowState | None:
+        """The row leaves now (from the thread that steps, between rounds): its caches when it
+        was added with keep=True (None otherwise, or when it is not in the batch)."""
+        self.cancelled.discard(row_id)
+        index = next((i for i, r in enumerate(self.rows) if r.id == row_id), None)
+        if index is None:
+            return None
+        state = self._extract(index) if self.rows[index].keep else None
+        self._keep([i for i in range(len(self.rows)) if i != index])
+        return state
+
+    def _extract(self, i: int) -> RowState:
+        """Row i's caches as single-row KVCaches (evaluated: nothing lazy points into the
+        batch's arrays). The target's hold sequence[:-1]; the draft's sequence[:-lag], or
+        nothing is kept of it when the row did not draft (its row is not its text)."""
+        row = self.rows[i]
+        cache = [c.extract(i) for c in self.cache]
+        _held(cache, len(row.sequence) - 1, "batch row's target")
+        draft_cache, draft_tokens = None, []
+        # (a one-token prompt's draft row holds the token twice: not a prefix of its sequence)
+        if self.draft is not None and row.use_draft and row.prompt_tokens >= 2:
+            draft_cache = [c.extract(i) for c in self.draft_cache]
+            draft_tokens = row.sequence[: len(row.sequence) - self.lag]
+            _held(draft_cache, len(draft_tokens), "batch row's draft")
+        caches.eval_state(cache + (draft_cache or []))
+        return RowState(list(row.sequence), cache, draft_cache, draft_tokens)
+
+    def _catch_up(self) -> None:
+        """Feed the draft what it has not seen but the last two tokens of each row."""
+        if self.rows and self.lag > 2:
+            begin = time.perf_counter()
+            tokens = mx.array([draft_tail(r, self.lag)[:-2] for r in self.rows], mx.uint32)
+            self.draft(tokens, cache=self.draft_cache)
+            caches.eval_state(self.draft_cache)
+            if self.controller is not None:
+                self.controller.observe_catch_up(tokens.size, time.perf_counter() - begin)
+        self.lag = 2
+
+    def _keep(self, keep: list[int]) -> None:
+        """Only these rows (indices) stay."""
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = self.draft_cache = None
+            self.lag = 2
+            return
+        index = mx.array(keep)
+        for c in self.cache + (self.draft_cache or []):
+            c.filter(index)
+
+    def _settle(self) -> None:
+        """Queue the evaluation of what is kept between rounds, so no graph grows across them
+        (queued, not waited for: the next pass needs it first anyway)."""
+        keys = [r.key for r in self.rows if r.key is not None]
+        mx.async_eval([c.state for c in self.cache + (self.draft_cache or [])], *keys)
+
+    # ------------------------------------------------------------------------------ a round
+
+    def _choose_k(self) -> int:
+        if not any(r.use_draft for r in self.rows):
+            return 0
+        if self.fixed_k is not None:
+            return self.fixed_k
+        available = None
+        if self.lookup is not None:
+            available = [r.use_draft and r.lookup.has_proposal() for r in self.rows]
+        missed = self.lag - 2 if self.draft is not None else 0
+        return self.controller.next(len(self.rows), available, missed)
+
+    def step(self) -> dict[int, RowUpdate]:
+        """One round for every row: {row id: what it emitted}; finished rows leave."""
+        updates: dict[int, RowUpdate] = {}
+        if self.cancelled:
+            gone = [i for i, r in enumerate(self.rows) if r.id in self.cancelled]
+            for i in gone:
+                row = self.rows[i]
+                state = self._extract(i) if row.keep else None
+                updates[row.id] = RowUpdate([], Round([], 0, 0), True, "cancelled", state)
+            self.cancelled.clear()
+            self._keep([i for i in range(len(self.rows)) if i not in set(gone)])
+        if not self.rows:
+            return updates
+        rows = self.rows
+        k = self._choose_k()
+        # the round adds at most k+1 tokens to a row: never draft past its max_tokens
+        requested = [
+            min(k, r.k_max or k, r.max_tokens - r.emitted - 1) if r.use_draft else 0 for r in rows
+        ]
+        # keys in single-stream order: a drafting row draws the draft's key first
+        draft_keys = [
+            r.next_key() if req and not r.params.greedy else None
+            for r, req in zip(rows, requested, strict=True)
+        ]
+        drafting = self.draft is not None and max(requested) > 0
+        if drafting and self.lag > 2 + CATCH_UP_RIDES:
+            self._catch_up()
+        start = time.perf_counter()
+        qs = [None] * len(rows)
+        steps = 0
+        if drafting:
+            drafts, qs = self._draft(requested, draft_keys)  # (B, K), per row (k_i, V) | None
+            steps = drafts.shape[1]
+            lengths = requested
+            # a sync between draft and verify (the pass waits on the draft anyway): the
+            # controller learns the two costs apart
+            mx.eval(drafts, *[q for q in qs if q is not None])
+        else:
+            guesses = [
+                r.lookup.lookup(req) if r.lookup is not None and req else []
+                for r, req in zip(rows, requested, strict=True)
+            ]
+            lengths = [len(g) for g in guesses]
+            width = max(lengths)
+            drafts = mx.array([g + [0] * (width - len(g)) for g in guesses], mx.uint32)
+        drafted_at = time.perf_counter()
+        width = drafts.shape[1]  # K: the widest proposal; the rest of a row is padding
+        last = mx.array([[r.sequence[-1]] for r in rows], mx.uint32)
+        inputs = mx.concatenate([last, drafts.astype(mx.uint32)], axis=1) if width else last
+        logits = self.target(inputs, cache=self.cache)  # (B, K+1, vocab)
+        outs = []
+        for b, r in enumerate(rows):
+            outs.append(self._verify(r, requested[b], lengths[b], drafts[b], logits[b], qs[b]))
+        out = mx.stack(outs)  # (B, 2): accepted n, the target's token
+        mx.eval(out, drafts, *[r.key for r in rows if r.key is not None])
+        verified_at = time.perf_counter()
+        done = self._finish_round(out.tolist(), drafts.tolist(), requested, lengths, steps)
+        updates.update(done)
+        self.timing = BatchTiming(
+            len(rows) * (width + 1), steps, drafted_at - start, verified_at - drafted_at
+        )
+        if self.controller is not None and k:
+            outcomes = [
+                (u.round.requested, u.round.drafted, u.round.accepted) for u in done.values()
+            ]
+            self.controller.update(len(rows), self.timing, outcomes)
+        elif self.controller is not None:
+            self.controller.update_plain(len(rows), self.timing)
+        return updates
+
+    def _verify(self, r: Row, requested: int, k: int, drafts, logits, q) -> mx.array:
+        """(2,) int32: accepted count and the target's token, for one row (lazy)."""
+        logits = logits[: k + 1]  # (k+1, vocab)
+        params = r.params
+        if requested == 0:  # a plain step, as single-stream decodes its reply's last token
+            if params.greedy:
+                token = mx.argmax(logits[0], axis=-1)
+            else:
+                token = sample(probabilities(logits[0], params), r.next_key())
+            return mx.stack([mx.array(0), token.astype(mx.int32)]).astype(mx.int32)
+        x = drafts[:k].astype(mx.uint32)  # (k,)
+        if params.greedy:
+            n, token = verify_greedy(x, logits)
+        else:
+            p = probabilities(logits, params)  # (k+1, vocab)
+            q = q[:k] if q is not None else point_mass(x, p.shape[-1])
+            vocab = max(p.shape[-1], q.shape[-1])
+            n, token = verify_stochastic(x, pad_vocab(p, vocab), pad_vocab(q, vocab), r.next_key())
+        return mx.stack([n, token]).astype(mx.int32)
+
+    def _draft(self, requested: list[int], keys: list) -> tuple[mx.array, list]:
+        """max(requested) batched draft steps: (B, K) tokens and each stochastic row's q
+        (requested_i, vocab) (None for greedy rows). The first step feeds every row's last
+        `lag` tokens (the draft's catch-up after plain rounds rides along in it)."""
+        rows, width = self.rows, max(requested)
+        sub = [
+            mx.random.split(key, req) if key is not None else None
+            for key, req in zip(keys, requested, strict=True)
+        ]
+        y = mx.array([draft_tail(r, self.lag) for r in rows], mx.uint32)  # (B, lag)
+        columns, qs = [], [[] for _ in rows]
+        for j in range(width):
+            logits = self.draft(y, cache=self.draft_cache)[:, -1]  # (B, vocab)
+            if self.vocab is not None and logits.shape[-1] > self.vocab:
+                logits = logits[:, : self.vocab]  # padding rows the target cannot embed
+            picks = mx.argmax(logits, axis=-1)  # (B,)
+            if any(s is not None and j < req for s, req in zip(sub, requested, strict=True)):
+                column = []
+                for b, r in enumerate(rows):
+                    if sub[b] is not None and j < requested[b]:
+                        q = probabilities(logits[b], r.params)
+                        qs[b].append(q)
+                        column.append(sample(q, sub[b][j]).astype(picks.dtype))
+                    else:  # greedy, or past this row's k (its guess there is padding)
+                        column.append(picks[b])
+                picks = mx.stack(column)
+            columns.append(picks)
+            y = picks[:, None].astype(mx.uint32)
+            mx.async_eval(y)  # the device starts while Python builds the next step
+        self.lag = 2  # after the roll-back (`_finish_round`)
+        return mx.stack(columns, axis=1), [mx.stack(q) if q else None for q in qs]
+
+    def _finish_round(self, out, drafted, requested, lengths, steps) -> dict[int, RowUpdate]:
+        rows, updates, keep = self.rows, {}, []
+        width = len(drafted[0]) if drafted else 0
+        held = []  # per row, the round's draft tokens its caches keep
+        for b, (r, (n, token)) in enumerate(zip(rows, out, strict=True)):
+            k = lengths[b]
+            proposal = drafted[b][:k]
+            kept = proposal[:n] + [token]
+            stop = next((i for i, t in enumerate(kept) if t in self.eos), None)
+            if stop is not None:  # an end token among the accepted: what follows is dropped
+                kept = kept[: stop + 1]
+            held.append(len(kept) - 1)
+            if r.lookup is not None:
+                r.lookup.commit(kept)
+            r.sequence += kept
+            emitted = kept if stop is None else kept[:-1]
+            r.emitted += len(emitted)
+            rnd = Round(
+                tokens=emitted,
+                accepted=n,
+                drafted=k,
+                finished=stop is not None,
+                draft_steps=steps if requested[b] else 0,
+                requested=requested[b],
+                plain=self.drafting and requested[b] == 0,
+                proposal=proposal,
+                target_token=token,
+            )
+            done = stop is not None or r.emitted >= r.max_tokens
+            reason = ("stop" if stop is not None else "length") if done else None
+            updates[r.id] = RowUpdate(emitted, rnd, done, reason)
+            if not done:
+                keep.append(b)
+        # each row fed its last token + K (padded) guesses and keeps the last and its held
+        # drafts (n of them, fewer when an end token cut the round): its sequence but the last
+        rollback_rows(self.cache, [width - h for h in held])
+        if steps:  # the draft fed lag + K - 1 tokens; it keeps up to sequence[:-2]
+            rollback_rows(self.draft_cache, [steps - h for h in held])
+        elif self.draft is not None:
+            self.lag += 1  # a plain round: every row grew by one token the draft has not seen
+        for b, r in enumerate(rows):
+            if r.keep and updates[r.id].done:
+                updates[r.id].state = self._extract(b)
+        self._keep(keep)
+        if self.rows:
+            self._settle()
+        return updates
+
+
+# ------------------------------------------------------------------------------ the API layer
+
+
+def make_batch_decoder(pair, num_draft_tokens=None, plain: bool = False) -> BatchDecoder:
+    """A BatchDecoder over a loaded pair; refuses (SpecError) what cannot be batched yet.
+    `plain`: no drafts at all (continuous batching of the target), as the server batches a
+    pair whose drafter a batch cannot take (a head)."""
+    if getattr(pair, "link", None) is not None:
+        raise SpecError("a target sharded over several machines cannot be batched yet")
+    kind = None if plain else pair.config.drafter
+    if kind is not None and kind not in BATCHED_KINDS:
+        raise SpecError(
+            f"the {kind} drafter is not batched yet (batches draft with: "
+            f"{', '.join(BATCHED_KINDS)}); use generate for this pair"
+        )
+    length = num_draft_tokens or pair.config.num_draft_tokens
+    lookup = (pair.config.ngram_max, pair.config.ngram_min) if kind == "ngram" else None
+    return BatchDecoder(
+        pair.target,
+        pair.draft if kind == "model" else None,
+        lookup=lookup,
+        eos_token_ids=pair.tokenizer.eos_token_ids,
+        num_draft_tokens=length,
+        vocab=pair.vocab_size,
+    )
+
+
+def batch_length(lengths: list) -> DraftLength:
+    """One policy for rows that each ask their own k: `auto` up to the longest when any row
+    asks `auto`, else the longest fixed k (each row capped to its own by `row_k_max`)."""
+    lengths = [draft_length(x) for x in lengths]
+    longest = max(row_k_max(x) for x in lengths)
+    return Auto(longest) if any(isinstance(x, Auto) for x in lengths) else Fixed(longest)
+
+
+@dataclass
+class _Request:
+    index: int
+    stats: Stats
+    tokens: list[int] = field(default_factory=list)
+    accepted: list[bool] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    started: float = 0.0
+
+
+def batch_generate(
+    pair, prompts: list, config=None, *, max_batch: int | None = None, **settings
+) -> list[Result]:
+    """Generate for every prompt in one continuous batch: a `Result` per prompt, in order,
+    with the same fields and stats as `generate` gives it alone (and, greedy, the same tokens;
+    seeded, the same samples). `config`: one GenerationConfig (or keyword settings) for all
+    prompts, or a list of them, one per prompt (each its own k: a row drafts at most its
+    num_draft_tokens, `auto` rows as the batch's controller chooses). `max_batch`: rows
+    decoded together at most (None: all); the others join as rows finish. Not batched yet
+    (SpecError): processors, logprobs, constraints, drafting heads, recurrent or
+    sliding-window targets."""
+    prompts = list(prompts)
+    if isinstance(config, list | tuple):
+        if len(config) != len(prompts):
+            raise SpecError(f"{len(config)} configs for {len(prompts)} prompts")
+        configs = [GenerationConfig.of(c, **settings) for c in config]
+    else:
+        configs = [GenerationConfig.of(config, **settings)] * len(prompts)
+    if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
+        raise SpecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+    if not prompts:
+        return []
+    # every row drafts at most its own k (row_k_max): the batch's policy covers the longest
+    configs = [c.replace(num_draft_tokens=c.draft_length(pair.config)) for c in configs]
+    decoder = make_batch_decoder(pair, batch_length([c.num_draft_tokens for c in configs]))
+    encoded = [prompt_tokens(pair, p, c) for p, c in zip(prompts, configs, strict=True)]
+    waiting = list(range(len(prompts)))
+    live: dict[int, _Request] = {}
+    done: dict[int, _Request] = {}
+    limit = max_batch or len(prompts)
+    while waiting or live:
+        while waiting and len(live) < limit:
+            i = waiting.pop(0)
+            tokens, max_tokens = encoded[i]
+            stats = Stats(prompt_tokens=len(tokens))
+            longest = decoder.controller.k_max if decoder.controller else decoder.fixed_k
+            stats.num_draft_tokens = min(longest or 0, row_k_max(configs[i].num_draft_tokens))
+            stats.adaptive = decoder.controller is not None
+            if not (decoder.drafting and configs[i].use_draft):
+                stats.num_draft_tokens, stats.adaptive = 0, False
+            begin = time.perf_counter()
+            row = decoder.add(tokens, configs[i], max_tokens=max_tokens)
+            stats.prefill_seconds = time.perf_counter() - begin
+            live[row] = _Request(i, stats, started=time.perf_counter())
+        for row, u in decoder.step().items():
+            req = live[row]
+            r = u.round
+            req.stats.add_round(r, time.perf_counter() - req.started)
+            req.stats.records.append(
+                RoundRecord(r.proposal, r.accepted, r.target_token, len(r.tokens))
+            )
+            for j, t in enumerate(r.tokens):
+                kind, _ = token_kind(r, j)
+                req.tokens.append(t)
+                req.kinds.append(kind)
+                req.accepted.append(kind == "accepted")
+            if u.done:
+                req.stats.finish_reason = u.finish_reason
+                done[req.index] = live.pop(row)
+    results = []
+    for i in range(len(prompts)):
+        req = done[i]
+        req.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        results.append(
+            Result(
+                text=pair.tokenizer.decode(req.tokens),
+                tokens=req.tokens,
+                accepted=req.accepted,
+                stats=req.stats,
+                finish_reason=req.stats.finish_reason,
+                kinds=req.kinds,
+                rounds=list(req.stats.records),
+            )
+        )
+    return results

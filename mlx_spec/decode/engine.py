@@ -1,0 +1,647 @@
+"""The decode loop, in three layers (as in mlx_lm.generate):
+
+- `Decoder`: prefill, then rounds of draft -> one target pass -> verify -> roll back.
+  Yields token ids per round; one host sync per round.
+- `stream`: prompt handling, detokenization, timing and stats; yields one `Event` per token.
+- `generate`: collects a stream into a `Result`.
+
+Over 600 lines: the `Decoder` class alone is ~440, one state machine over the target's and the
+drafter's caches whose methods share its invariants; `Round` (rounds.py), events (events.py)
+and prompts (prompts.py) live beside it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import mlx.core as mx
+from mlx_lm.generate import wired_limit
+from mlx_lm.utils import common_prefix_len
+
+from ..core import caches
+from ..core.acceptance import verify_greedy, verify_stochastic
+from ..core.hidden import capturing
+from ..core.policies import Controller, DraftLength, FixedK, Policy
+from ..core.processors import LogitsProcessor
+from ..core.processors import apply as apply_processors
+from ..core.sampling import SamplingParams, check_seed, probabilities, sample
+from ..core.stats import Stats
+from ..drafters import Drafter, TargetOutput, prefill_cache
+from ..errors import Aborted, SpecError
+from ..models import distributed
+from .config import GenerationConfig
+from .events import Event, Result, event_batches
+from .prompts import constraint_for, prompt_tokens
+from .rounds import Round, pad_vocab, point_mass, read_logprobs, target_logprobs
+
+# A recurrent target re-feeds the tokens of rejected rounds (see Decoder); past this many, the
+# next round drafts nothing, so its pass cannot be rejected and the replay ends. Measured
+# (benchmarks/hybrid_round_cost.py): limits 4, 8, 16 gave 10.6, 10.3, 12.2 ms per token.
+REPLAY_LIMIT = 8
+# The most forced tokens (grammar.py) one round drafts: they cost no model, and the target
+# accepts nearly all of them, so the limit is the verify pass's width, not the policy's k.
+FORCED_MAX = 8
+
+
+class Decoder:
+    """Speculative decoding over one target and an optional drafter.
+
+    Between rounds the target cache holds every token of `sequence` except the last `unfed`
+    ones, which are fed at the start of the next round. `unfed` is 1, except after a rejected
+    round on a recurrent target (Qwen3.5, Mamba): its state cannot forget the rejected draft
+    tokens, so it is restored to a snapshot from before the round and the kept tokens are
+    replayed as a prefix of the next verify pass — extra rows in a pass that is memory-bound
+    anyway, instead of a pass of their own. `sequence` keeps an end-of-sequence token when one
+    ended generation, so a follow-up prompt that continues the conversation reuses the caches.
+    """
+
+    def __init__(self, target, drafter: Drafter | None, eos_token_ids=(), seed: int | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.cache = self._new_cache()
+        self.recurrent = caches.is_recurrent(self.cache)
+        self.eos = set(eos_token_ids)
+        self.sequence: list[int] = []
+        self.unfed = 1
+        self.stale = False  # the caches may not match `sequence`: the next prefill starts over
+        self.key = mx.random.key(check_seed(seed) if seed is not None else time.time_ns() % 2**63)
+        mx.eval(self.key)  # nothing lazy may cross to the thread that generates (threads.py)
+        self.pair = None  # the pair `make_decoder` made it for
+        self.epoch = 0  # incremented by each stream that takes the decoder
+        self.active = False  # a stream took it and has not finished cleanly
+        self._policy, self._policy_key = None, None
+        self.step_seconds = (None, None)  # a target and a draft step, timed in prefill
+        self._drafting = False
+        # the target layers whose outputs the drafter reads (none: a plain forward pass)
+        self.hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
+        # the target ran without handing the drafter its rows (a reply with use_draft=False):
+        # the next drafting prefill starts over, so the drafter sees every position
+        self.hidden_gap = False
+
+    def policy_for(self, length: DraftLength) -> Policy:
+        """The draft-length policy; a controller is kept across calls with the same choice,
+        so what it measured (costs, acceptance) carries over to the next turn."""
+        if self._policy_key != length:
+            limit = self.drafter.max_draft if self.drafter is not None else None
+            self._policy, self._policy_key = length.policy(limit), length
+        return self._policy
+
+    def _forward(self, inputs, rows: int) -> tuple[mx.array, TargetOutput]:
+        """The target over `inputs` (token ids, 1-d), extending the cache: the last `rows`
+        rows of its logits (rows, vocab) and what the drafter reads of the pass (lazy)."""
+        inputs = inputs if isinstance(inputs, mx.array) else mx.array(inputs, mx.uint32)
+        with capturing(self.target, self.hidden_layers) as hidden:
+            logits = self.target(inputs[None], cache=self.cache)[0, -rows:]
+        fed = inputs.shape[0]
+        return logits, TargetOutput(logits, {i: h[0] for i, h in hidden.items()}, fed, fed)
+
+    def begin(self) -> int:
+        """A new stream takes the decoder. One that did not finish (an exception, Ctrl-C, a
+        generator kept open) may have left the caches mid-round: start over from the prompt."""
+        if self.active:
+            self.stale = True
+        self.active = True
+        self.epoch += 1
+        return self.epoch
+
+    def settle(self) -> None:
+        """Evaluate everything the decoder keeps between replies (key, caches, drafter
+        state): the next reply may run on another thread, where a lazy array cannot be
+        evaluated (threads.py), and a graph kept across replies would only grow."""
+        caches.eval_state(self.cache, self.key)
+        if self.drafter is not None:
+            self.drafter.settle()
+
+    def _next_key(self) -> mx.array:
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def _new_cache(self) -> list:
+        return caches.make_cache(self.target, strict=self.drafter is not None)
+
+    def prefill(
+        self, prompt: list[int], use_draft: bool = True, timed: bool = False, abort=None
+    ) -> int:
+        """Fill the caches for `prompt`; returns how many prompt tokens were reused.
+        `timed`: feed the prompt's last tokens one by one, as decoding steps, and keep the
+        seconds of a target step and a draft step in `step_seconds` (None where the prompt was
+        too short to time), so a controller knows both costs before the first token.
+        `abort()`, asked between prefill chunks, stops it with `Aborted` (the caches are then
+        stale: the next prefill starts over)."""
+        cached = self.sequence[: len(self.sequence) - self.unfed]
+        reuse = min(common_prefix_len(cached, prompt), len(prompt) - 1)
+        gap = use_draft and self.hidden_gap
+        if self.stale or gap or not caches.can_rollback(self.cache, len(cached) - reuse):
+            # a recurrent state (or a window) cannot forget that much: start over
+            self.cache, reuse = self._new_cache(), 0
+            if self.drafter is not None:
+                self.drafter.reset()
+            self.hidden_gap = False
+        else:
+            caches.rollback(self.cache, len(cached) - reuse)
+        if not use_draft and self.hidden_layers:
+            self.hidden_gap = True
+        self.stale = True  # until the prefill is done
+        new = prompt[reuse:-1]
+        hidden = dict.fromkeys(self.hidden_layers) if use_draft else None
+        plain = prefill_cache(self.target, self.cache, new, timed=timed, abort=abort, hidden=hidden)
+        draft = None
+        if self.drafter is not None and use_draft:
+            if abort is not None and abort():
+                raise Aborted("stopped before the draft's prefill")
+            output = TargetOutput(None, hidden, len(new), len(new)) if hidden else None
+            draft = self.drafter.prefill(prompt, timed, output)
+        self.stale = False
+        self.step_seconds = (plain, draft)
+        self.sequence, self.unfed = list(prompt), 1
+        return reuse
+
+    def give_up(self) -> tuple[list, list[int], tuple[list, list[int]] | None] | None:
+        """Hand the caches over (a batch row starts from them, batch.py): (the target's
+        cache, the tokens it holds, the drafter's `held_cache()`). The decoder is left empty
+        (its policy and key stay). None where the caches may be mid-round (stale, active) or
+        hold a recurrent state: nothing is handed over, the decoder is emptied all the same."""
+        usable = not (self.stale or self.active or self.recurrent) and self.sequence
+        given = None
+        if usable:
+            held = self.sequence[: len(self.sequence) - self.unfed]
+            draft = self.drafter.held_cache() if self.drafter is not None else None
+            given = (self.cache, held, draft)
+        self.cache, self.sequence, self.unfed = self._new_cache(), [], 1
+        self.stale = self.active = False
+        if self.drafter is not None:
+            self.drafter.reset()
+        return given
+
+    def adopt(self, sequence: list[int], cache: list, draft=None) -> Decoder:
+        """Hold `sequence` from caches built elsewhere (a batch row's, as it leaves): `cache`
+        holds all of it but its last token; `draft`: (the drafter's cache, the prefix of
+        `sequence` it holds), or None (the drafter starts over at the next prefill)."""
+        self.cache, self.sequence, self.unfed = cache, list(sequence), 1
+        self.stale = self.active = False
+        # a head reads the target's layers, which a batch row does not keep: the next
+        # drafting prefill starts over, as after a reply decoded without drafts
+        self.hidden_gap = bool(self.hidden_layers)
+        if self.drafter is not None:
+            self.drafter.reset()
+            if draft is not None:
+                draft_cache, cached = draft
+                self.drafter.adopt(draft_cache, cached, sequence[len(cached) :])
+        return self
+
+    def _target_token(self, logits: mx.array, params: SamplingParams) -> mx.array:
+        if params.greedy:
+            return mx.argmax(logits, axis=-1)
+        return sample(probabilities(logits, params), self._next_key())
+
+    def rounds(
+        self,
+        max_tokens: int,
+        params: SamplingParams,
+        k,
+        use_draft: bool = True,
+        processors: list[LogitsProcessor] = (),
+        logprobs: int | None = None,
+        forced=None,
+    ) -> Iterator[Round]:
+        """`k`: a draft length, or a policy (policies.py) that picks it each round from the
+        past rounds' outcomes and wall times; k = 0 decodes plainly for `plain_burst()` tokens.
+        `processors` (processors.py) transform the target's and the draft's logits alike;
+        `logprobs` (None: off; N >= 0: with the top N) fills each round's log-probabilities.
+        `forced`: a grammar.GrammarProcessor; where its grammar forces the next tokens, a
+        round drafts them, with no model and outside the policy (they cost nothing to draft).
+        """
+        extra = dict(processors=list(processors), logprobs=logprobs)
+        drafting = self.drafter is not None and use_draft
+        self._drafting = drafting  # forced rounds tell the drafter what they emitted
+        if not drafting and forced is None:
+            yield from self._plain_steps(max_tokens, params, **extra)
+            return
+        policy = FixedK(k) if isinstance(k, int) else k
+        # prompt lookup can tell for free whether it has something to draft now (None: a
+        # drafter that cannot tell before it proposes)
+        peek = self.drafter.has_proposal if drafting else lambda: None
+        if forced is not None:  # a plain stretch also ends where the grammar forces tokens
+            lookup = peek
+
+            def peek():
+                return bool(forced.forced(self.sequence, 1)) or bool(lookup())
+
+        emitted = 0
+        last = time.perf_counter()  # wall time between round starts: the consumer's share too
+        while emitted < max_tokens:
+            if forced is not None:
+                limit = min(FORCED_MAX, max_tokens - emitted - 1)
+                # a recurrent target replaying rejected rounds needs a round that cannot be
+                # rejected (as below): no forced draft then
+                guess = forced.forced(self.sequence, limit) if self.unfed <= REPLAY_LIMIT else []
+                if guess:
+                    r = self._speculative_round(len(guess), params, proposal=guess, **extra)
+                    emitted += len(r.tokens)
+                    last = time.perf_counter()  # not the policy's round: kept out of its times
+                    yield r
+                    if r.finished:
+                        return
+                    continue
+                if not drafting:  # the target alone until the grammar forces tokens again
+                    for r in self._plain_steps(max_tokens - emitted, params, until=peek, **extra):
+                        emitted += len(r.tokens)
+                        yield r
+                        if r.finished:
+                            return
+                    continue
+            # the round adds at most k+1 tokens; never draft past max_tokens
+            available = peek()
+            k_round = min(policy.next(available), max_tokens - emitted - 1)
+            if self.unfed > REPLAY_LIMIT:
+                k_round = 0
+            if k_round == 0:
+                n = min(policy.plain_burst(), max_tokens - emitted)
+                # a plain stretch ends where lookup finds a match (after the step already
+                # queued): the policy decides again
+                for r in self._plain_steps(n, params, plain=True, until=peek, **extra):
+                    emitted += len(r.tokens)
+                    self.drafter.commit(self.sequence[-1:], r.target_output)
+                    now = time.perf_counter()
+                    policy.update_plain(1, now - last)
+                    last = now
+                    yield r
+                    if r.finished:
+                        return
+                continue
+            split = policy.wants_split()
+            if split:
+                # after a plain stretch the draft model has many tokens to take in: one batched
+                # pass, kept out of the round's time (it is no cost of a draft step)
+                caught = time.perf_counter()
+                self.drafter.catch_up()
+                last += time.perf_counter() - caught
+            r = self._speculative_round(k_round, params, split, **extra)
+            emitted += len(r.tokens)
+            now = time.perf_counter()  # before the yield: a caller may stop after any round
+            policy.update(k_round, r.drafted, r.accepted, now - last, r.split, r.replayed)
+            last = now
+            yield r
+            if r.finished:
+                return
+
+    def _speculative_round(
+        self,
+        k: int,
+        params: SamplingParams,
+        split: bool = False,
+        processors=(),
+        logprobs: int | None = None,
+        proposal: list[int] | None = None,
+    ) -> Round:
+        """One round; `proposal`: draft these tokens (forced by a grammar), not the drafter's."""
+        requested, start = k, time.perf_counter()
+        # greedy rounds draw nothing: splitting the key anyway would grow its lazy graph by a
+        # node per round for the whole conversation
+        key = None if params.greedy else self._next_key()
+        drafter = self.drafter if proposal is None else None
+        if drafter is not None:  # (k,), (k, V) | None
+            kwargs = {"processors": processors} if processors else {}
+            draft_tokens, q = drafter.propose(k, params, key, **kwargs)
+        else:  # a point mass on each forced token, verified like any guess
+            draft_tokens, q = mx.array(proposal, mx.uint32), None
+        k = draft_tokens.shape[0]  # a drafter may propose fewer (lookup: 0 on no match)
+        if split:  # time the draft apart (an extra host sync, in a few calibration rounds)
+            mx.eval([a for a in (draft_tokens, q) if a is not None])
+            drafted_at = time.perf_counter()
+        saved = caches.snapshot(self.cache) if self.recurrent else None
+        unfed = self.sequence[-self.unfed :]  # replayed tokens, then the last one
+        inputs = mx.concatenate([mx.array(unfed, mx.uint32), draft_tokens])
+        logits, output = self._forward(inputs, k + 1)  # (k+1, vocab)
+        # row i is the distribution after sequence + x1..xi: the same transform the draft saw
+        path = proposal if proposal is not None else draft_tokens
+        logits = apply_processors(processors, self.sequence, path, logits)
+        if params.greedy:
+            n, next_token = verify_greedy(draft_tokens, logits)
+        else:
+            p = probabilities(logits, params)  # (k+1, vocab)
+            if q is None:  # a deterministic drafter: q is a point mass on each guess
+                q = point_mass(draft_tokens, p.shape[-1])
+            vocab = max(p.shape[-1], q.shape[-1])
+            n, next_token = verify_stochastic(
+                draft_tokens, pad_vocab(p, vocab), pad_vocab(q, vocab), self._next_key()
+            )
+        out = mx.concatenate([mx.stack([n, next_token]).astype(mx.int32), draft_tokens])
+        lp = None
+        if logprobs is not None:  # row i emits x_(i+1) while i < n, then next_token
+            rows = mx.concatenate([draft_tokens.astype(mx.int32), mx.zeros((1,), mx.int32)])
+            rows = mx.where(mx.arange(k + 1) == n, next_token.astype(mx.int32), rows)
+            lp = target_logprobs(logits, rows, logprobs)
+        # the one host sync of the round; the key with it, so no split is left lazy whatever
+        # ends the stream next
+        mx.eval(out, self.key, *[a for a in lp or () if a is not None], *output.hidden.values())
+        n, next_token, *drafted = out.tolist()
+        kept = drafted[:n] + [next_token]
+        # cut at the first end-of-sequence token; it stays in `sequence`, not in the output
+        stop = next((i for i, t in enumerate(kept) if t in self.eos), None)
+        if stop is not None:
+            kept = kept[: stop + 1]
+        # the target ran on the unfed tokens + x1..xk; it must hold them + every kept token
+        # but the new last one
+        rejected = k + 1 - len(kept)
+        replayed = self.unfed - 1
+        if rejected and self.recurrent:
+            caches.restore(self.cache, saved)
+            caches.rollback(self.cache, self.unfed + k, skip_recurrent=True)
+            self.unfed += len(kept)
+            output.kept = 0  # the next pass replays these tokens
+        else:
+            caches.rollback(self.cache, rejected)
+            output.kept = self.unfed + len(kept) - 1
+            self.unfed = 1
+        if self.drafter is not None and (proposal is None or self._drafting):
+            self.drafter.commit(kept, output)
+        self.sequence += kept
+        out_tokens = kept if stop is None else kept[:-1]
+        lps = tops = None
+        if lp is not None:
+            lps, tops = read_logprobs(lp, len(out_tokens))
+        timing = None
+        if split:
+            verify_seconds = time.perf_counter() - drafted_at
+            timing = (drafted_at - start, drafter.steps, verify_seconds, replayed + 1 + k)
+        return Round(
+            tokens=out_tokens,
+            accepted=n,
+            drafted=k,
+            finished=stop is not None,
+            draft_steps=drafter.steps if drafter is not None else 0,
+            replayed=replayed,
+            requested=requested,
+            split=timing,
+            proposal=drafted,
+            target_token=next_token,
+            logprobs=lps,
+            top_logprobs=tops,
+            forced=proposal is not None,
+        )
+
+    def _plain_steps(
+        self,
+        max_tokens: int,
+        params: SamplingParams,
+        plain: bool = False,
+        until=None,
+        processors=(),
+        logprobs: int | None = None,
+    ) -> Iterator[Round]:
+        """Plain decoding, one token per round, pipelined as mlx_lm.generate_step is: the
+        next step is queued before the current token is read back (never past max_tokens).
+        `until()`, asked after each token, ends the stretch after the step already queued."""
+        if not all(getattr(p, "pipelines", True) for p in processors):
+            yield from self._processed_steps(max_tokens, params, plain, until, processors)
+            return
+        before = None  # a recurrent state from before the queued step
+
+        def step(tokens: mx.array, proposed=()):
+            """The next token (lazy), its log-probability arrays when asked for (else ()),
+            and the pass's TargetOutput. `proposed`: the token fed now when `sequence` does
+            not hold it yet."""
+            nonlocal before
+            if self.recurrent:
+                before = caches.snapshot(self.cache)
+            logits, output = self._forward(tokens, 1)
+            logits = logits[0]
+            if processors:
+                logits = apply_processors(processors, self.sequence, proposed, logits)
+            token = self._target_token(logits, params)
+            arrays = ()
+            if logprobs is not None:
+                arrays = target_logprobs(logits[None], token.reshape(1), logprobs)
+                arrays = tuple(a for a in arrays if a is not None)
+            mx.async_eval(token, self.key, *arrays, *output.hidden.values())
+            return token, arrays, output
+
+        def round_of(tokens, token, arrays, output):
+            r = Round(tokens, 0, 0, plain=plain, target_token=token, target_output=output)
+            if logprobs is not None and tokens:
+                r.logprobs, r.top_logprobs = read_logprobs(
+                    (arrays[0], *(arrays[1:] if len(arrays) == 3 else (None, None))), 1
+                )
+            return r
+
+        epoch = self.epoch
+        queued = step(mx.array(self.sequence[-self.unfed :], mx.uint32))
+        self.unfed = 1
+        lookahead = False  # whether the cache already holds the last token of `sequence`
+        last_step = False
+        try:
+            for emitted in range(1, max_tokens + 1):
+                current = queued
+                lookahead = emitted < max_tokens and not last_step
+                if lookahead:
+                    queued = step(current[0].reshape(1), current[0].reshape(1))
+                token = current[0].item()
+                self.sequence.append(token)
+                if token in self.eos:  # the pass that produced it was fed a token: hand its row
+                    yield Round(
+                        [], 0, 0, finished=True, plain=plain, target_token=token,
+                        target_output=current[2],
+                    )  # fmt: skip
+                    return
+                yield round_of([token], token, *current[1:])
+                if not lookahead:
+                    return
+                last_step = until is not None and until()
+        finally:
+            # undo the step queued for a token that will not be emitted (unless another stream
+            # has taken the decoder since: the caches are its own now)
+            if lookahead and self.epoch == epoch:
+                if self.recurrent:
+                    caches.restore(self.cache, before)
+                try:
+                    caches.rollback(self.cache, 1, skip_recurrent=True)
+                except caches.CacheRollbackError:  # e.g. chunked attention at a chunk edge
+                    self.stale = True
+
+    def _processed_steps(
+        self, max_tokens: int, params: SamplingParams, plain: bool, until, processors
+    ) -> Iterator[Round]:
+        """Plain decoding under a processor that must see each token first (`pipelines =
+        False`: a grammar, which cannot step past the end of its grammar): nothing is queued
+        ahead; `until()` ends the stretch at once. No log-probabilities here."""
+        for _ in range(max_tokens):
+            logits, output = self._forward(self.sequence[-self.unfed :], 1)
+            logits = apply_processors(processors, self.sequence, [], logits)[0]
+            token = self._target_token(logits, params).item()
+            self.unfed = 1
+            self.sequence.append(token)
+            r = Round([token], 0, 0, plain=plain, target_token=token, target_output=output)
+            if token in self.eos:
+                r.tokens, r.finished = [], True
+                yield r
+                return
+            yield r
+            if until is not None and until():
+                return
+
+
+# ----------------------------------------------------------------------------- stream layer
+
+
+def make_drafter(pair) -> Drafter | None:
+    """The pair's drafter, built by its kind (drafters.KINDS); None for the target alone."""
+    kind = pair.config.kind
+    return kind.build(pair) if kind is not None else None
+
+
+def make_decoder(pair, seed: int | None = None) -> Decoder:
+    seed = distributed.agreed_seed(pair, seed)  # a sharded target: every rank, one seed
+    decoder = Decoder(pair.target, make_drafter(pair), pair.tokenizer.eos_token_ids, seed=seed)
+    decoder.pair = pair
+    return decoder
+
+
+def stream_rounds(
+    pair,
+    prompt,
+    config: GenerationConfig | None = None,
+    *,
+    decoder: Decoder | None = None,
+    stats: Stats | None = None,
+    abort=None,
+) -> Iterator[list[Event]]:
+    """Generate from `pair` as `config` asks, one list of `Event`s per verify round (see
+    `stream`). `decoder` (from `make_decoder`) keeps the caches across calls; `stats` is
+    filled live; `abort()` is asked between prefill chunks."""
+    config = GenerationConfig.of(config)
+    params, seed = config.sampling, config.seed
+    constraint = constraint_for(pair, config.schema, config.grammar, config.regex)
+    length = config.draft_length(pair.config)
+    length = distributed.agreed_length(pair, length)  # a sharded target: `auto` follows rank 0
+    tokens, max_tokens = prompt_tokens(pair, prompt, config)
+    speculative = config.use_draft and pair.speculative
+    processors = list(config.processors)
+    for p in processors:  # ids a processor indexes by must lie inside the vocabulary
+        check = getattr(p, "check_vocab", None)
+        if check is not None and pair.vocab_size is not None:
+            check(pair.vocab_size)
+    forced = None
+    if constraint is not None:
+        grammar_state = constraint.processor(len(tokens))
+        processors.insert(0, grammar_state)  # the mask first: others see allowed tokens only
+        if config.use_draft and config.forced_tokens:
+            forced = grammar_state
+    if decoder is None:
+        decoder = make_decoder(pair, seed)
+    elif decoder.pair is not None and decoder.pair is not pair:
+        raise SpecError("this decoder was made for another pair; make one with make_decoder(pair)")
+    elif seed is not None:
+        decoder.key = mx.random.key(seed)
+    epoch = decoder.begin()
+    policy = decoder.policy_for(length)
+
+    stats = stats if stats is not None else Stats()
+    stats.prompt_tokens = len(tokens)
+    stats.num_draft_tokens = policy.k_max if speculative else 0
+    stats.adaptive = speculative and isinstance(policy, Controller)
+    stats.policy = policy if speculative else None
+    detokenizer = pair.tokenizer.detokenizer
+    detokenizer.reset()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    timed = speculative and policy.wants_timing()
+    stats.prompt_tokens_reused = decoder.prefill(
+        tokens, use_draft=speculative, timed=timed, abort=abort
+    )
+    mx.synchronize()
+    stats.prefill_seconds = time.perf_counter() - start
+    if timed:
+        policy.calibrate(*decoder.step_seconds)
+    stats.watch(pair.link)  # a sharded target: count its collectives from here
+    start = time.perf_counter()
+
+    rounds = decoder.rounds(
+        max_tokens,
+        params,
+        policy,
+        use_draft=speculative,
+        processors=processors,
+        logprobs=config.logprobs,
+        forced=forced,
+    )
+    try:
+        # as mlx-lm does: on Metal, keep the weights wired while generating
+        with wired_limit(pair.target):
+            for batch in event_batches(rounds, detokenizer, stats, start, max_tokens):
+                if constraint is not None:
+                    stats.mask_seconds = grammar_state.mask_seconds
+                    stats.masks = grammar_state.masks
+                    stats.constrained = constraint.kind
+                yield batch
+                if decoder.epoch != epoch:  # checked before the next round touches the caches
+                    raise SpecError("another stream took over this decoder; this one cannot go on")
+    except GeneratorExit:  # the caller stopped early: every yield is between rounds
+        rounds.close()  # plain decoding rolls back its look-ahead step here
+        if decoder.epoch == epoch:
+            decoder.active = decoder.stale
+            decoder.settle()
+        raise
+    except BaseException:  # an error, Ctrl-C: the next stream starts over (begin); leave
+        if decoder.epoch == epoch:  # nothing lazy for it either, if that can still be done
+            try:
+                decoder.settle()
+            except Exception:  # the error at hand is the one to report
+                pass
+        raise
+    decoder.active = False
+    decoder.settle()
+
+
+def stream(
+    pair,
+    prompt,
+    config: GenerationConfig | None = None,
+    *,
+    decoder: Decoder | None = None,
+    stats: Stats | None = None,
+    abort=None,
+    **settings,
+) -> Iterator[Event]:
+    """Generate from `pair`, one `Event` per emitted token.
+
+    The settings are a `GenerationConfig` or its fields as keywords (on top of `config` when
+    both are given): max_tokens (256), temperature, top_p, top_k, min_p, seed,
+    num_draft_tokens (an int, "auto" or a policies.Fixed / policies.Auto; default: the
+    pair's, `auto` unless models.toml fixes k), system, chat_template_kwargs (for the chat
+    template, e.g. {"enable_thinking": False} for Qwen3), processors (processors.py:
+    penalties, logit bias; applied to the target's and the draft's logits alike, so the
+    output follows the processed target distribution exactly), logprobs (None: off; N >= 0:
+    each event's `logprob` and its `top_logprobs`, N of them, from the target's processed
+    distribution before temperature), schema (a JSON Schema, dict or JSON text), grammar (a
+    Lark grammar, as llguidance reads it) or regex: the reply is constrained to it exactly,
+    target and draft masked alike (grammar.py); forced_tokens (default True: where the
+    grammar forces the next tokens they are drafted for free; with use_draft=False nothing
+    is drafted), use_draft (False: plain decoding with the same pair).
+
+    The drafter's own settings (draft_confidence, n-gram lengths) belong to the pair:
+    `pair.configured(draft_confidence=0.5)`. `decoder` (from `make_decoder`) keeps KV caches
+    across calls, so a prompt that extends the previous conversation only prefills its new
+    tokens; `stats` (a `Stats`) holds the totals afterwards (every event also carries them,
+    live); `abort()` is asked between prefill chunks.
+    """
+    config = GenerationConfig.of(config, **settings)
+    for batch in stream_rounds(pair, prompt, config, decoder=decoder, stats=stats, abort=abort):
+        yield from batch
+
+
+def generate(pair, prompt, config: GenerationConfig | None = None, **settings) -> Result:
+    """Run `stream` to the end; `res.text`, `res.tokens`, `res.accepted`, `res.kinds`,
+    `res.rounds` (what each round drafted and kept), `res.stats`."""
+    stats = settings.pop("stats", None) or Stats()
+    events = list(stream(pair, prompt, config, stats=stats, **settings))
+    return Result(
+        text="".join(e.text for e in events),
+        tokens=[e.token for e in events],
+        accepted=[e.accepted for e in events],
+        stats=stats,
+        finish_reason=stats.finish_reason,
+        kinds=[e.kind for e in events],
+        rounds=list(stats.records),
+    )

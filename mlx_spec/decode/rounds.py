@@ -1,0 +1,77 @@
+"""One verify round as the decoder reports it (`Round`), and the small array helpers the
+single-stream and batched rounds share: the target's log-probabilities, a point mass for a
+forced token, a vocabulary padded to the target's width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..drafters import TargetOutput
+
+
+@dataclass
+class Round:
+    tokens: list[int]  # emitted this round, EOS excluded
+    accepted: int  # draft tokens the target accepted (n), before an end-of-sequence cut
+    drafted: int  # k used this round
+    finished: bool = False  # an end-of-sequence token ended the round
+    draft_steps: int = 0  # draft-model forward passes (0 for prompt lookup)
+    replayed: int = 0  # tokens re-fed to a recurrent target whose state was restored
+    requested: int = 0  # k the policy asked for (a drafter may propose fewer)
+    plain: bool = False  # decoded plainly while speculating (the policy chose k = 0)
+    split: tuple | None = None  # (draft s, draft steps, verify s, verify rows) when timed apart
+    proposal: list[int] = field(default_factory=list)  # the draft's guesses, kept or not
+    target_token: int | None = None  # the target's own token: correction, bonus or plain step
+    forced: bool = False  # the grammar's forced tokens were the draft (no model, no lookup)
+    target_output: TargetOutput | None = None  # for a drafter that reads hidden states
+    # when asked for: per token of `tokens`, its log-probability under the target's (processed)
+    # distribution and the top (id, log-probability) pairs there
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @property
+    def accepted_emitted(self) -> int:
+        """How many of `tokens` (a prefix) are accepted draft tokens."""
+        return min(self.accepted, len(self.tokens))
+
+
+def target_logprobs(logits: mx.array, tokens: mx.array, top: int):
+    """Lazy: (n,) log-probabilities of `tokens` (one per row) under (n, V) logits, and the
+    rows' top `top` ids and log-probabilities (None when top is 0)."""
+    logits = logits.astype(mx.float32)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, tokens.reshape(-1, 1).astype(mx.int32), axis=-1)[:, 0]
+    if not top:
+        return chosen, None, None
+    top = min(top, lp.shape[-1])
+    ids = mx.argpartition(-lp, kth=top - 1, axis=-1)[:, :top]
+    return chosen, ids, mx.take_along_axis(lp, ids, axis=-1)
+
+
+def read_logprobs(arrays, count: int):
+    """The lists of `target_logprobs`' arrays (evaluated), first `count` rows, best first."""
+    chosen, ids, values = arrays
+    lps = chosen.tolist()[:count]
+    if ids is None:
+        return lps, [[] for _ in lps]
+    tops = [
+        sorted(zip(i, v, strict=True), key=lambda t: -t[1])
+        for i, v in zip(ids.tolist()[:count], values.tolist()[:count], strict=True)
+    ]
+    return lps, tops
+
+
+def point_mass(tokens: mx.array, vocab: int) -> mx.array:
+    """(k,) ids -> (k, vocab) one-hot distributions."""
+    return (mx.arange(vocab)[None, :] == tokens[:, None]).astype(mx.float32)
+
+
+def pad_vocab(a: mx.array, size: int) -> mx.array:
+    """Zero-pad the last axis: draft and target heads may differ in padding rows."""
+    extra = size - a.shape[-1]
+    if extra <= 0:
+        return a
+    return mx.concatenate([a, mx.zeros((*a.shape[:-1], extra), a.dtype)], axis=-1)

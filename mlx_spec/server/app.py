@@ -1,0 +1,566 @@
+"""The HTTP side: a Starlette app with OpenAI's endpoints, /health and /metrics.
+
+Requests are checked (Host, Origin, key, content type, queue room) before their body is read,
+validated (protocol.py), queued on the engine (worker.py) and answered from the job's items:
+streamed as server-sent events (headers and keep-alive comments while queued or prefilling) or
+collected into one JSON body. A client that disconnects leaves the queue at once, or cancels
+its job mid-prefill or mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from .output import completion_logprobs
+from .protocol import ApiError, GenRequest, Limits, choice, envelope, parse_chat, parse_completion
+from .worker import BATCH_BUCKETS, Engine, Job, timeout_error
+
+DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to this, then cut off
+KEEPALIVE_SECONDS = 2.0  # a queued or prefilling stream gets its headers, then a comment this often
+LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
+log = logging.getLogger("mlx_spec.server")
+
+
+@dataclass
+class Settings:
+    api_key: str | None = None  # one key (kept for callers that set one)
+    api_keys: list[str] = field(default_factory=list)  # any of these; each its own partition
+    shared_history: bool = False  # every key in one partition (a single user)
+    max_body_bytes: int = 8 << 20
+    request_timeout: float = 600.0
+    limits: Limits = field(default_factory=Limits)
+    host: str = "127.0.0.1"  # the bound address: Host headers must name it (or localhost)
+    allowed_hosts: list[str] = field(default_factory=list)  # more names for the Host header
+    allowed_origins: list[str] = field(default_factory=list)  # browser origins ("*": any)
+    keepalive: float = KEEPALIVE_SECONDS
+
+    def keys(self) -> list[str]:
+        return [
+            k for k in dict.fromkeys([*([self.api_key] if self.api_key else []), *self.api_keys])
+        ]
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def authorize(request: Request, settings: Settings) -> str:
+    """The request's partition: "" without keys (or with --shared-history), else an id of
+    the key it presented (a digest: the key itself is kept nowhere else)."""
+    keys = settings.keys()
+    if not keys:
+        return ""
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    token = token.strip().encode()
+    match = None
+    for key in keys:  # compare with every key: the time does not tell which one matched
+        if hmac.compare_digest(token, key.encode()) and scheme.lower() == "bearer":
+            match = key
+    if match is None:
+        raise ApiError(401, "Incorrect or missing API key", code="invalid_api_key")
+    if settings.shared_history:
+        return ""
+    return hashlib.sha256(match.encode()).hexdigest()[:16]
+
+
+def host_name(value: str) -> str:
+    """The host part of a Host header or an origin's authority, lower case, no brackets."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def host_allowed(host: str, settings: Settings) -> bool:
+    name = host_name(host)
+    bound = settings.host.lower()
+    if name in LOCAL_NAMES or name == bound or name in (h.lower() for h in settings.allowed_hosts):
+        return True
+    try:  # any loopback address (127.0.0.0/8)
+        if ipaddress.ip_address(name).is_loopback:
+            return True
+    except ValueError:
+        pass
+    # bound to every interface: clients name this machine however they reach it
+    return bound in ("0.0.0.0", "::", "")
+
+
+def origin_allowed(origin: str, settings: Settings) -> bool:
+    allowed = settings.allowed_origins
+    return "*" in allowed or origin.rstrip("/").lower() in (o.rstrip("/").lower() for o in allowed)
+
+
+class Guard:
+    """ASGI middleware: refuses a Host that is not this server's (DNS rebinding) and an Origin
+    that --allow-origin does not name (any web page could otherwise drive the model), answers
+    CORS preflights for the allowed origins and adds CORS headers to their responses."""
+
+    def __init__(self, app, settings: Settings):
+        self.app, self.settings = app, settings
+
+    async def refuse(self, scope, send, status: int, message: str, code: str) -> None:
+        await error_response(ApiError(status, message, code=code))(scope, None, send)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        host = headers.get("host", "")
+        if not host_allowed(host, self.settings):
+            message = f"the Host {host!r} is not this server's (--allow-host names more)"
+            return await self.refuse(scope, send, 403, message, "forbidden_host")
+        origin = headers.get("origin")
+        if origin is None:
+            return await self.app(scope, receive, send)
+        if not origin_allowed(origin, self.settings):
+            message = f"requests from the web origin {origin!r} are refused (--allow-origin)"
+            return await self.refuse(scope, send, 403, message, "forbidden_origin")
+        cors = [
+            (b"access-control-allow-origin", origin.encode("latin-1")),
+            (b"vary", b"Origin"),
+            (b"access-control-expose-headers", b"X-Ignored-Fields, Retry-After"),
+        ]
+        if scope["method"] == "OPTIONS":
+            asked = headers.get("access-control-request-headers", "")
+            allow = asked or "Authorization, Content-Type"
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 204,
+                    "headers": cors
+                    + [
+                        (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                        (b"access-control-allow-headers", allow.encode("latin-1")),
+                        (b"access-control-max-age", b"600"),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": b""})
+            return
+
+        async def send_with_cors(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *cors]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+
+def check_json_type(request: Request) -> None:
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind != "application/json":
+        raise ApiError(
+            415,
+            f"the body must be JSON sent as Content-Type: application/json, got {kind or 'none'!r}",
+            code="unsupported_media_type",
+        )
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The body as a JSON object; 413 past `limit` bytes. An oversized body is still read
+    (and dropped) so the client gets the 413, not a reset connection."""
+    body, size = bytearray(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            body += chunk
+        elif size > DRAIN_LIMIT:
+            break
+    if size > limit:
+        raise ApiError(
+            413, f"the request body is {size} bytes; the limit is {limit}", code="request_too_large"
+        )
+    try:
+        data = json.loads(body, parse_constant=not_finite, parse_float=finite_float)
+    except NotFinite as err:
+        raise ApiError(400, str(err), code="invalid_value") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
+        raise ApiError(400, "the body is not valid JSON", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    try:  # a lone surrogate ("\ud800") parses but is no text: the tokenizer raises on it
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        message = "the body holds a lone UTF-16 surrogate (\\ud800-\\udfff): not valid Unicode"
+        raise ApiError(400, message, code="invalid_value") from None
+    return data
+
+
+class NotFinite(ValueError):
+    pass
+
+
+def not_finite(name: str):
+    """JSON's NaN / Infinity (Python's parser accepts them): every bound compares false with
+    NaN, so a NaN temperature once passed validation and killed the engine thread."""
+    raise NotFinite(f"numbers must be finite, got {name}")
+
+
+def finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses to inf
+        raise NotFinite(f"numbers must be finite, got {text[:32]}")
+    return value
+
+
+def sse(data) -> dict:
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return {"type": "http.response.body", "body": f"data: {text}\n\n".encode(), "more_body": True}
+
+
+class JobResponse:
+    """An ASGI response that answers one job: the status is chosen when its first item
+    arrives (an error before any text is a plain HTTP error), then SSE chunks or one JSON
+    body; a stream that waits longer than `keepalive` (queued, prefilling) gets its headers
+    and SSE comments meanwhile. Watches for the client leaving at the same time: a queued job
+    then leaves the queue at once, a running one is cancelled."""
+
+    def __init__(self, job: Job, on_status, engine: Engine, keepalive: float, headers=None):
+        self.job, self.on_status, self.engine = job, on_status, engine
+        self.keepalive, self.headers = keepalive, headers or {}
+        self.rid = ("chatcmpl-" if job.request.kind == "chat" else "cmpl-") + job.id
+        self.created = int(time.time())
+        self.started = False  # the stream's headers went out
+        self.offset = 0  # completions logprobs: text offset of the next token
+
+    async def __call__(self, scope, receive, send):
+        self.scope = scope
+        answer = asyncio.ensure_future(self.answer(send))
+        watch = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait({answer, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not self.engine.withdraw(self.job):  # still queued: out of the queue now
+                self.job.cancel()  # a no-op when the job is done; frees the engine otherwise
+            watch.cancel()
+            if not answer.done():
+                answer.cancel()
+        if answer.done() and not answer.cancelled():
+            try:
+                answer.result()
+            except OSError:  # the client went away while we wrote
+                pass
+
+    def header_list(self, extra) -> list:
+        return [*extra, *((k.lower().encode(), v.encode()) for k, v in self.headers.items())]
+
+    async def first_item(self, send):
+        """The job's first item, or a 504 once the deadline passes while queued. A stream
+        gets its headers after `keepalive` seconds and a comment every `keepalive` seconds."""
+        while True:
+            remaining = self.job.deadline - time.monotonic()
+            if remaining <= 0:
+                self.job.cancel()
+                self.engine.withdraw(self.job)
+                return ("error", timeout_error(self.job))
+            wait = min(remaining, self.keepalive) if self.job.request.stream else remaining
+            try:
+                return await asyncio.wait_for(self.job.items.get(), max(wait, 0.001))
+            except TimeoutError:
+                if self.job.request.stream and time.monotonic() < self.job.deadline:
+                    await self.start_stream(send)
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": b": keep-alive\n\n",
+                            "more_body": True,
+                        }
+                    )
+
+    async def send_error(self, send, err: ApiError) -> None:
+        if self.started:  # after the headers: OpenAI's way is an error event
+            await send(sse(err.body()))
+            await send(sse("[DONE]"))
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        self.on_status(err.status)
+        await error_response(err)(self.scope, None, send)
+
+    async def answer(self, send) -> None:
+        item = await self.first_item(send)
+        if item[0] == "error":
+            await self.send_error(send, item[1])
+            return
+        if self.job.request.stream:
+            await self.stream(send, item)
+        else:
+            await self.collect(send, item)
+
+    async def collect(self, send, item) -> None:
+        req = self.job.request
+        content, reasoning, calls, entries = [], [], [], []
+        while item[0] == "delta":
+            d = item[1]
+            content.append(d.content)
+            reasoning.append(d.reasoning)
+            calls += d.tool_calls
+            entries += d.logprobs
+            item = await self.job.items.get()
+        if item[0] == "error":
+            await self.send_error(send, item[1])
+            return
+        outcome = item[1]
+        body = envelope(req, self.rid, self.created, chunk=False)
+        text = "".join(content)
+        out = choice(req, text, outcome.finish_reason, full=True)
+        if req.kind == "chat":
+            message = out["message"]
+            if reasoning := "".join(reasoning):
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [
+                    {k: v for k, v in c.items() if k != "index"} for c in calls
+                ]
+                message["content"] = text or None
+        if req.logprobs is not None:
+            out["logprobs"] = self.logprobs(entries)
+        body["choices"] = [out]
+        body["usage"] = outcome.usage
+        body["speculation"] = outcome.speculation
+        self.on_status(200)
+        await JSONResponse(body, headers=self.headers)(self.scope, None, send)
+
+    def logprobs(self, entries: list[dict]) -> dict:
+        if self.job.request.kind == "chat":
+            return {"content": entries, "refusal": None}
+        out = completion_logprobs(entries, self.offset)
+        self.offset += sum(len(e["token"]) for e in entries)
+        return out
+
+    def chunk(self, delta=None, finish=None, first=False) -> dict:
+        req = self.job.request
+        body = envelope(req, self.rid, self.created, chunk=True)
+        out = choice(req, delta.content if delta is not None else None, finish, first=first)
+        if delta is not None and req.kind == "chat":
+            if not delta.content:
+                out["delta"].pop("content", None)
+            if delta.reasoning:
+                out["delta"]["reasoning_content"] = delta.reasoning
+            if delta.tool_calls:
+                out["delta"]["tool_calls"] = delta.tool_calls
+        if delta is not None and req.logprobs is not None and delta.logprobs:
+            out["logprobs"] = self.logprobs(delta.logprobs)
+        body["choices"] = [out]
+        if req.include_usage:
+            body["usage"] = None
+        return body
+
+    async def start_stream(self, send) -> None:
+        if self.started:
+            return
+        self.started = True
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
+        self.on_status(200)
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": self.header_list(headers)}
+        )
+        if self.job.request.kind == "chat":
+            await send(sse(self.chunk(None, first=True)))
+
+    async def stream(self, send, item) -> None:
+        req = self.job.request
+        await self.start_stream(send)
+        while item[0] == "delta":
+            await send(sse(self.chunk(item[1])))
+            item = await self.job.items.get()
+        if item[0] == "error":  # after the headers: OpenAI's way is an error event
+            await send(sse(item[1].body()))
+        else:
+            outcome = item[1]
+            last = self.chunk(None, outcome.finish_reason)
+            if req.kind != "chat":
+                last["choices"][0]["text"] = ""
+            last["speculation"] = outcome.speculation
+            await send(sse(last))
+            if req.include_usage:
+                tail = envelope(req, self.rid, self.created, chunk=True)
+                tail.update(choices=[], usage=outcome.usage, speculation=outcome.speculation)
+                await send(sse(tail))
+        await send(sse("[DONE]"))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def wait_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def metrics_text(engine: Engine) -> str:
+    m = engine.metrics
+    lines = []
+
+    def metric(name, kind, help_text, samples):
+        lines.append(f"# HELP mlx_spec_{name} {help_text}")
+        lines.append(f"# TYPE mlx_spec_{name} {kind}")
+        for labels, value in samples:
+            lines.append(f"mlx_spec_{name}{labels} {value}")
+
+    requests = [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(m.requests.items())]
+    metric("requests_total", "counter", "Requests answered, by endpoint and status.", requests)
+    counters = [
+        ("prompt_tokens_total", "Prompt tokens.", m.prompt_tokens),
+        ("prompt_tokens_cached_total", "Prompt tokens reused from a kept KV cache.",
+         m.prompt_tokens_cached),
+        ("generated_tokens_total", "Generated tokens.", m.generated_tokens),
+        ("drafted_tokens_total", "Draft tokens proposed.", m.drafted),
+        ("accepted_tokens_total", "Draft tokens the target accepted.", m.accepted),
+        ("target_passes_total", "Target forward passes while generating (a batched pass once).",
+         m.target_passes),
+        ("batch_passes_total", "Batched target passes (--max-batch).", m.batch_passes),
+        ("generation_seconds_total", "Seconds spent generating, summed over requests.",
+         round(m.generation_seconds, 4)),
+        ("prefill_seconds_total", "Seconds spent prefilling prompts.", round(m.prefill_seconds, 4)),
+        ("cancelled_total", "Jobs stopped because their client disconnected.", m.cancelled),
+        ("timeouts_total", "Jobs stopped by the request timeout.", m.timeouts),
+    ]  # fmt: skip
+    for name, help_text, value in counters:
+        metric(name, "counter", help_text, [("", value)])
+    rate = m.accepted / m.drafted if m.drafted else 0.0
+    gauges = [
+        ("acceptance_rate", "Accepted / drafted draft tokens since start.", round(rate, 4)),
+        ("queue_waiting", "Requests waiting for the engine.", engine.waiting),
+        ("busy", "1 while a request is being generated.", int(engine.busy)),
+        ("prompt_cache_entries", "Conversations whose KV caches are kept.",
+         sum(len(c.entries) for c in engine.all_caches())),
+        ("prompt_cache_bytes", "Bytes of the kept KV caches.",
+         sum(c.bytes for c in engine.all_caches())),
+        ("history_tokens", "Tokens in the history lookup indexes (all partitions).",
+         engine.history_size()),
+        ("running", "Requests being generated (several when batched).", len(engine.running)),
+        ("max_batch", "Requests one batch may hold (1: not batched, or the pair cannot be).",
+         engine.max_batch if engine.batch is not None else 1),
+        ("batch_size", "Requests in the last batched pass (0: no batch running).", m.batch_size),
+        ("batch_size_max", "Most requests in one batched pass since start.", m.batch_size_max),
+        ("batch_rows_per_pass", "Mean requests per batched pass since start.",
+         round(m.batch_rows / m.batch_passes, 4) if m.batch_passes else 0.0),
+        ("batch_target_rows_per_pass",
+         "Mean target rows per batched pass since start: requests x (drafted + 1).",
+         round(m.batch_target_rows / m.batch_passes, 4) if m.batch_passes else 0.0),
+    ]  # fmt: skip
+    for name, help_text, value in gauges:
+        metric(name, "gauge", help_text, [("", value)])
+    buckets, total = [], 0
+    for bound, n in zip(BATCH_BUCKETS, m.batch_hist, strict=True):
+        total += n
+        buckets.append((f'_bucket{{le="{bound}"}}', total))
+    buckets += [('_bucket{le="+Inf"}', m.batch_passes), ("_sum", m.batch_rows)]
+    buckets.append(("_count", m.batch_passes))
+    metric("batch_size_passes", "histogram", "Batched passes by their requests.", buckets)
+    return "\n".join(lines) + "\n"
+
+
+def create_app(engine: Engine, settings: Settings) -> Starlette:
+    def count(endpoint: str, status: int) -> None:
+        key = (endpoint, str(status))
+        engine.metrics.requests[key] = engine.metrics.requests.get(key, 0) + 1
+
+    logged: set[str] = set()  # ignored field names already logged
+
+    async def generation(request: Request, endpoint: str, parse) -> Response | JobResponse:
+        try:
+            partition = authorize(request, settings)
+            check_json_type(request)
+            engine.check_capacity(partition)  # before the body is read
+            data = await read_json(request, settings.max_body_bytes)
+            req: GenRequest = parse(data, settings.limits)
+            req.partition = partition
+            job = Job(req, asyncio.get_running_loop(), time.monotonic() + settings.request_timeout)
+            engine.submit(job)
+        except ApiError as err:
+            count(endpoint, err.status)
+            return error_response(err)
+        headers = {}
+        if req.ignored:
+            names = [n[:64] for n in req.ignored[:32]]
+            headers["X-Ignored-Fields"] = ", ".join(names).encode("ascii", "replace").decode()
+            new = [n for n in names if n not in logged]
+            if new and len(logged) < 1024:
+                logged.update(new)
+                log.warning("ignoring request fields this server does not know: %s", ", ".join(new))
+        return JobResponse(
+            job, lambda status: count(endpoint, status), engine, settings.keepalive, headers
+        )
+
+    async def chat(request: Request) -> Response | JobResponse:
+        return await generation(request, "chat", parse_chat)
+
+    async def completions(request: Request) -> Response | JobResponse:
+        return await generation(request, "completions", parse_completion)
+
+    async def models(request: Request) -> Response:
+        authorize(request, settings)
+        # the served pair, and the pairs requests may swap in (--allow-swap)
+        created = int(time.time())
+        names = [engine.name] if engine.name else []
+        names += [n for n in engine.models if n != engine.name]
+        data = [
+            {"id": n, "object": "model", "created": created, "owned_by": "mlx-spec"} for n in names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(request: Request) -> Response:
+        if not engine.alive:  # a supervisor restarts the server on this (it exits too)
+            reason = f"{type(engine.failure).__name__}: {engine.failure}" if engine.failure else ""
+            return JSONResponse({"status": "dead", "error": reason}, status_code=503)
+        return JSONResponse({"status": "ok", "model": engine.name, "busy": engine.busy})
+
+    async def metrics(request: Request) -> Response:
+        authorize(request, settings)
+        return PlainTextResponse(metrics_text(engine), media_type="text/plain; version=0.0.4")
+
+    async def api_error(request: Request, err: ApiError) -> Response:
+        return error_response(err)
+
+    async def http_error(request: Request, err: HTTPException) -> Response:
+        message = {404: "no such endpoint", 405: "method not allowed"}.get(
+            err.status_code, err.detail
+        )
+        return error_response(ApiError(err.status_code, f"{message}: {request.url.path}"))
+
+    routes = [
+        Route("/health", health),
+        Route("/metrics", metrics),
+        Route("/v1/models", models),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error}
+    )
+    app.add_middleware(Guard, settings=settings)
+    return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server; on SIGTERM or SIGINT the engine first stops taking jobs, answers the
+    queued ones 503 and gives the running one `grace` seconds."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, grace: float):
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine.begin_shutdown(self.grace)
+        super().handle_exit(sig, frame)
