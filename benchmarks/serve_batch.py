@@ -1,7 +1,7 @@
 """Concurrent streaming clients against four servers, interleaved (issue 25, item 6).
 
 Servers, all on the same pair (default smollm2-self: SmolLM2 135M drafted by itself at 4 bits;
-the README's first figures were measured on it, as smollm2-demo before the demo pair shipped a
+docs/serve.md's first figures were measured on it, as smollm2-demo before the demo pair shipped a
 head; `--pair smollm2-demo --num-draft-tokens 1` measures the head pair, which batches plainly):
 - mlx-spec serial: `mlx-spec serve --max-batch 1` (one stream at a time, drafting: today's);
 - mlx-spec batched: `mlx-spec serve --max-batch 8` (a batch that still drafts);

@@ -9,7 +9,7 @@ bench measures on those: never trained on). The target, SmolLM2-135M-Instruct fr
     # then copy config.json, model.safetensors and distill.json into the package:
     python benchmarks/train_demo_head.py --install /tmp/demo-head
 
-Measured on a 2-core x86-64 Linux machine (float32 + OpenBLAS): see the README's "Drafting
+Measured on a 2-core x86-64 Linux machine (float32 + OpenBLAS): see docs/training.md's "Drafting
 heads / training one" for the wall time.
 """
 
@@ -143,11 +143,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="demo-head", help="the run's folder")
     p.add_argument("--prompts", type=int, default=1000, help="prompts in the corpus")
     # the shipped head's recipe: 48 min on a 2-core x86-64 Linux machine, 0.419 held-out at
-    # draft step 1 (README); without the chat forms 60 min on a slower one, 0.407
+    # draft step 1 (docs/training.md); without the chat forms 60 min on a slower one, 0.407
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--ttt-warmup", type=int, default=1000, help="steps of draft step 1 alone")
     p.add_argument("--reply-tokens", type=int, default=160, help="tokens of each reply")
-    # then 3 draft steps, not 7: in equal time 0.308 against 0.251 held-out at step 1 (README)
+    # then 3 draft steps, not 7: in equal time 0.308 against 0.251 held-out at step 1 (docs)
     p.add_argument("--ttt-steps", type=int, default=3, help="draft steps trained after warm-up")
     p.add_argument(
         "--chat-forms",

@@ -45,7 +45,7 @@ class RoundMessage(Message):
         self.rounds, self.speed = rounds, speed
 
 
-# A model without a chat template (a base model) gets plain turns, documented in the README.
+# A model without a chat template (a base model) gets plain turns, documented in docs/chat.md.
 USER, ASSISTANT = "User:", "Assistant:"
 NEXT_TURN = f"\n{USER}"
 

@@ -1,4 +1,4 @@
-"""The README's picture of the chat app: `python -m tui.screenshot OUT.svg [QUESTION ...]`.
+"""The chat app's picture (docs/chat.md): `python -m tui.screenshot OUT.svg [QUESTION ...]`.
 
 Runs the app headless (App.run_test) with the offline demo pair, asks the questions, shows the
 rejected guesses (f8) and saves Textual's SVG screenshot; convert it to PNG with
