@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from .connections import HEAD_TIMEOUT, SEND_TIMEOUT
 from .output import completion_logprobs
 from .protocol import (
     ApiError,
@@ -56,6 +57,8 @@ class Settings:
     allowed_hosts: list[str] = field(default_factory=list)  # more names for the Host header
     allowed_origins: list[str] = field(default_factory=list)  # browser origins ("*": any)
     keepalive: float = KEEPALIVE_SECONDS
+    send_timeout: float | None = SEND_TIMEOUT  # a client that reads nothing this long is cut off
+    body_timeout: float | None = HEAD_TIMEOUT  # seconds between chunks of a request body
 
     def keys(self) -> list[str]:
         return [
@@ -180,11 +183,25 @@ def check_json_type(request: Request) -> None:
         )
 
 
-async def read_json(request: Request, limit: int) -> dict:
+async def body_chunks(request: Request, timeout: float | None):
+    """The body's chunks; a 408 when the client pauses longer than `timeout` between two (a
+    request that announced a body and sent none once held its connection for ever)."""
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            yield await asyncio.wait_for(chunks.__anext__(), timeout)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            message = f"the request body stalled for {timeout:g} s (--header-timeout)"
+            raise ApiError(408, message, code="request_timeout") from None
+
+
+async def read_json(request: Request, limit: int, timeout: float | None = None) -> dict:
     """The body as a JSON object; 413 past `limit` bytes. An oversized body is still read
     (and dropped) so the client gets the 413, not a reset connection."""
     body, size = bytearray(), 0
-    async for chunk in request.stream():
+    async for chunk in body_chunks(request, timeout):
         size += len(chunk)
         if size <= limit:
             body += chunk
@@ -239,9 +256,12 @@ class JobResponse:
     and SSE comments meanwhile. Watches for the client leaving at the same time: a queued job
     then leaves the queue at once, a running one is cancelled."""
 
-    def __init__(self, job: Job, on_status, engine: Engine, keepalive: float, headers=None):
+    def __init__(
+        self, job: Job, on_status, engine: Engine, keepalive: float, headers=None, send_timeout=None
+    ):
         self.job, self.on_status, self.engine = job, on_status, engine
         self.keepalive, self.headers = keepalive, headers or {}
+        self.send_timeout = send_timeout  # None: a write may wait for the client for ever
         self.rid = ("chatcmpl-" if job.request.kind == "chat" else "cmpl-") + job.id
         self.created = int(time.time())
         self.started = False  # the stream's headers went out
@@ -249,7 +269,7 @@ class JobResponse:
 
     async def __call__(self, scope, receive, send):
         self.scope = scope
-        answer = asyncio.ensure_future(self.answer(send))
+        answer = asyncio.ensure_future(self.answer(self.bounded(send)))
         watch = asyncio.ensure_future(wait_disconnect(receive))
         try:
             await asyncio.wait({answer, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -264,6 +284,24 @@ class JobResponse:
                 answer.result()
             except OSError:  # the client went away while we wrote
                 pass
+            except SlowClient as err:  # the job was cancelled above: the engine is free
+                log.warning("request %s cancelled: %s", self.job.id, err)
+
+    def bounded(self, send):
+        """`send`, failing with SlowClient when one write waits longer than send_timeout: a
+        client that stops reading a stream (its socket open) once kept its generation
+        running, and the requests behind it waiting, until max_tokens."""
+        if not self.send_timeout:
+            return send
+        timeout = self.send_timeout
+
+        async def timed(message):
+            try:
+                await asyncio.wait_for(send(message), timeout)
+            except TimeoutError:
+                raise SlowClient(f"its client read nothing for {timeout:g} s") from None
+
+        return timed
 
     def header_list(self, extra) -> list:
         return [*extra, *((k.lower().encode(), v.encode()) for k, v in self.headers.items())]
@@ -408,6 +446,10 @@ class JobResponse:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+class SlowClient(Exception):
+    """A write to the client waited longer than --send-timeout."""
+
+
 async def wait_disconnect(receive) -> None:
     while True:
         message = await receive()
@@ -491,7 +533,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
             partition = authorize(request, settings)
             check_json_type(request)
             engine.check_capacity(partition)  # before the body is read
-            data = await read_json(request, settings.max_body_bytes)
+            data = await read_json(request, settings.max_body_bytes, settings.body_timeout)
             req: GenRequest = parse(data, settings.limits)
             req.partition = partition
             job = Job(req, asyncio.get_running_loop(), time.monotonic() + settings.request_timeout)
@@ -508,7 +550,12 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
                 logged.update(new)
                 log.warning("ignoring request fields this server does not know: %s", ", ".join(new))
         return JobResponse(
-            job, lambda status: count(endpoint, status), engine, settings.keepalive, headers
+            job,
+            lambda status: count(endpoint, status),
+            engine,
+            settings.keepalive,
+            headers,
+            settings.send_timeout,
         )
 
     async def chat(request: Request) -> Response | JobResponse:

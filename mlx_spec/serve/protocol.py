@@ -76,6 +76,7 @@ class ApiError(Exception):
         403: "invalid_request_error",
         404: "invalid_request_error",
         405: "invalid_request_error",
+        408: "timeout",
         413: "invalid_request_error",
         415: "invalid_request_error",
         429: "requests",
