@@ -148,6 +148,13 @@ def setup_arg_parser(parser):
         help="prompt lookup searches only the request's own context",
     )
     g.add_argument(
+        "--parse-special-in-content",
+        action="store_true",
+        help="read special-token text in chat messages and tools (<|im_end|>, ...) as the"
+        " tokens themselves, as before; by default it is plain text, so a message cannot forge"
+        " a turn boundary",
+    )
+    g.add_argument(
         "--header-timeout",
         type=seconds,
         default=HEAD_TIMEOUT,
@@ -306,6 +313,7 @@ def main(args):
         allowed_hosts=args.allow_host,
         allowed_origins=args.allow_origin,
         send_timeout=args.send_timeout,
+        parse_special=args.parse_special_in_content,
         body_timeout=args.header_timeout,
     )
     config = uvicorn.Config(

@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from .connections import HEAD_TIMEOUT, SEND_TIMEOUT
 from .output import completion_logprobs
+from .prompts import make_pool, prepare
 from .protocol import (
     ApiError,
     GenRequest,
@@ -57,6 +58,7 @@ class Settings:
     allowed_hosts: list[str] = field(default_factory=list)  # more names for the Host header
     allowed_origins: list[str] = field(default_factory=list)  # browser origins ("*": any)
     keepalive: float = KEEPALIVE_SECONDS
+    parse_special: bool = False  # chat text may hold special tokens (--parse-special-in-content)
     send_timeout: float | None = SEND_TIMEOUT  # a client that reads nothing this long is cut off
     body_timeout: float | None = HEAD_TIMEOUT  # seconds between chunks of a request body
 
@@ -527,6 +529,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         engine.metrics.requests[key] = engine.metrics.requests.get(key, 0) + 1
 
     logged: set[str] = set()  # ignored field names already logged
+    prompt_pool = make_pool()  # templates and tokenisers run here, beside the engine thread
 
     async def generation(request: Request, endpoint: str, parse) -> Response | JobResponse:
         try:
@@ -536,6 +539,8 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
             data = await read_json(request, settings.max_body_bytes, settings.body_timeout)
             req: GenRequest = parse(data, settings.limits)
             req.partition = partition
+            req.parse_special = settings.parse_special
+            await prepare(engine, req, prompt_pool)  # tokenised here, not on the engine thread
             job = Job(req, asyncio.get_running_loop(), time.monotonic() + settings.request_timeout)
             engine.submit(job)
         except ApiError as err:

@@ -119,6 +119,9 @@ class GenRequest:
     ignored: list[str] = field(default_factory=list)  # unknown fields, named in a header
     partition: str = ""  # whose history and prompt cache (set from the API key by the app)
     constraint: dict | None = None  # response_format as engine keywords: {"schema": {...}}
+    parse_special: bool = False  # chat text may hold special tokens (--parse-special-in-content)
+    prompt_ids: list[int] | None = field(default=None, repr=False)  # tokenised off the engine
+    prompt_pair: object = field(default=None, repr=False, compare=False)  # ... for this pair
 
     @property
     def generation(self) -> GenerationConfig:
