@@ -64,6 +64,14 @@ def setup_arg_parser(parser):
         f" with its own history and prompt cache (default: ${API_KEY_ENV})",
     )
     g.add_argument(
+        "--admin-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a key (Authorization: Bearer KEY) that sees the whole server's figures at /metrics;"
+        " the --api-key keys see only their own requests' (default: none)",
+    )
+    g.add_argument(
         "--shared-history",
         action="store_true",
         help="all API keys share one history and prompt cache (a single user with several keys)",
@@ -314,6 +322,7 @@ def main(args):
         allowed_origins=args.allow_origin,
         send_timeout=args.send_timeout,
         parse_special=args.parse_special_in_content,
+        admin_keys=args.admin_key,
         body_timeout=args.header_timeout,
     )
     config = uvicorn.Config(

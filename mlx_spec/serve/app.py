@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .connections import HEAD_TIMEOUT, SEND_TIMEOUT
+from .keymetrics import KeyMetrics, key_metrics_text
 from .output import completion_logprobs
 from .prompts import make_pool, prepare
 from .protocol import (
@@ -59,6 +60,7 @@ class Settings:
     allowed_origins: list[str] = field(default_factory=list)  # browser origins ("*": any)
     keepalive: float = KEEPALIVE_SECONDS
     parse_special: bool = False  # chat text may hold special tokens (--parse-special-in-content)
+    admin_keys: list[str] = field(default_factory=list)  # see every key's figures at /metrics
     send_timeout: float | None = SEND_TIMEOUT  # a client that reads nothing this long is cut off
     body_timeout: float | None = HEAD_TIMEOUT  # seconds between chunks of a request body
 
@@ -264,6 +266,7 @@ class JobResponse:
         self.job, self.on_status, self.engine = job, on_status, engine
         self.keepalive, self.headers = keepalive, headers or {}
         self.send_timeout = send_timeout  # None: a write may wait for the client for ever
+        self.figures = None  # the key's own figures (keymetrics.KeyFigures), when counted
         self.rid = ("chatcmpl-" if job.request.kind == "chat" else "cmpl-") + job.id
         self.created = int(time.time())
         self.started = False  # the stream's headers went out
@@ -275,6 +278,8 @@ class JobResponse:
         watch = asyncio.ensure_future(wait_disconnect(receive))
         try:
             await asyncio.wait({answer, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if watch.done() and not answer.done() and self.figures is not None:
+                self.figures.cancelled += 1  # the client left
         finally:
             if not self.engine.withdraw(self.job):  # still queued: out of the queue now
                 self.job.cancel()  # a no-op when the job is done; frees the engine otherwise
@@ -288,6 +293,8 @@ class JobResponse:
                 pass
             except SlowClient as err:  # the job was cancelled above: the engine is free
                 log.warning("request %s cancelled: %s", self.job.id, err)
+                if self.figures is not None:
+                    self.figures.cancelled += 1
 
     def bounded(self, send):
         """`send`, failing with SlowClient when one write waits longer than send_timeout: a
@@ -331,7 +338,13 @@ class JobResponse:
                         }
                     )
 
+    def record(self, outcome) -> None:
+        if self.figures is not None:
+            self.figures.add(outcome.usage, outcome.speculation)
+
     async def send_error(self, send, err: ApiError) -> None:
+        if err.status == 504 and self.figures is not None:
+            self.figures.timeouts += 1
         if self.started:  # after the headers: OpenAI's way is an error event
             await send(sse(err.body()))
             await send(sse("[DONE]"))
@@ -364,6 +377,7 @@ class JobResponse:
             await self.send_error(send, item[1])
             return
         outcome = item[1]
+        self.record(outcome)
         body = envelope(req, self.rid, self.created, chunk=False)
         text = "".join(content)
         out = choice(req, text, outcome.finish_reason, full=True)
@@ -432,9 +446,12 @@ class JobResponse:
             await send(sse(self.chunk(item[1])))
             item = await self.job.items.get()
         if item[0] == "error":  # after the headers: OpenAI's way is an error event
+            if item[1].status == 504 and self.figures is not None:
+                self.figures.timeouts += 1
             await send(sse(item[1].body()))
         else:
             outcome = item[1]
+            self.record(outcome)
             last = self.chunk(None, outcome.finish_reason)
             if req.kind != "chat":
                 last["choices"][0]["text"] = ""
@@ -524,14 +541,19 @@ def metrics_text(engine: Engine) -> str:
 
 
 def create_app(engine: Engine, settings: Settings) -> Starlette:
-    def count(endpoint: str, status: int) -> None:
+    keyed = KeyMetrics(settings.admin_keys)  # each key's own figures (/metrics)
+
+    def count(endpoint: str, status: int, partition: str | None = None) -> None:
         key = (endpoint, str(status))
         engine.metrics.requests[key] = engine.metrics.requests.get(key, 0) + 1
+        if partition is not None:
+            keyed.of(partition).count(endpoint, status)
 
     logged: set[str] = set()  # ignored field names already logged
     prompt_pool = make_pool()  # templates and tokenisers run here, beside the engine thread
 
     async def generation(request: Request, endpoint: str, parse) -> Response | JobResponse:
+        partition = None
         try:
             partition = authorize(request, settings)
             check_json_type(request)
@@ -544,7 +566,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
             job = Job(req, asyncio.get_running_loop(), time.monotonic() + settings.request_timeout)
             engine.submit(job)
         except ApiError as err:
-            count(endpoint, err.status)
+            count(endpoint, err.status, partition)
             return error_response(err)
         headers = {}
         if req.ignored:
@@ -554,14 +576,16 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
             if new and len(logged) < 1024:
                 logged.update(new)
                 log.warning("ignoring request fields this server does not know: %s", ", ".join(new))
-        return JobResponse(
+        response = JobResponse(
             job,
-            lambda status: count(endpoint, status),
+            lambda status: count(endpoint, status, partition),
             engine,
             settings.keepalive,
             headers,
             settings.send_timeout,
         )
+        response.figures = keyed.of(partition)
+        return response
 
     async def chat(request: Request) -> Response | JobResponse:
         return await generation(request, "chat", parse_chat)
@@ -587,8 +611,20 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         return JSONResponse({"status": "ok", "model": engine.name, "busy": engine.busy})
 
     async def metrics(request: Request) -> Response:
-        authorize(request, settings)
-        return PlainTextResponse(metrics_text(engine), media_type="text/plain; version=0.0.4")
+        """The whole server's figures for an admin key, or for the only user (no keys, one
+        key, --shared-history); with several keys, each key's own figures (keymetrics.py)."""
+        kind = "text/plain; version=0.0.4"
+        if keyed.is_admin(request.headers.get("authorization", "")):
+            return PlainTextResponse(metrics_text(engine), media_type=kind)
+        if not settings.keys() and keyed.admin_keys:
+            message = "/metrics needs the admin key (--admin-key)"
+            raise ApiError(401, message, code="invalid_api_key")
+        partition = authorize(request, settings)
+        if len(settings.keys()) <= 1 or settings.shared_history:  # one user: all is theirs
+            return PlainTextResponse(metrics_text(engine), media_type=kind)
+        waiting = len(engine.queues.get(partition, ()))
+        text = key_metrics_text(keyed.of(partition), waiting)
+        return PlainTextResponse(text, media_type=kind)
 
     async def api_error(request: Request, err: ApiError) -> Response:
         return error_response(err)
