@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from .connections import HEAD_TIMEOUT, SEND_TIMEOUT
 from .keymetrics import KeyMetrics, key_metrics_text
+from .openapi import document as openapi_document
 from .output import completion_logprobs
 from .prompts import make_pool, prepare
 from .protocol import (
@@ -626,6 +627,10 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         text = key_metrics_text(keyed.of(partition), waiting)
         return PlainTextResponse(text, media_type=kind)
 
+    async def openapi(request: Request) -> Response:
+        """The endpoints and their request bodies (serve/openapi.py); no key needed."""
+        return JSONResponse(openapi_document())
+
     async def api_error(request: Request, err: ApiError) -> Response:
         return error_response(err)
 
@@ -638,6 +643,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
     routes = [
         Route("/health", health),
         Route("/metrics", metrics),
+        Route("/openapi.json", openapi),
         Route("/v1/models", models),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
