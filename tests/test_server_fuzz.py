@@ -55,6 +55,11 @@ RAW = [
     "1.",
     "tru",
 ]
+# Found by this fuzzer, present on the base commit too, outside mlx_spec/serve: a prompt of two
+# tokens with max_tokens 1 in a batch with a draft model fails in batch.py `_extract` (a draft
+# cache never filled: mlx-lm's BatchKVCache.extract reads keys that are None). The request gets
+# a 500 and the server lives; test_two_token_prompt_max_tokens_1_in_a_batch pins it.
+KNOWN_BATCH_BUG = b"internal error: TypeError: 'NoneType' object is not subscriptable"
 PLACEHOLDER = "\u2063RAW\u2063"
 
 
@@ -235,6 +240,7 @@ def test_fuzz_every_endpoint(fuzzed, pair, record_property):
     base = url.removesuffix("/v1")
     spec = request("GET", base + "/openapi.json", key=None).json()
     seen: dict[int, int] = {}
+    known: list = []
     begin = time.monotonic()
 
     @seed(SEED)
@@ -250,6 +256,9 @@ def test_fuzz_every_endpoint(fuzzed, pair, record_property):
         method, path, headers, body = case
         status, reply = send(base, method, path, headers, body)
         seen[status] = seen.get(status, 0) + 1
+        if status == 500 and KNOWN_BATCH_BUG in reply:  # see the xfail test below
+            known.append(case)
+            return
         assert status < 500, (case, status, reply[:500])
         if status == 200:  # (a stream's error event after its headers)
             assert b'"server_error"' not in reply, (case, reply[:500])
@@ -260,6 +269,7 @@ def test_fuzz_every_endpoint(fuzzed, pair, record_property):
     record_property("fuzz_cases", sum(seen.values()))
     record_property("fuzz_seconds", round(elapsed, 1))
     print(f"{sum(seen.values())} cases in {elapsed:.1f} s, statuses {dict(sorted(seen.items()))}")
+    print(f"{len(known)} hit the known batch bug: {known[:3]}")
     assert sum(seen.values()) == CASES
     assert seen.get(200, 0) >= CASES // 15  # the cases do reach generation
     assert proc.poll() is None
@@ -275,3 +285,12 @@ def test_fuzz_every_endpoint(fuzzed, pair, record_property):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == expected.text
     assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.xfail(strict=True, reason="batch.py: a 2-token prompt with max_tokens 1 -> 500")
+def test_two_token_prompt_max_tokens_1_in_a_batch(fuzzed):
+    """The fuzzer's find (see KNOWN_BATCH_BUG): remove the exemption above once it passes."""
+    proc, url, _ = fuzzed
+    r = request("POST", url + "/completions", {"model": "target", "prompt": "Hi", "max_tokens": 1})
+    assert proc.poll() is None and request("GET", url[:-3] + "/health", key=None).status_code == 200
+    assert r.status_code == 200, r.text
