@@ -272,6 +272,7 @@ def lookup_server(request, tiny_models, tmp_path_factory):
     args = [
         "--target", str(tiny_models.target), "--drafter", "ngram", "--num-draft-tokens", "4",
         "--api-key", KEY_A, "--api-key", KEY_B, "--max-batch", "1",  # history: single-stream
+        "--admin-key", KEY_A,  # KEY_A reads the whole server's /metrics
     ]  # fmt: skip
     if request.param == "shared":
         args.append("--shared-history")
@@ -360,7 +361,8 @@ def queue_server(tiny_models, tmp_path_factory):
     path = tiny.write_model(root / "long", cfg, weights, tiny_models.tokenizer)
     log = open(root / "stderr.log", "w")  # noqa: SIM115
     args = ["--target", str(path), "--no-draft", "--max-queue", "4", "--max-batch", "1"]
-    proc, url = start_server(args + ["--api-key", KEY_A, "--api-key", KEY_B], log)
+    keys = ["--api-key", KEY_A, "--api-key", KEY_B, "--admin-key", KEY_A]  # A: all /metrics
+    proc, url = start_server(args + keys, log)
     yield url
     stop_server(proc)
     log.close()

@@ -670,3 +670,21 @@ def test_the_controller_learns_costs_per_row_count():
 
     small, mid, large = settle(1), settle(16), settle(256)
     assert small >= 3 and 1 <= mid < small and large == 0, (small, mid, large)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2])
+def test_a_short_row_alone_hands_back_its_caches(pair, max_tokens):
+    """A 2-token prompt alone in a batch with a draft model, finished after one or two tokens:
+    the draft was never fed (it lags by two), so the row keeps its target cache only. Once this
+    raised TypeError from mlx-lm's BatchKVCache.extract (keys None): the server's fuzzer found
+    it as a 500 for {"prompt": "Hi", "max_tokens": 1}."""
+    decoder = make_batch_decoder(pair, 3)
+    ids = pair.tokenizer.encode(TEXTS[2])[:2]
+    rid = decoder.add(ids, GenerationConfig(max_tokens=max_tokens), keep=True)
+    out, states = run_rows(decoder, {rid: None})
+    assert out[rid][0] == reference(pair, ids, max_tokens)
+    state = states[rid]
+    assert state.sequence == ids + out[rid][0]
+    assert_holds(pair.target, state.cache, state.sequence[:-1])
+    if state.draft_cache is not None:
+        assert_holds(pair.draft, state.draft_cache, state.draft_tokens)

@@ -73,7 +73,7 @@ def server(models):
     args = [
         "--target", str(target), "--draft", str(draft), "--drafter", "model",
         "--num-draft-tokens", str(K), "--max-batch", "4", "--api-key", KEY_A, "--api-key", KEY_B,
-        "--max-queue", "16",
+        "--max-queue", "16", "--admin-key", KEY_A,  # KEY_A reads the whole server's /metrics
     ]  # fmt: skip
     with serving(args, root) as (proc, url):
         yield proc, url
@@ -258,7 +258,8 @@ def test_rows_look_up_only_their_own_text(models, pair):
     beside; and his rows search his key's history (his earlier replies), not hers."""
     root, target, _ = models
     args = ["--target", str(target), "--drafter", "ngram", "--num-draft-tokens", "4",
-            "--max-batch", "4", "--api-key", KEY_A, "--api-key", KEY_B]  # fmt: skip
+            "--max-batch", "4", "--api-key", KEY_A, "--api-key", KEY_B,
+            "--admin-key", KEY_A]  # fmt: skip
     ids = pair.tokenizer.encode(SECRET)
     probes = [ids[i : i + 3] for i in range(0, len(ids) - 3, 3)]
     (root / "lookup").mkdir(exist_ok=True)

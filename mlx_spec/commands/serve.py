@@ -1,4 +1,4 @@
-"""mlx-spec serve: an OpenAI-compatible local server that speculates (see mlx_spec/serve/)."""
+"""mlx-spec serve: an OpenAI-compatible local server that speculates (see mlx_spec/server/)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,13 @@ import sys
 from pathlib import Path
 
 from ..errors import SpecError, one_line
+from ..server.connections import (
+    HEAD_TIMEOUT,
+    SEND_TIMEOUT,
+    default_max_connections,
+    limit_log_rate,
+    open_file_limit,
+)
 from .args import add_pair_args, int_at_least, nonnegative_int, pair_from_args, positive_int
 
 API_KEY_ENV = "MLX_SPEC_API_KEY"
@@ -55,6 +62,14 @@ def setup_arg_parser(parser):
         action="append",
         help=f"clients must send 'Authorization: Bearer KEY'; repeat for several clients, each"
         f" with its own history and prompt cache (default: ${API_KEY_ENV})",
+    )
+    g.add_argument(
+        "--admin-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a key (Authorization: Bearer KEY) that sees the whole server's figures at /metrics;"
+        " the --api-key keys see only their own requests' (default: none)",
     )
     g.add_argument(
         "--shared-history",
@@ -140,6 +155,40 @@ def setup_arg_parser(parser):
         action="store_true",
         help="prompt lookup searches only the request's own context",
     )
+    g.add_argument(
+        "--parse-special-in-content",
+        action="store_true",
+        help="read special-token text in chat messages and tools (<|im_end|>, ...) as the"
+        " tokens themselves, as before; by default it is plain text, so a message cannot forge"
+        " a turn boundary",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=seconds,
+        default=HEAD_TIMEOUT,
+        help=f"seconds a connection may take to send a whole request head, and the longest"
+        f" pause inside a request body (default {HEAD_TIMEOUT:g}); then it is closed",
+    )
+    g.add_argument(
+        "--keep-alive-timeout",
+        type=seconds,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open between requests (default 5)",
+    )
+    g.add_argument(
+        "--send-timeout",
+        type=seconds,
+        default=SEND_TIMEOUT,
+        help=f"seconds a reply may wait for a client that stopped reading; then its request is"
+        f" cancelled and the connection closed (default {SEND_TIMEOUT:g})",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=positive_int,
+        help="connections kept open at most; past it the one waiting longest for a request head"
+        " is closed, or the new one gets a 503 (default: three quarters of the open-file limit,"
+        f" here {default_max_connections()})",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -185,11 +234,26 @@ def per_key_queue(args, keys: list[str]) -> int | None:
     return None
 
 
+def connection_cap(asked: int | None) -> int:
+    """--max-connections, or the default below the open-file limit; a cap at or above the
+    limit would not keep descriptors for /health and the model's own files."""
+    if asked is None:
+        return default_max_connections()
+    limit = open_file_limit()
+    if asked >= limit - 16:
+        raise SpecError(
+            f"--max-connections {asked} leaves no file descriptors: the open-file limit is"
+            f" {limit} (ulimit -n); use at most {limit - 17}, or raise the limit"
+        )
+    return asked
+
+
 def main(args):
     try:
         import uvicorn
 
         from ..server.app import GracefulServer, Settings, create_app
+        from ..server.bounded import bounded_protocol
         from ..server.protocol import Limits
         from ..server.worker import Engine
     except ImportError as err:
@@ -200,6 +264,7 @@ def main(args):
     from ..pairs.loading import load_pair, pair_downloaded
     from ..pairs.registry import load_registry
 
+    max_connections = connection_cap(args.max_connections)
     limit = args.max_tokens_limit
     default_max = args.default_max_tokens
     if default_max is None:
@@ -255,12 +320,22 @@ def main(args):
         host=args.host,
         allowed_hosts=args.allow_host,
         allowed_origins=args.allow_origin,
+        send_timeout=args.send_timeout,
+        parse_special=args.parse_special_in_content,
+        admin_keys=args.admin_key,
+        body_timeout=args.header_timeout,
     )
     config = uvicorn.Config(
         create_app(engine, settings),
         log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout + 2,
+        # connections bounded (serve/connections.py): a head timeout and a cap below the
+        # open-file limit; uvicorn's own limit answers requests past the cap 503 too
+        http=bounded_protocol(args.header_timeout, max_connections),
+        timeout_keep_alive=args.keep_alive_timeout,
+        limit_concurrency=max_connections + 1,
     )
+    limit_log_rate()  # (after uvicorn.Config: it sets up the log handlers)
     server = GracefulServer(config, engine, args.shutdown_timeout)
     engine.on_death = lambda: setattr(server, "should_exit", True)  # uvicorn polls it
     try:

@@ -448,8 +448,13 @@ class BatchDecoder:
         cache = [c.extract(i) for c in self.cache]
         _held(cache, len(row.sequence) - 1, "batch row's target")
         draft_cache, draft_tokens = None, []
-        # (a one-token prompt's draft row holds the token twice: not a prefix of its sequence)
-        if self.draft is not None and row.use_draft and row.prompt_tokens >= 2:
+        # (a one-token prompt's draft row holds the token twice: not a prefix of its sequence;
+        # a draft cache never fed, as a lone 2-token prompt that ends at once leaves it, holds
+        # nothing to hand back: mlx-lm's extract fails on its empty keys)
+        fed = self.draft_cache is not None and all(
+            getattr(c, "keys", True) is not None for c in self.draft_cache
+        )
+        if self.draft is not None and row.use_draft and row.prompt_tokens >= 2 and fed:
             draft_cache = [c.extract(i) for c in self.draft_cache]
             draft_tokens = row.sequence[: len(row.sequence) - self.lag]
             _held(draft_cache, len(draft_tokens), "batch row's draft")

@@ -26,9 +26,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from .output import completion_logprobs
-from .protocol import ApiError, GenRequest, Limits, choice, envelope, parse_chat, parse_completion
-from .worker import BATCH_BUCKETS, Engine, Job, timeout_error
+from .connections import HEAD_TIMEOUT, SEND_TIMEOUT
+from .keymetrics import KeyMetrics, key_metrics_text
+from .openapi import document as openapi_document
+from .prompts import make_pool, prepare
+from .protocol import ApiError, GenRequest, Limits, parse_chat, parse_completion
+from .responses import JobResponse, error_response
+from .worker import BATCH_BUCKETS, Engine, Job
 
 DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to this, then cut off
 KEEPALIVE_SECONDS = 2.0  # a queued or prefilling stream gets its headers, then a comment this often
@@ -48,15 +52,15 @@ class Settings:
     allowed_hosts: list[str] = field(default_factory=list)  # more names for the Host header
     allowed_origins: list[str] = field(default_factory=list)  # browser origins ("*": any)
     keepalive: float = KEEPALIVE_SECONDS
+    parse_special: bool = False  # chat text may hold special tokens (--parse-special-in-content)
+    admin_keys: list[str] = field(default_factory=list)  # see every key's figures at /metrics
+    send_timeout: float | None = SEND_TIMEOUT  # a client that reads nothing this long is cut off
+    body_timeout: float | None = HEAD_TIMEOUT  # seconds between chunks of a request body
 
     def keys(self) -> list[str]:
         return [
             k for k in dict.fromkeys([*([self.api_key] if self.api_key else []), *self.api_keys])
         ]
-
-
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def authorize(request: Request, settings: Settings) -> str:
@@ -172,11 +176,25 @@ def check_json_type(request: Request) -> None:
         )
 
 
-async def read_json(request: Request, limit: int) -> dict:
+async def body_chunks(request: Request, timeout: float | None):
+    """The body's chunks; a 408 when the client pauses longer than `timeout` between two (a
+    request that announced a body and sent none once held its connection for ever)."""
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            yield await asyncio.wait_for(chunks.__anext__(), timeout)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            message = f"the request body stalled for {timeout:g} s (--header-timeout)"
+            raise ApiError(408, message, code="request_timeout") from None
+
+
+async def read_json(request: Request, limit: int, timeout: float | None = None) -> dict:
     """The body as a JSON object; 413 past `limit` bytes. An oversized body is still read
     (and dropped) so the client gets the 413, not a reset connection."""
     body, size = bytearray(), 0
-    async for chunk in request.stream():
+    async for chunk in body_chunks(request, timeout):
         size += len(chunk)
         if size <= limit:
             body += chunk
@@ -217,194 +235,6 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):  # 1e999 parses to inf
         raise NotFinite(f"numbers must be finite, got {text[:32]}")
     return value
-
-
-def sse(data) -> dict:
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return {"type": "http.response.body", "body": f"data: {text}\n\n".encode(), "more_body": True}
-
-
-class JobResponse:
-    """An ASGI response that answers one job: the status is chosen when its first item
-    arrives (an error before any text is a plain HTTP error), then SSE chunks or one JSON
-    body; a stream that waits longer than `keepalive` (queued, prefilling) gets its headers
-    and SSE comments meanwhile. Watches for the client leaving at the same time: a queued job
-    then leaves the queue at once, a running one is cancelled."""
-
-    def __init__(self, job: Job, on_status, engine: Engine, keepalive: float, headers=None):
-        self.job, self.on_status, self.engine = job, on_status, engine
-        self.keepalive, self.headers = keepalive, headers or {}
-        self.rid = ("chatcmpl-" if job.request.kind == "chat" else "cmpl-") + job.id
-        self.created = int(time.time())
-        self.started = False  # the stream's headers went out
-        self.offset = 0  # completions logprobs: text offset of the next token
-
-    async def __call__(self, scope, receive, send):
-        self.scope = scope
-        answer = asyncio.ensure_future(self.answer(send))
-        watch = asyncio.ensure_future(wait_disconnect(receive))
-        try:
-            await asyncio.wait({answer, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not self.engine.withdraw(self.job):  # still queued: out of the queue now
-                self.job.cancel()  # a no-op when the job is done; frees the engine otherwise
-            watch.cancel()
-            if not answer.done():
-                answer.cancel()
-        if answer.done() and not answer.cancelled():
-            try:
-                answer.result()
-            except OSError:  # the client went away while we wrote
-                pass
-
-    def header_list(self, extra) -> list:
-        return [*extra, *((k.lower().encode(), v.encode()) for k, v in self.headers.items())]
-
-    async def first_item(self, send):
-        """The job's first item, or a 504 once the deadline passes while queued. A stream
-        gets its headers after `keepalive` seconds and a comment every `keepalive` seconds."""
-        while True:
-            remaining = self.job.deadline - time.monotonic()
-            if remaining <= 0:
-                self.job.cancel()
-                self.engine.withdraw(self.job)
-                return ("error", timeout_error(self.job))
-            wait = min(remaining, self.keepalive) if self.job.request.stream else remaining
-            try:
-                return await asyncio.wait_for(self.job.items.get(), max(wait, 0.001))
-            except TimeoutError:
-                if self.job.request.stream and time.monotonic() < self.job.deadline:
-                    await self.start_stream(send)
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": b": keep-alive\n\n",
-                            "more_body": True,
-                        }
-                    )
-
-    async def send_error(self, send, err: ApiError) -> None:
-        if self.started:  # after the headers: OpenAI's way is an error event
-            await send(sse(err.body()))
-            await send(sse("[DONE]"))
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
-        self.on_status(err.status)
-        await error_response(err)(self.scope, None, send)
-
-    async def answer(self, send) -> None:
-        item = await self.first_item(send)
-        if item[0] == "error":
-            await self.send_error(send, item[1])
-            return
-        if self.job.request.stream:
-            await self.stream(send, item)
-        else:
-            await self.collect(send, item)
-
-    async def collect(self, send, item) -> None:
-        req = self.job.request
-        content, reasoning, calls, entries = [], [], [], []
-        while item[0] == "delta":
-            d = item[1]
-            content.append(d.content)
-            reasoning.append(d.reasoning)
-            calls += d.tool_calls
-            entries += d.logprobs
-            item = await self.job.items.get()
-        if item[0] == "error":
-            await self.send_error(send, item[1])
-            return
-        outcome = item[1]
-        body = envelope(req, self.rid, self.created, chunk=False)
-        text = "".join(content)
-        out = choice(req, text, outcome.finish_reason, full=True)
-        if req.kind == "chat":
-            message = out["message"]
-            if reasoning := "".join(reasoning):
-                message["reasoning_content"] = reasoning
-            if calls:
-                message["tool_calls"] = [
-                    {k: v for k, v in c.items() if k != "index"} for c in calls
-                ]
-                message["content"] = text or None
-        if req.logprobs is not None:
-            out["logprobs"] = self.logprobs(entries)
-        body["choices"] = [out]
-        body["usage"] = outcome.usage
-        body["speculation"] = outcome.speculation
-        self.on_status(200)
-        await JSONResponse(body, headers=self.headers)(self.scope, None, send)
-
-    def logprobs(self, entries: list[dict]) -> dict:
-        if self.job.request.kind == "chat":
-            return {"content": entries, "refusal": None}
-        out = completion_logprobs(entries, self.offset)
-        self.offset += sum(len(e["token"]) for e in entries)
-        return out
-
-    def chunk(self, delta=None, finish=None, first=False) -> dict:
-        req = self.job.request
-        body = envelope(req, self.rid, self.created, chunk=True)
-        out = choice(req, delta.content if delta is not None else None, finish, first=first)
-        if delta is not None and req.kind == "chat":
-            if not delta.content:
-                out["delta"].pop("content", None)
-            if delta.reasoning:
-                out["delta"]["reasoning_content"] = delta.reasoning
-            if delta.tool_calls:
-                out["delta"]["tool_calls"] = delta.tool_calls
-        if delta is not None and req.logprobs is not None and delta.logprobs:
-            out["logprobs"] = self.logprobs(delta.logprobs)
-        body["choices"] = [out]
-        if req.include_usage:
-            body["usage"] = None
-        return body
-
-    async def start_stream(self, send) -> None:
-        if self.started:
-            return
-        self.started = True
-        headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"),
-        ]
-        self.on_status(200)
-        await send(
-            {"type": "http.response.start", "status": 200, "headers": self.header_list(headers)}
-        )
-        if self.job.request.kind == "chat":
-            await send(sse(self.chunk(None, first=True)))
-
-    async def stream(self, send, item) -> None:
-        req = self.job.request
-        await self.start_stream(send)
-        while item[0] == "delta":
-            await send(sse(self.chunk(item[1])))
-            item = await self.job.items.get()
-        if item[0] == "error":  # after the headers: OpenAI's way is an error event
-            await send(sse(item[1].body()))
-        else:
-            outcome = item[1]
-            last = self.chunk(None, outcome.finish_reason)
-            if req.kind != "chat":
-                last["choices"][0]["text"] = ""
-            last["speculation"] = outcome.speculation
-            await send(sse(last))
-            if req.include_usage:
-                tail = envelope(req, self.rid, self.created, chunk=True)
-                tail.update(choices=[], usage=outcome.usage, speculation=outcome.speculation)
-                await send(sse(tail))
-        await send(sse("[DONE]"))
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def wait_disconnect(receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def metrics_text(engine: Engine) -> str:
@@ -472,24 +302,32 @@ def metrics_text(engine: Engine) -> str:
 
 
 def create_app(engine: Engine, settings: Settings) -> Starlette:
-    def count(endpoint: str, status: int) -> None:
+    keyed = KeyMetrics(settings.admin_keys)  # each key's own figures (/metrics)
+
+    def count(endpoint: str, status: int, partition: str | None = None) -> None:
         key = (endpoint, str(status))
         engine.metrics.requests[key] = engine.metrics.requests.get(key, 0) + 1
+        if partition is not None:
+            keyed.of(partition).count(endpoint, status)
 
     logged: set[str] = set()  # ignored field names already logged
+    prompt_pool = make_pool()  # templates and tokenisers run here, beside the engine thread
 
     async def generation(request: Request, endpoint: str, parse) -> Response | JobResponse:
+        partition = None
         try:
             partition = authorize(request, settings)
             check_json_type(request)
             engine.check_capacity(partition)  # before the body is read
-            data = await read_json(request, settings.max_body_bytes)
+            data = await read_json(request, settings.max_body_bytes, settings.body_timeout)
             req: GenRequest = parse(data, settings.limits)
             req.partition = partition
+            req.parse_special = settings.parse_special
+            await prepare(engine, req, prompt_pool)  # tokenised here, not on the engine thread
             job = Job(req, asyncio.get_running_loop(), time.monotonic() + settings.request_timeout)
             engine.submit(job)
         except ApiError as err:
-            count(endpoint, err.status)
+            count(endpoint, err.status, partition)
             return error_response(err)
         headers = {}
         if req.ignored:
@@ -499,9 +337,16 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
             if new and len(logged) < 1024:
                 logged.update(new)
                 log.warning("ignoring request fields this server does not know: %s", ", ".join(new))
-        return JobResponse(
-            job, lambda status: count(endpoint, status), engine, settings.keepalive, headers
+        response = JobResponse(
+            job,
+            lambda status: count(endpoint, status, partition),
+            engine,
+            settings.keepalive,
+            headers,
+            settings.send_timeout,
         )
+        response.figures = keyed.of(partition)
+        return response
 
     async def chat(request: Request) -> Response | JobResponse:
         return await generation(request, "chat", parse_chat)
@@ -527,8 +372,24 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         return JSONResponse({"status": "ok", "model": engine.name, "busy": engine.busy})
 
     async def metrics(request: Request) -> Response:
-        authorize(request, settings)
-        return PlainTextResponse(metrics_text(engine), media_type="text/plain; version=0.0.4")
+        """The whole server's figures for an admin key, or for the only user (no keys, one
+        key, --shared-history); with several keys, each key's own figures (keymetrics.py)."""
+        kind = "text/plain; version=0.0.4"
+        if keyed.is_admin(request.headers.get("authorization", "")):
+            return PlainTextResponse(metrics_text(engine), media_type=kind)
+        if not settings.keys() and keyed.admin_keys:
+            message = "/metrics needs the admin key (--admin-key)"
+            raise ApiError(401, message, code="invalid_api_key")
+        partition = authorize(request, settings)
+        if len(settings.keys()) <= 1 or settings.shared_history:  # one user: all is theirs
+            return PlainTextResponse(metrics_text(engine), media_type=kind)
+        waiting = len(engine.queues.get(partition, ()))
+        text = key_metrics_text(keyed.of(partition), waiting)
+        return PlainTextResponse(text, media_type=kind)
+
+    async def openapi(request: Request) -> Response:
+        """The endpoints and their request bodies (serve/openapi.py); no key needed."""
+        return JSONResponse(openapi_document())
 
     async def api_error(request: Request, err: ApiError) -> Response:
         return error_response(err)
@@ -542,6 +403,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
     routes = [
         Route("/health", health),
         Route("/metrics", metrics),
+        Route("/openapi.json", openapi),
         Route("/v1/models", models),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),

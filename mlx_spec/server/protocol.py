@@ -80,6 +80,7 @@ class ApiError(Exception):
         403: "invalid_request_error",
         404: "invalid_request_error",
         405: "invalid_request_error",
+        408: "timeout",
         413: "invalid_request_error",
         415: "invalid_request_error",
         429: "requests",
@@ -122,6 +123,9 @@ class GenRequest:
     ignored: list[str] = field(default_factory=list)  # unknown fields, named in a header
     partition: str = ""  # whose history and prompt cache (set from the API key by the app)
     constraint: dict | None = None  # response_format as engine keywords: {"schema": {...}}
+    parse_special: bool = False  # chat text may hold special tokens (--parse-special-in-content)
+    prompt_ids: list[int] | None = field(default=None, repr=False)  # tokenised off the engine
+    prompt_pair: object = field(default=None, repr=False, compare=False)  # ... for this pair
 
     @property
     def generation(self) -> GenerationConfig:

@@ -45,7 +45,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from jinja2 import TemplateError
 from mlx_lm.utils import common_prefix_len
 
 from ..core import caches
@@ -55,9 +54,10 @@ from ..decode.batch import BATCHED_KINDS, into_decoder, make_batch_decoder
 from ..decode.engine import make_decoder, stream_rounds
 from ..decode.events import EventMaker
 from ..decode.history import HistoryIndex
-from ..decode.prompts import constraint_for, encode_prompt, prompt_tokens
+from ..decode.prompts import constraint_for, prompt_tokens
 from ..errors import Aborted, SpecError
-from .output import Output, check_tool_choice, forced_prefix, tool_grammar
+from .output import Output, check_tool_choice, tool_grammar
+from .prompts import prompt_ids
 from .protocol import ApiError, GenRequest, speculation, usage
 from .stops import StopText
 
@@ -597,23 +597,11 @@ class Engine:
             job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
 
     def _prompt(self, pair, req: GenRequest) -> list[int]:
-        """The request's tokens: the chat template with the tools (and a forced tool-call
-        start for tool_choice required / named), raw text or token ids."""
-        kwargs = dict(req.chat_template_kwargs or {})
-        use_tools = req.kind == "chat" and req.tools and req.tool_choice != "none"
-        if use_tools:
-            kwargs["tools"] = req.tools
-        try:
-            tokens = encode_prompt(pair.tokenizer, req.prompt, template_kwargs=kwargs or None)
-        except TemplateError as err:  # e.g. "roles must alternate": the messages, not a bug
-            raise ApiError(
-                400, f"the chat template rejected the messages: {err}", "messages"
-            ) from None
-        if use_tools and req.tool_choice not in ("auto", "none"):
-            check_tool_choice(pair.tokenizer, req)
-            forced = forced_prefix(pair.tokenizer, req.tool_choice)
-            tokens += pair.tokenizer.encode(forced, add_special_tokens=False)
-        return tokens
+        """The request's tokens: made by the HTTP side for this pair (serve/prompts.py), or
+        rendered here (a request that swapped the pair in)."""
+        if req.prompt_ids is not None and req.prompt_pair is pair:
+            return list(req.prompt_ids)
+        return prompt_ids(pair, req, req.parse_special)
 
     def _generate(self, job: Job) -> None:
         req = job.request

@@ -1,0 +1,255 @@
+"""A request's prompt as token ids: the chat template rendered and tokenised (or raw text, or
+ids), with the text clients send kept as plain text.
+
+Two things issue 45 found here. Tokenising ran on the engine thread, so a 7.9 MB prompt was
+refused only after 8-31 s of tokenising while a one-word request waited behind it: now the HTTP
+side renders and tokenises in a small thread pool (`prepare`) after a cheap bound on the
+characters (the context times MAX_CHARS_PER_TOKEN), and the engine receives token ids. And a
+user message holding `<|im_end|>` was tokenised as the special token, so user text could forge
+a turn boundary: now the text of the messages and tools (every string a client sends) is
+tokenised with special tokens read as plain text, and only the template's own markup yields
+special ids. A prompt with no special-token text in it tokenises exactly as before (one
+`encode` of the rendered text); `--parse-special-in-content` restores the old behaviour.
+Completions' raw text is the client's own rendering: its special tokens are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import traceback
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+from jinja2 import TemplateError
+
+from ..decode.prompts import encode_prompt
+from ..errors import SpecError
+from .output import check_tool_choice, forced_prefix
+from .protocol import ApiError, GenRequest
+
+MAX_CHARS_PER_TOKEN = 32  # no tokenizer averages more: a longer text cannot fit the context
+_plain = weakref.WeakKeyDictionary()  # tokenizer wrapper -> its copy that reads specials as text
+
+
+def prompt_ids(pair, req: GenRequest, parse_special: bool = False) -> list[int]:
+    """The request's tokens: the chat template with the tools (and a forced tool-call start
+    for tool_choice required / named), raw text or token ids."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    use_tools = req.kind == "chat" and req.tools and req.tool_choice != "none"
+    if use_tools:
+        kwargs["tools"] = req.tools
+    try:
+        if req.kind == "chat" and not parse_special:
+            tokens = chat_ids(pair.tokenizer, req.prompt, kwargs)
+        else:
+            tokens = encode_prompt(pair.tokenizer, req.prompt, template_kwargs=kwargs or None)
+    except TemplateError as err:  # e.g. "roles must alternate": the messages, not a bug
+        raise ApiError(400, f"the chat template rejected the messages: {err}", "messages") from None
+    if use_tools and req.tool_choice not in ("auto", "none"):
+        check_tool_choice(pair.tokenizer, req)
+        forced = forced_prefix(pair.tokenizer, req.tool_choice)
+        tokens += pair.tokenizer.encode(forced, add_special_tokens=False)
+    return tokens
+
+
+# ------------------------------------------------------------------ special tokens as text
+
+
+def special_texts(tokenizer) -> list[str]:
+    """The text of every special token (the ones the tokenizer matches before anything else:
+    turn markers, end of text), longest first."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    found = {t.content for t in getattr(hf, "added_tokens_decoder", {}).values() if t.special}
+    found |= set(getattr(hf, "all_special_tokens", []) or [])
+    return sorted((t for t in found if t), key=len, reverse=True)
+
+
+def client_strings(value, out: list[str]) -> list[str]:
+    """Every string in the messages and tools: the texts a client chose (dict keys too)."""
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            client_strings(k, out)
+            client_strings(v, out)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            client_strings(v, out)
+    return out
+
+
+def plain_encode(tokenizer, text: str) -> list[int]:
+    """`text`'s ids with special-token text read as plain text. A copy of the Rust tokenizer
+    does it (setting the flag on the shared one would race with other threads)."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    backend = getattr(hf, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "encode_special_tokens"):
+        copy = _plain.get(tokenizer)
+        if copy is None:
+            from tokenizers import Tokenizer
+
+            copy = Tokenizer.from_str(backend.to_str())
+            copy.encode_special_tokens = True
+            _plain[tokenizer] = copy
+        return list(copy.encode(text, add_special_tokens=False).ids)
+    return list(hf.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+
+def spans_of(text: str, needles: list[str]) -> list[tuple[int, int]]:
+    """Where the needles occur in `text`, overlapping spans merged, in order."""
+    spans = []
+    for needle in needles:
+        at = text.find(needle)
+        while at >= 0:
+            spans.append((at, at + len(needle)))
+            at = text.find(needle, at + 1)
+    merged: list[list[int]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def without(value, specials: list[str]):
+    """`value` with the special-token text taken out of every string."""
+    if isinstance(value, str):
+        for s in specials:
+            value = value.replace(s, "")
+        return value
+    if isinstance(value, dict):
+        return {without(k, specials): without(v, specials) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [without(v, specials) for v in value]
+    return value
+
+
+def render(tokenizer, messages: list, kwargs: dict) -> str:
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=True, **kwargs
+    )
+
+
+def chat_ids(tokenizer, messages: list, kwargs: dict) -> list[int]:
+    """The chat template's tokens, the client's text in them plain (module docstring).
+
+    The template is rendered as always; each client string that holds special-token text
+    is found in the rendered text and tokenised plain, the template's text around it as
+    usual. A client string the template changed on its way (escaped, trimmed) cannot be
+    found: if special-token text is then left outside the plain spans beyond what the
+    template writes itself, the request is refused (400) rather than let through."""
+    specials = special_texts(tokenizer)
+    client = client_strings([messages, kwargs.get("tools")], [])
+    marked = [s for s in dict.fromkeys(client) if any(t in s for t in specials)]
+    if not marked:  # the common case: exactly the tokens of before
+        return encode_prompt(tokenizer, messages, template_kwargs=kwargs or None)
+    if not any(str(m.get("content", "")).strip() for m in messages):
+        raise SpecError("the prompt is empty")
+    if not tokenizer.has_chat_template:
+        raise SpecError("this model's tokenizer has no chat template; pass raw text instead")
+    text = render(tokenizer, messages, kwargs)
+    spans = spans_of(text, marked)
+    ids: list[int] = []
+    outside, at = [], 0
+    for a, b in spans:
+        if a > at:
+            outside.append(text[at:a])
+            ids += tokenizer.encode(text[at:a], add_special_tokens=False)
+        ids += plain_encode(tokenizer, text[a:b])
+        at = b
+    if at < len(text):
+        outside.append(text[at:])
+        ids += tokenizer.encode(text[at:], add_special_tokens=False)
+    own = render(
+        tokenizer,
+        without(messages, specials),
+        {**kwargs, "tools": without(kwargs["tools"], specials)} if "tools" in kwargs else kwargs,
+    )
+    left = "".join(outside)
+    for s in specials:
+        if left.count(s) > own.count(s):
+            raise ApiError(
+                400,
+                f"a message holds the special token text {s!r} where the chat template changes"
+                " it: it cannot be kept as plain text (--parse-special-in-content reads it as"
+                " the token)",
+                "messages",
+            )
+    return ids
+
+
+# ------------------------------------------------------------------ off the engine thread
+
+
+def prompt_chars(req: GenRequest) -> int:
+    """Characters in the prompt (and its tools), counted without building anything."""
+    if isinstance(req.prompt, str):
+        return len(req.prompt)
+    if req.kind != "chat":
+        return 0  # token ids: counted as ids
+    total = sum(len(s) for s in client_strings(req.prompt, []))
+    if req.tools:
+        total += len(json.dumps(req.tools))
+    return total
+
+
+def check_size(pair, req: GenRequest) -> None:
+    """A 400 at once for a prompt the context cannot hold, before any tokenising: more ids
+    than the context, or more characters than it could hold at MAX_CHARS_PER_TOKEN each."""
+    context = getattr(pair, "context_length", None)
+    if not context:
+        return
+    if req.kind != "chat" and isinstance(req.prompt, list) and len(req.prompt) >= context:
+        raise ApiError(
+            400,
+            f"the prompt is {len(req.prompt)} tokens, longer than the model's context of {context}",
+            "prompt",
+            "context_length_exceeded",
+        )
+    chars = prompt_chars(req)
+    if chars > context * MAX_CHARS_PER_TOKEN:
+        raise ApiError(
+            400,
+            f"the prompt is {chars} characters: more than the model's context of {context}"
+            f" tokens can hold (at most {MAX_CHARS_PER_TOKEN} characters a token)",
+            "messages" if req.kind == "chat" else "prompt",
+            "context_length_exceeded",
+        )
+
+
+def make_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="mlx-spec-prompt")
+
+
+async def prepare(engine, req: GenRequest, pool: ThreadPoolExecutor) -> None:
+    """Render and tokenise the request's prompt in `pool`, not on the engine thread, and check
+    its length: a 400 here for a prompt too long. The ids go to the engine with the pair they
+    were made for (a request for another pair, which the engine must load first, is
+    tokenised there after the swap)."""
+    pair = engine.pair
+    if pair is None or req.model != engine.name:
+        return
+    check_size(pair, req)
+    loop = asyncio.get_running_loop()
+    try:
+        tokens = await loop.run_in_executor(pool, prompt_ids, pair, req, req.parse_special)
+    except SpecError as err:  # an empty prompt, a model with no chat template, ...
+        raise ApiError(400, str(err), code="invalid_value") from None
+    except ApiError:
+        raise
+    except Exception as err:  # a bug: 500 for this request alone, as on the engine thread
+        traceback.print_exception(err, file=sys.stderr)
+        message = f"internal error: {type(err).__name__}: {err}"
+        raise ApiError(500, message, code="internal_error") from None
+    context = getattr(pair, "context_length", None)
+    if context and len(tokens) >= context:
+        raise ApiError(
+            400,
+            f"the prompt is {len(tokens)} tokens, longer than the model's context of {context}",
+            "messages" if req.kind == "chat" else "prompt",
+            "context_length_exceeded",
+        )
+    req.prompt_ids, req.prompt_pair = tokens, pair
