@@ -215,3 +215,11 @@ def test_sigterm_cutting_a_stream_says_shutting_down_not_timed_out(draining):
     assert "shutting down" in str(info.value), info.value
     assert "timed out" not in str(info.value)
     assert proc.wait(30) == 0
+
+
+def test_health_tells_nothing_of_the_traffic(server):
+    """/health needs no key: it says whether the server lives and what it serves, not whether
+    it is busy (a key could time another's requests by it; /metrics has it, behind the keys)."""
+    proc, url = server
+    r = request("GET", url.removesuffix("/v1") + "/health", key=None)
+    assert r.status_code == 200 and set(r.json()) == {"status", "model"}

@@ -31,7 +31,7 @@ from .keymetrics import KeyMetrics, key_metrics_text
 from .openapi import document as openapi_document
 from .prompts import make_pool, prepare
 from .protocol import ApiError, GenRequest, Limits, parse_chat, parse_completion
-from .responses import JobResponse, error_response
+from .streaming import JobResponse, error_response
 from .worker import BATCH_BUCKETS, Engine, Job
 
 DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to this, then cut off
@@ -369,7 +369,9 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         if not engine.alive:  # a supervisor restarts the server on this (it exits too)
             reason = f"{type(engine.failure).__name__}: {engine.failure}" if engine.failure else ""
             return JSONResponse({"status": "dead", "error": reason}, status_code=503)
-        return JSONResponse({"status": "ok", "model": engine.name, "busy": engine.busy})
+        # nothing of the traffic (busy, queue): /health needs no key, and a key must not be
+        # able to follow another's requests (that is /metrics', behind the keys)
+        return JSONResponse({"status": "ok", "model": engine.name})
 
     async def metrics(request: Request) -> Response:
         """The whole server's figures for an admin key, or for the only user (no keys, one

@@ -374,8 +374,7 @@ class Engine:
             if self.waiting >= self.max_queue and (self.busy or self.waiting):
                 raise ApiError(
                     429,
-                    f"{self.waiting} requests are already queued (--max-queue {self.max_queue});"
-                    " retry later",
+                    f"the server's queue is full (--max-queue {self.max_queue}); retry later",
                     code="rate_limit_exceeded",
                     headers={"Retry-After": str(self.retry_after())},
                 )
