@@ -375,6 +375,7 @@ async def test_copy_save_and_system_message(chat_pair, tmp_path, monkeypatch):
     import json
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLX_SPEC_DATA", str(tmp_path / "data"))
     app = ChatApp(chat_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=12))
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
@@ -394,6 +395,9 @@ async def test_copy_save_and_system_message(chat_pair, tmp_path, monkeypatch):
         assert saved["stats"]["generated_tokens"] > 0
         markdown = app.saved_to.with_suffix(".md").read_text()
         assert PROMPT in markdown and "tok/s" in markdown
+        # in the data folder, not the working directory (once a git checkout got them)
+        assert app.saved_to.parent == tmp_path / "data" / "chats"
+        assert not list(tmp_path.glob("mlx-spec-chat-*"))
 
 
 def cycle_pair(tiny_models, root):
@@ -649,6 +653,7 @@ async def test_a_saved_chat_reloads_and_goes_on(chat_pair, tmp_path, monkeypatch
     from tui.app import read_saved
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLX_SPEC_DATA", str(tmp_path / "data"))
     app = ChatApp(
         chat_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=8, system="Be brief.")
     )
@@ -727,3 +732,30 @@ async def test_any_exception_while_loading_is_an_error_line_too(chat_pair):
         app.use_pair(chat_pair, "tiny")
         await send(pilot, PROMPT)
         assert (await finish(app, pilot)).text
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--pair", "nope"], "unknown pair"),
+        (["--target", "/nowhere/model"], "does not exist"),
+        (["--target", "./missing-model", "--draft", "./missing-draft"], "does not exist"),
+    ],
+)
+def test_chat_with_a_bad_pair_is_one_line_before_the_app(argv, words):
+    """Once `chat --pair nope` opened the app (without a terminal it wrote escape codes until
+    killed); now it is one line on stderr and exit status 2, and nothing else is written."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "mlx_spec.cli", "chat", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0].lower(), run.stderr
+    assert run.stdout == ""

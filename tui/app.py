@@ -8,6 +8,7 @@ model and vice versa.
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -30,6 +31,17 @@ from mlx_spec.runtime.threads import ModelThread
 from .widgets import ReplyView, StatsPanel
 
 DEFAULT_MAX_TOKENS = 1024
+
+
+def chats_dir() -> Path:
+    """Where ctrl+s saves chats: $MLX_SPEC_DATA/chats, else $XDG_DATA_HOME/mlx-spec/chats, else
+    ~/.local/share/mlx-spec/chats."""
+    env = os.environ.get("MLX_SPEC_DATA")
+    if env:
+        return Path(env).expanduser() / "chats"
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return base / "mlx-spec" / "chats"
+
 
 REFRESH_HZ = 30
 FIXED_K_MAX = 16  # f4 steps a fixed k up to here (`auto` keeps to policies.K_MAX)
@@ -495,11 +507,18 @@ class ChatApp(App):
             self.set_status("copied the last reply")
 
     def action_save(self) -> None:
-        """Write the conversation with its stats as Markdown and JSON (mlx-spec-chat-*.md)."""
+        """Write the conversation with its stats as Markdown and JSON (mlx-spec-chat-*.md)
+        in the chats folder (`chats_dir`), never the working directory (a git checkout)."""
         import json
         import time
 
-        stem = Path.cwd() / time.strftime("mlx-spec-chat-%Y%m%d-%H%M%S")
+        folder = chats_dir()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            self.set_status(f"could not save in {folder}: {err.strerror}")
+            return
+        stem = folder / time.strftime("mlx-spec-chat-%Y%m%d-%H%M%S")
         record = {
             "pair": self.pair_name,
             "system": self.system,
@@ -525,7 +544,7 @@ class ChatApp(App):
             self.set_status(f"could not save: {err.strerror}")
             return
         self.saved_to = stem
-        self.set_status(f"saved {stem.name}.md and .json")
+        self.set_status(f"saved {stem}.md and .json")
 
     def action_toggle_rejected(self) -> None:
         """Show the draft's rejected guesses inline, struck through, in every reply."""

@@ -26,14 +26,36 @@ def setup_arg_parser(parser):
     )
 
 
+def check_models(config) -> None:
+    """A pair's local models must exist before the app opens (a hub id may still download
+    inside the app, with its progress bar): one line and exit status 2 otherwise."""
+    from mlx_spec.errors import SpecError
+    from mlx_spec.models.hub import expand_path, looks_like_path, package_file
+
+    for name in (config.target, config.draft, config.head):
+        if name is None:
+            continue
+        if name.startswith("package:"):
+            for directory in (False, True):  # a model file, or a head's folder
+                try:
+                    package_file(name, directory)
+                    break
+                except SpecError:
+                    if directory:
+                        raise
+        elif looks_like_path(name) and not expand_path(name).exists():
+            raise SpecError(f"model path does not exist: {name}")
+
+
 def main(args):
     from mlx_spec import GenerationConfig
-    from mlx_spec.commands.args import DEFAULT_PAIR, pair_from_args
+    from mlx_spec.commands.args import DEFAULT_PAIR, pair_config_from_args, pair_from_args
     from mlx_spec.core.sampling import SamplingParams
 
     from .app import ChatApp, read_saved
 
     SamplingParams(args.temp)  # bad flags fail here, before the screen opens
+    check_models(pair_config_from_args(args))  # and a bad --pair / --target / --draft
     saved = read_saved(args.load) if args.load else None
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # tqdm would tear the screen
 
