@@ -373,6 +373,33 @@ def test_the_cache_holds_the_sequence_after_rejections(eagle_pair, heads, target
     check()
 
 
+def test_a_reply_without_drafts_leaves_the_cache_reusable(eagle_pair, heads, target_cfg):
+    """A reply decoded plainly (use_draft=False: the chat's race) hands the head none of the
+    target's features. The next drafting turn computes the target again only from where they
+    stop, not from the start (the demo pair's follow-up after a race reused 0 of 58 tokens);
+    its tokens are the target's and the head's cache is what a fresh forward gives."""
+    decoder = make_decoder(eagle_pair)
+    prompt = eagle_pair.tokenizer.encode(PROMPTS[1])
+    first = generate(eagle_pair, prompt, max_tokens=12, num_draft_tokens=3, decoder=decoder)
+    held = len(prompt) + len(first.tokens) - 1  # the target's cache after a drafting reply
+    more = prompt + first.tokens + eagle_pair.tokenizer.encode(" and")
+    plain = generate(eagle_pair, more, max_tokens=10, use_draft=False, decoder=decoder)
+    assert plain.stats.prompt_tokens_reused >= held
+    follow = more + plain.tokens + eagle_pair.tokenizer.encode(" then")
+    res = generate(eagle_pair, follow, max_tokens=16, num_draft_tokens=3, decoder=decoder)
+    assert res.stats.prompt_tokens_reused >= held  # from the gap on, not from nothing
+    assert res.stats.prompt_tokens_reused < len(more)  # the plain stretch computed again
+    assert res.tokens == reference(eagle_pair, follow, 16)
+    check_cache(
+        decoder,
+        eagle_pair,
+        lambda toks: ref_layer_outputs(eagle_pair.target, target_cfg, toks),
+        target_cfg,
+        heads["weights"],
+        eagle_pair.target.model.embed_tokens.weight,
+    )
+
+
 def test_a_recurrent_target_replays_and_the_head_follows(tiny_models, tmp_path):
     """Qwen3.5 (Gated DeltaNet): a rejected round hands no rows (kept = 0) and the next pass
     replays its tokens; greedy output equals the target's and the head's cache ends equal

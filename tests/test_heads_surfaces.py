@@ -192,3 +192,20 @@ def test_the_memory_check_counts_the_head(models, kind, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "the models need about" in err and "test memory is" in err and "head " in err
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_turn_after_a_plain_reply_stays_exact(models, plain, kind):
+    """A reply without drafts (the chat's race) between two drafting turns: the head's
+    features stop at the gap and the next turn computes the target from there (a recurrent
+    target like this Qwen3.5 cannot roll back that far, so it starts over); the turns are
+    the target's own tokens either way."""
+    pair = head_pair(models, kind)
+    decoder = make_decoder(pair)
+    first = generate(pair, CHAT, max_tokens=8, decoder=decoder)
+    turn = [*CHAT, {"role": "assistant", "content": first.text}, {"role": "user", "content": "Go"}]
+    generate(pair, turn, max_tokens=8, use_draft=False, decoder=decoder)
+    again = [*turn, {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "More"}]
+    res = generate(pair, again, max_tokens=TOKENS, decoder=decoder)
+    assert res.tokens == generate(plain, again, max_tokens=TOKENS, temperature=0.0).tokens
+    assert res.stats.drafted > 0

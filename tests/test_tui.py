@@ -142,6 +142,23 @@ async def test_follow_up_reuses_the_cache(chat_pair):
         assert len(app.history) == 4
 
 
+@pytest.mark.parametrize("between", ["f9", "f4"], ids=["after-the-race", "after-a-k-change"])
+async def test_a_follow_up_after_the_race_or_a_k_change_reuses_the_cache(chat_pair, between):
+    """Issue 47: a follow-up after f9 (the race: the same turn again, plain) or f4 (k + 1) once
+    showed "0 reused": it must continue from the kept caches as any follow-up does."""
+    app = ChatApp(chat_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=12))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await send(pilot, PROMPT)
+        await finish(app, pilot)
+        first = app.query_one(StatsPanel).stats["prompt_tokens"]
+        await pilot.press(between)
+        await finish(app, pilot)
+        await send(pilot, "And then?")
+        await finish(app, pilot)
+        stats = app.query_one(StatsPanel).stats
+        assert stats["prompt_tokens_reused"] >= first, stats
+
+
 async def test_escape_stops_a_reply_and_keeps_it(slow_pair):
     # 200 tokens: long enough to stop mid-way, short enough that the follow-up conversation
     # still fits the tiny model's 512-token context

@@ -75,9 +75,10 @@ class Decoder:
         self._drafting = False
         # the target layers whose outputs the drafter reads (none: a plain forward pass)
         self.hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
-        # the target ran without handing the drafter its rows (a reply with use_draft=False):
-        # the next drafting prefill starts over, so the drafter sees every position
-        self.hidden_gap = False
+        # where the target last ran without handing the drafter its rows (a reply with
+        # use_draft=False, a batch row): the next drafting prefill computes the target again
+        # from there, so the drafter gets every position's features (None: nothing missing)
+        self.hidden_gap: int | None = None
 
     def policy_for(self, length: DraftLength) -> Policy:
         """The draft-length policy; a controller is kept across calls with the same choice,
@@ -131,17 +132,22 @@ class Decoder:
         stale: the next prefill starts over)."""
         cached = self.sequence[: len(self.sequence) - self.unfed]
         reuse = min(common_prefix_len(cached, prompt), len(prompt) - 1)
-        gap = use_draft and self.hidden_gap
-        if self.stale or gap or not caches.can_rollback(self.cache, len(cached) - reuse):
+        if use_draft and self.hidden_gap is not None:
+            # the drafter never got the target's features past the gap: compute them again
+            # from there (once the whole prompt: the chat's follow-up after a plain race
+            # reused 0 of 58 tokens on the demo pair)
+            reuse = min(reuse, self.hidden_gap)
+        if self.stale or not caches.can_rollback(self.cache, len(cached) - reuse):
             # a recurrent state (or a window) cannot forget that much: start over
             self.cache, reuse = self._new_cache(), 0
             if self.drafter is not None:
                 self.drafter.reset()
-            self.hidden_gap = False
         else:
             caches.rollback(self.cache, len(cached) - reuse)
-        if not use_draft and self.hidden_layers:
-            self.hidden_gap = True
+        if use_draft:
+            self.hidden_gap = None
+        elif self.hidden_layers:  # the drafter gets nothing of this prompt and reply
+            self.hidden_gap = reuse if self.hidden_gap is None else min(self.hidden_gap, reuse)
         self.stale = True  # until the prefill is done
         new = prompt[reuse:-1]
         hidden = dict.fromkeys(self.hidden_layers) if use_draft else None
@@ -182,7 +188,7 @@ class Decoder:
         self.stale = self.active = False
         # a head reads the target's layers, which a batch row does not keep: the next
         # drafting prefill starts over, as after a reply decoded without drafts
-        self.hidden_gap = bool(self.hidden_layers)
+        self.hidden_gap = 0 if self.hidden_layers else None
         if self.drafter is not None:
             self.drafter.reset()
             if draft is not None:
