@@ -4,8 +4,8 @@ Takes the replies of a `benchmarks/train_demo_head.py` run (its sequences.json),
 target's features once, then trains one head per start for a few steps (the same batches,
 seed and learning rate) and prints the held-out greedy agreement per draft step after them:
 
-- `target`: the output layer as the target's rows and final norm (head_train before the scale)
-- `scaled`: the same with the norm at head_train.OUTPUT_SCALE (the default now)
+- `target`: the output layer as the target's rows and final norm (eagle_build before the scale)
+- `scaled`: the same with the norm at eagle_build.OUTPUT_SCALE (the default now)
 - `pass`: `target`'s output, fc passing layer N-4's features through, the layer's output
   projections at zero (the head starts as the target's own guess from that layer)
 
@@ -30,16 +30,18 @@ import mlx.optimizers as optim
 
 from mlx_spec.models.model_dir import text_config
 from mlx_spec.pairs.loading import load_pair
+from mlx_spec.train import eagle_build as hb
 from mlx_spec.train import eagle_head as ht
+from mlx_spec.train import eagle_ttt as tt
 from mlx_spec.train.common import read_sequences
 
 STARTS = ("target", "scaled", "pass")
 
 
 def start(head: ht.Eagle3Head, name: str) -> None:
-    """Change a head made by head_train.new_head (scaled) into the start `name`."""
+    """Change a head made by eagle_build.new_head (scaled) into the start `name`."""
     if name in ("target", "pass"):
-        head.norm.weight = head.norm.weight / ht.OUTPUT_SCALE
+        head.norm.weight = head.norm.weight / hb.OUTPUT_SCALE
     if name == "pass":
         hidden = head.fc.weight.shape[0]
         fc = mx.zeros(head.fc.weight.shape)  # (H, 3H): layer N-4's features are the last H
@@ -63,16 +65,16 @@ def main(argv=None) -> int:
     pair = load_pair("smollm2-demo", skip_draft=True)
     data = read_sequences(args.sequences)
     t = text_config(pair.target_config)
-    layers = ht.default_layers(int(t["num_hidden_layers"]))
-    ids = ht.choose_vocab(data["train"], int(t["vocab_size"]), 2048)
-    config = ht.head_config(pair.target_config, layers, len(ids), 1024)
+    layers = hb.default_layers(int(t["num_hidden_layers"]))
+    ids = hb.choose_vocab(data["train"], int(t["vocab_size"]), 2048)
+    config = hb.head_config(pair.target_config, layers, len(ids), 1024)
     where = args.sequences.parent / "head-init"
-    first = ht.new_head(pair, config, ids, where, 0)
+    first = hb.new_head(pair, config, ids, where, 0)
     begin = time.perf_counter()
-    train = ht.target_features(
+    train = tt.target_features(
         pair, first.layers_read, data["train"][: args.train], 8, lambda m: None
     )
-    held = ht.target_features(pair, first.layers_read, data["held_out"], 8, lambda m: None)
+    held = tt.target_features(pair, first.layers_read, data["held_out"], 8, lambda m: None)
     print(f"features: {time.perf_counter() - begin:.0f} s")
     settings = ht.HeadSettings(batch_size=8)
     for name in args.starts.split(","):
@@ -83,14 +85,14 @@ def main(argv=None) -> int:
         optimizer = optim.Adam(learning_rate=args.learning_rate)
         optimizer.init(head.trainable_parameters())
         loss_and_grad = nn.value_and_grad(
-            head, lambda b, head=head: ht.ttt_loss(head, b, args.ttt_steps)
+            head, lambda b, head=head: tt.ttt_loss(head, b, args.ttt_steps)
         )
         losses = []
         begin = time.perf_counter()
         for step in range(args.steps):
             losses.append(ht.train_step(head, optimizer, loss_and_grad, train, settings, step))
         seconds = (time.perf_counter() - begin) / args.steps
-        after = ht.evaluate(head, held, args.ttt_steps, 8)
+        after = tt.evaluate(head, held, args.ttt_steps, 8)
         agreement = " ".join(f"{a:.3f}" for a in after["greedy_agreement"])
         print(
             f"{name:7s} loss {losses[0]:.1f} -> {losses[-1]:.1f}  held-out agreement per draft "

@@ -1,4 +1,4 @@
-"""`mlx-spec distill --drafter eagle3` (head_train.py): an EAGLE-3 head trained on a tiny
+"""`mlx-spec distill --drafter eagle3` (train/eagle_head.py): an EAGLE-3 head trained on a tiny
 qwen3 and a tiny qwen3_5 (hybrid) target's own replies drafts better on held-out prompts than
 the random head it starts from (measured by drafting through the engine), is written in the
 layout `--drafter eagle3 --head` loads, stays lossless, resumes, fine-tunes a published head,

@@ -1,6 +1,6 @@
 """Issue 45: a seeded, bounded property-based run against a real `mlx-spec serve` process.
 
-Requests are generated from the server's own /openapi.json (serve/openapi.py): bodies that
+Requests are generated from the server's own /openapi.json (server/openapi.py): bodies that
 follow the schemas, then mutated the ways clients and attackers get them wrong (a field
 missing or of the wrong type, huge numbers, NaN / Infinity as JSON text, deep nesting, lone
 surrogates and other unicode oddities, special-token text, bodies that are no JSON object,
@@ -59,7 +59,7 @@ PLACEHOLDER = "\u2063RAW\u2063"
 
 
 def from_schema(schema: dict, depth: int = 0) -> st.SearchStrategy:
-    """A hypothesis strategy for the subset of JSON Schema serve/openapi.py uses."""
+    """A hypothesis strategy for the subset of JSON Schema server/openapi.py uses."""
     if "const" in schema:
         return st.just(schema["const"])
     if "enum" in schema:

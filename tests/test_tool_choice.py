@@ -1,7 +1,7 @@
 """tool_choice naming a function (or required) constrains the call with the tools' schemas.
 
 A random target with a JSON tool-call template (tests/tiny.py `write_babbling_tool_models`)
-writes garbage when left alone; under the grammar (serve/output.py `tool_grammar`) its call is
+writes garbage when left alone; under the grammar (server/output.py `tool_grammar`) its call is
 to the named function, its arguments validate against the function's `parameters`, and the call
 is closed. Served with a draft and without one, greedy replies are identical (the grammar masks
 target and draft alike)."""

@@ -1,5 +1,5 @@
 """mlx-spec distill: train a LoRA adapter that makes the draft agree with its target, or with
---drafter eagle3 an EAGLE-3 head for the target (head_train.py)."""
+--drafter eagle3 an EAGLE-3 head for the target (train/eagle_head.py)."""
 
 from __future__ import annotations
 

@@ -101,8 +101,8 @@ def run_probe(
     clock=None,
 ):
     """Measure the verify curve, the draft's cost and α within about `budget` seconds: each
-    model's context is built once (probe.PassTimer), the repetitions scale to the measured pass
-    times, and the sample for α stops at the deadline (after MIN_SAMPLE_ROUNDS rounds)."""
+    model's context is built once (verify_cost.PassTimer), the repetitions scale to the measured
+    pass times, and the sample for α stops at the deadline (after MIN_SAMPLE_ROUNDS rounds)."""
     import time
 
     from ..measure.verify_cost import (

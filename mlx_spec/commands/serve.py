@@ -329,7 +329,7 @@ def main(args):
         create_app(engine, settings),
         log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout + 2,
-        # connections bounded (serve/connections.py): a head timeout and a cap below the
+        # connections bounded (server/bounded.py): a head timeout and a cap below the
         # open-file limit; uvicorn's own limit answers requests past the cap 503 too
         http=bounded_protocol(args.header_timeout, max_connections),
         timeout_keep_alive=args.keep_alive_timeout,

@@ -126,8 +126,9 @@ class LogitBias:
 
     def __init__(self, bias: dict[int, float]):
         self.bias = {int(k): float(v) for k, v in bias.items()}
-        if any(k < 0 for k in self.bias):
-            raise SpecError(f"logit_bias keys must be token ids >= 0, got {min(self.bias)}")
+        if any(k < 0 or k >= 2**31 for k in self.bias):  # (int32 ids: past that, bad_cast)
+            bad = next(k for k in self.bias if k < 0 or k >= 2**31)
+            raise SpecError(f"logit_bias keys must be token ids in [0, 2**31), got {bad}")
         self.max_id = max(self.bias, default=-1)
         self.ids = mx.array(list(self.bias), mx.int32)
         self.values = mx.array(list(self.bias.values()), mx.float32)

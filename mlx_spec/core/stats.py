@@ -33,7 +33,7 @@ class Stats:
     # chosen-k histogram: rounds for which the policy asked k drafts (plain tokens at 0)
     chosen_lengths: list[int] = field(default_factory=list)
     policy: object = field(default=None, repr=False, compare=False)  # the k policy (its view)
-    records: list = field(default_factory=list, repr=False)  # engine.RoundRecord per round
+    records: list = field(default_factory=list, repr=False)  # events.RoundRecord per round
     num_draft_tokens: int = 0  # k (the largest k when adaptive); 0 for plain decoding
     adaptive: bool = False  # k chosen per round
     # draft-length histogram: rounds that drafted exactly k tokens

@@ -1,6 +1,10 @@
 """`mlx-spec serve`: an OpenAI-compatible local server that speculates.
 
-protocol.py (the wire format), stops.py (stop strings), worker.py (the queue, the one
-generation thread, caches kept across requests), app.py (Starlette routes). The history index
-the prompt-lookup drafter also searches is `mlx_spec/decode/history.py`.
+protocol.py (the wire format: validation into one `GenRequest`, bodies and errors), app.py
+(Starlette routes, keys, Host / Origin), streaming.py (answering a job: SSE or one body),
+prompts.py (templates rendered and tokenised off the engine thread, client text kept plain),
+worker.py (the queue, the one generation thread, caches kept across requests), output.py
+(reply text, tool calls, reasoning), stops.py (stop strings), keymetrics.py (/metrics per key),
+openapi.py (/openapi.json), bounded.py and connections.py (timeouts and the connection cap).
+The history index the prompt-lookup drafter also searches is `mlx_spec/decode/history.py`.
 """

@@ -16,6 +16,7 @@ import ipaddress
 import json
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -212,12 +213,32 @@ async def read_json(request: Request, limit: int, timeout: float | None = None) 
         raise ApiError(400, "the body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    if depth(data) > MAX_DEPTH:  # templates and schema compilers recurse over it
+        raise ApiError(400, f"the body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
     try:  # a lone surrogate ("\ud800") parses but is no text: the tokenizer raises on it
-        json.dumps(data, ensure_ascii=False).encode()
+        if SURROGATE_ESCAPE.search(body):  # (raw UTF-8 cannot hold one: only escapes can)
+            json.dumps(data, ensure_ascii=False).encode()
     except UnicodeEncodeError:
         message = "the body holds a lone UTF-16 surrogate (\\ud800-\\udfff): not valid Unicode"
         raise ApiError(400, message, code="invalid_value") from None
     return data
+
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+MAX_DEPTH = 64  # JSON nesting a request may have (600 levels of tools once made a 500)
+
+
+def depth(value) -> int:
+    """How deep objects and lists nest in `value` (without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, level)
+            todo += [(v, level + 1) for v in item if isinstance(v, dict | list)]
+    return deepest
 
 
 class NotFinite(ValueError):
@@ -390,7 +411,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         return PlainTextResponse(text, media_type=kind)
 
     async def openapi(request: Request) -> Response:
-        """The endpoints and their request bodies (serve/openapi.py); no key needed."""
+        """The endpoints and their request bodies (server/openapi.py); no key needed."""
         return JSONResponse(openapi_document())
 
     async def api_error(request: Request, err: ApiError) -> Response:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import secrets
 import sys
 import traceback
 import weakref
@@ -47,6 +49,11 @@ def prompt_ids(pair, req: GenRequest, parse_special: bool = False) -> list[int]:
             tokens = encode_prompt(pair.tokenizer, req.prompt, template_kwargs=kwargs or None)
     except TemplateError as err:  # e.g. "roles must alternate": the messages, not a bug
         raise ApiError(400, f"the chat template rejected the messages: {err}", "messages") from None
+    except SpecError:
+        raise
+    except (TypeError, ValueError, RecursionError) as err:  # the client's values broke it
+        message = f"the chat template cannot render these messages: {type(err).__name__}: {err}"
+        raise ApiError(400, message, "messages") from None
     if use_tools and req.tool_choice not in ("auto", "none"):
         check_tool_choice(pair.tokenizer, req)
         forced = forced_prefix(pair.tokenizer, req.tool_choice)
@@ -97,33 +104,15 @@ def plain_encode(tokenizer, text: str) -> list[int]:
     return list(hf.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
-def spans_of(text: str, needles: list[str]) -> list[tuple[int, int]]:
-    """Where the needles occur in `text`, overlapping spans merged, in order."""
-    spans = []
-    for needle in needles:
-        at = text.find(needle)
-        while at >= 0:
-            spans.append((at, at + len(needle)))
-            at = text.find(needle, at + 1)
-    merged: list[list[int]] = []
-    for a, b in sorted(spans):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
-
-
-def without(value, specials: list[str]):
-    """`value` with the special-token text taken out of every string."""
+def swapped(value, holders: dict[str, str]):
+    """`value` with every string that is a key of `holders` (dict keys too) replaced by its
+    placeholder."""
     if isinstance(value, str):
-        for s in specials:
-            value = value.replace(s, "")
-        return value
+        return holders.get(value, value)
     if isinstance(value, dict):
-        return {without(k, specials): without(v, specials) for k, v in value.items()}
+        return {swapped(k, holders): swapped(v, holders) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [without(v, specials) for v in value]
+        return [swapped(v, holders) for v in value]
     return value
 
 
@@ -133,14 +122,28 @@ def render(tokenizer, messages: list, kwargs: dict) -> str:
     )
 
 
+def refused(marked: list[str], specials: list[str]) -> ApiError:
+    found = next((t for s in marked for t in specials if t in s), specials[0])
+    return ApiError(
+        400,
+        f"a message holds the special token text {found!r} where the chat template changes it:"
+        " it cannot be kept as plain text (--parse-special-in-content reads it as the token)",
+        "messages",
+    )
+
+
 def chat_ids(tokenizer, messages: list, kwargs: dict) -> list[int]:
     """The chat template's tokens, the client's text in them plain (module docstring).
 
-    The template is rendered as always; each client string that holds special-token text
-    is found in the rendered text and tokenised plain, the template's text around it as
-    usual. A client string the template changed on its way (escaped, trimmed) cannot be
-    found: if special-token text is then left outside the plain spans beyond what the
-    template writes itself, the request is refused (400) rather than let through."""
+    Each client string that holds special-token text is replaced by a placeholder no client
+    can guess (ASCII letters and digits, which templates pass through and `tojson` keeps), and
+    the template is rendered with and without them. The placeholders cut the rendering into
+    the template's own text, tokenised as usual, and the client's strings, tokenised plain,
+    each found in the real rendering as it is or JSON-escaped (a template's `tojson`). A
+    rendering that does not line up (a template that branches on the text, or changes it
+    otherwise) is refused (400), never let through. Linear in the prompt: once the search for
+    each string over the whole prompt was quadratic, and it also matched the template's own
+    markup, turning real turn boundaries into text."""
     specials = special_texts(tokenizer)
     client = client_strings([messages, kwargs.get("tools")], [])
     marked = [s for s in dict.fromkeys(client) if any(t in s for t in specials)]
@@ -150,34 +153,35 @@ def chat_ids(tokenizer, messages: list, kwargs: dict) -> list[int]:
         raise SpecError("the prompt is empty")
     if not tokenizer.has_chat_template:
         raise SpecError("this model's tokenizer has no chat template; pass raw text instead")
-    text = render(tokenizer, messages, kwargs)
-    spans = spans_of(text, marked)
+    nonce = secrets.token_hex(8)
+    holders = {s: f"MLXSPEC{nonce}X{i}Y" for i, s in enumerate(marked)}
+    real = render(tokenizer, messages, kwargs)
+    tools = {"tools": swapped(kwargs["tools"], holders)} if "tools" in kwargs else {}
+    held = render(tokenizer, swapped(messages, holders), {**kwargs, **tools})
+    parts = re.split(f"MLXSPEC{nonce}X(\\d+)Y", held)
+    texts, which = parts[0::2], [int(i) for i in parts[1::2]]
     ids: list[int] = []
-    outside, at = [], 0
-    for a, b in spans:
-        if a > at:
-            outside.append(text[at:a])
-            ids += tokenizer.encode(text[at:a], add_special_tokens=False)
-        ids += plain_encode(tokenizer, text[a:b])
-        at = b
-    if at < len(text):
-        outside.append(text[at:])
-        ids += tokenizer.encode(text[at:], add_special_tokens=False)
-    own = render(
-        tokenizer,
-        without(messages, specials),
-        {**kwargs, "tools": without(kwargs["tools"], specials)} if "tools" in kwargs else kwargs,
-    )
-    left = "".join(outside)
-    for s in specials:
-        if left.count(s) > own.count(s):
-            raise ApiError(
-                400,
-                f"a message holds the special token text {s!r} where the chat template changes"
-                " it: it cannot be kept as plain text (--parse-special-in-content reads it as"
-                " the token)",
-                "messages",
-            )
+    at = 0
+    for j, text in enumerate(texts):
+        if not real.startswith(text, at):
+            raise refused(marked, specials)
+        if text:
+            ids += tokenizer.encode(text, add_special_tokens=False)
+        at += len(text)
+        if j == len(which):
+            break
+        value, after = marked[which[j]], texts[j + 1]
+        forms = (value, json.dumps(value, ensure_ascii=False)[1:-1], json.dumps(value)[1:-1])
+        form = next(
+            (f for f in forms if real.startswith(f, at) and real.startswith(after, at + len(f))),
+            None,
+        )
+        if form is None:
+            raise refused(marked, specials)
+        ids += plain_encode(tokenizer, form)
+        at += len(form)
+    if at != len(real):
+        raise refused(marked, specials)
     return ids
 
 

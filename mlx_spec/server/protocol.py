@@ -10,6 +10,7 @@ place; the agent protocols (issue 44) bring one internal request with a module p
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from dataclasses import dataclass, field
@@ -22,7 +23,28 @@ MAX_STOPS_TOTAL = 16384  # characters over all stop strings (any number of them 
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 MAX_LOGIT_BIAS = 1024  # entries
 PENALTY_CONTEXT_MAX = 1 << 16
+
+
 # apply_chat_template's own parameters: a client must not pass them as template variables
+def template_parameters() -> set[str]:
+    """The named parameters of the installed transformers' apply_chat_template and of the
+    function that renders it (`sanitize_control_tokens`, `conversations`, ...): a template
+    variable of one of these names would collide with the call ("multiple values")."""
+    names = {"self"}
+    try:
+        from transformers import PreTrainedTokenizerBase
+        from transformers.utils import chat_template_utils
+
+        functions = [PreTrainedTokenizerBase.apply_chat_template]
+        functions += [getattr(chat_template_utils, "render_jinja_template", None)]
+        for f in functions:
+            if f is not None:
+                names |= set(inspect.signature(f).parameters)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        pass
+    return {n for n in names if not n.startswith("*")}
+
+
 TEMPLATE_ARGUMENTS = {
     "messages",  # the name the template itself renders the conversation under
     "conversation",
@@ -50,6 +72,7 @@ TEMPLATE_ARGUMENTS = {
     "raise_exception",
     "strftime_now",
 }
+TEMPLATE_ARGUMENTS |= template_parameters()  # whatever else this transformers names
 TEMPLATE_VALUE = str | int | float | bool | type(None)
 MAX_TEMPLATE_STRING = 256
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -208,7 +231,7 @@ def number(data: dict, name: str, default: float, lo: float, hi: float, open_lo=
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad(f"{name} must be a number, got {value!r}", name, "invalid_type")
-    if not math.isfinite(value):  # NaN passes every bound below
+    if isinstance(value, float) and not math.isfinite(value):  # NaN passes every bound below
         raise bad(f"{name} must be finite, got {value}", name)
     if value < lo or value > hi or (open_lo and value == lo):
         left = "(" if open_lo else "["
@@ -277,7 +300,8 @@ def penalties(data: dict) -> dict:
                 token = int(k)
             except (TypeError, ValueError):
                 token = -1
-            if token < 0 or str(token) != str(k).strip():
+            # (below 2**31: MLX's int32 ids; the vocabulary bound is checked with the pair)
+            if token < 0 or token >= 2**31 or str(token) != str(k).strip():
                 raise bad(f"logit_bias keys must be token ids, got {k!r}", "logit_bias")
             if isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
                 # (NaN fails the range test too: every comparison with it is false)
@@ -547,7 +571,7 @@ def parse_chat(data: dict, limits: Limits) -> GenRequest:
     req.chat_template_kwargs = kwargs
     req.tools, req.tool_choice = parse_tools(data)
     if req.constraint is not None and req.tools and req.tool_choice not in ("none", "auto"):
-        # the call follows the tools' own schemas (serve/output.py tool_grammar)
+        # the call follows the tools' own schemas (server/output.py tool_grammar)
         which = "tool_choice required" if req.tool_choice == "required" else "a named tool_choice"
         raise bad(f"response_format cannot be combined with {which}", "response_format")
     req.logprobs = chat_logprobs(data)

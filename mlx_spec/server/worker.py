@@ -444,7 +444,10 @@ class Engine:
         with self.lock:
             if self.closing or not self.turns:
                 return None
-            if not self.batchable(self.queues[self.turns[0]][0].request):
+            try:  # a request that breaks the check waits, and fails alone when its turn comes
+                if not self.batchable(self.queues[self.turns[0]][0].request):
+                    return None
+            except Exception:
                 return None
             job = self._pop()
             self.running.append(job)
@@ -480,8 +483,8 @@ class Engine:
             self.turns.clear()
             self.waiting = 0
             for job in self.running:
-                job.deadline = min(job.deadline, time.monotonic() + grace)
-                job.shutdown = True  # cut at that deadline: say why, not "timed out"
+                if time.monotonic() + grace < job.deadline:  # cut by the shutdown: say so
+                    job.deadline, job.shutdown = time.monotonic() + grace, True
             self.ready.notify_all()
 
     def stop(self, grace: float = 0.0, timeout: float | None = None) -> None:
@@ -506,7 +509,8 @@ class Engine:
                 self._take(job)
                 job = None
         except BaseException as err:  # the loop itself broke: nobody may wait on it
-            self._die(err, job)
+            if self.failure is None:  # (_take has told its jobs already)
+                self._die(err, job)
             raise
 
     def _take(self, job: Job) -> None:
@@ -528,6 +532,9 @@ class Engine:
         except Exception as err:  # a bug outside _serve's own guard: this job fails alone
             log_error(err, job)
             job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+        except BaseException as err:  # the thread itself ends: every taken job hears it now
+            self._die(err, job)
+            raise
         finally:
             with self.lock:
                 self.busy, self.running = False, []
@@ -596,7 +603,7 @@ class Engine:
             job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
 
     def _prompt(self, pair, req: GenRequest) -> list[int]:
-        """The request's tokens: made by the HTTP side for this pair (serve/prompts.py), or
+        """The request's tokens: made by the HTTP side for this pair (server/prompts.py), or
         rendered here (a request that swapped the pair in)."""
         if req.prompt_ids is not None and req.prompt_pair is pair:
             return list(req.prompt_ids)
@@ -676,7 +683,7 @@ class Engine:
             req.logprobs is None
             and req.constraint is None
             and not forced_tool
-            and not make_processors(**req.penalties)
+            and not req.penalties  # (penalties and logit_bias: only the ones asked for)
         )
 
     def _serve_batch(self, first: Job, second: Job | None = None) -> None:
