@@ -334,6 +334,8 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
     logged: set[str] = set()  # ignored field names already logged
     prompt_pool = make_pool()  # templates and tokenisers run here, beside the engine thread
 
+    preparing: dict[str, asyncio.Semaphore] = {}  # per partition (the keys are configured)
+
     async def generation(request: Request, endpoint: str, parse) -> Response | JobResponse:
         partition = None
         try:
@@ -344,8 +346,13 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
             req: GenRequest = parse(data, settings.limits)
             req.partition = partition
             req.parse_special = settings.parse_special
-            await prepare(engine, req, prompt_pool)  # tokenised here, not on the engine thread
-            job = Job(req, asyncio.get_running_loop(), time.monotonic() + settings.request_timeout)
+            deadline = time.monotonic() + settings.request_timeout  # tokenising counts too
+            # tokenised here, not on the engine thread; one request of a key at a time, so one
+            # key's huge prompts hold at most one of the pool's threads
+            async with preparing.setdefault(partition, asyncio.Semaphore(1)):
+                engine.check_capacity(partition)  # (the queue may have filled meanwhile)
+                await prepare(engine, req, prompt_pool)
+            job = Job(req, asyncio.get_running_loop(), deadline)
             engine.submit(job)
         except ApiError as err:
             count(endpoint, err.status, partition)
