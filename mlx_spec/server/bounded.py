@@ -11,6 +11,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .connections import HEAD_TIMEOUT
 
 REFUSED_LINGER = 2.0  # a refused connection is closed after this (its 503 is read meanwhile)
+MAX_LINGERING = 64  # refused connections left open at once; past it one is closed at once
 REFUSAL = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
     b"connection: close\r\nretry-after: 1\r\ncontent-length: %d\r\n\r\n%s"
@@ -26,12 +27,14 @@ class BoundedH11(H11Protocol):
     """uvicorn's h11 protocol with a head timeout and a connection cap (module docstring).
     Configured by `bounded_protocol`."""
 
+    lingering = 0  # refused connections still open, over the event loop (one per server)
+
     head_timeout: float = HEAD_TIMEOUT
     max_connections: int = 1024
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.head_timer = None
-        self.refused = False
+        self.refused = self.counted = False
         self.waiting_since = time.monotonic()
         if not self.make_room():
             self.refuse(transport)
@@ -61,10 +64,26 @@ class BoundedH11(H11Protocol):
         """A 503 now, then the socket closes (after REFUSED_LINGER, or when the client does):
         closing at once could reset the connection before the client reads the 503."""
         self.refused, self.transport = True, transport
+        if BoundedH11.lingering >= MAX_LINGERING:  # a connect flood: no descriptor kept for it
+            transport.abort()
+            return
         transport.write(REFUSAL % (len(REFUSAL_BODY), REFUSAL_BODY))
         if transport.can_write_eof():
             transport.write_eof()
-        self.head_timer = self.loop.call_later(REFUSED_LINGER, transport.close)
+        BoundedH11.lingering += 1
+        self.counted = True
+
+        def close() -> None:
+            self.release()
+            transport.close()
+
+        self.head_timer = self.loop.call_later(REFUSED_LINGER, close)
+
+    def release(self) -> None:
+        """A refused connection is closed: it no longer counts as lingering (once)."""
+        if self.counted:
+            self.counted = False
+            BoundedH11.lingering -= 1
         log.warning(
             "refused a connection: %d are open (--max-connections %d)",
             len(self.connections),
@@ -114,6 +133,7 @@ class BoundedH11(H11Protocol):
     def connection_lost(self, exc) -> None:
         self.disarm()
         if self.refused:
+            self.release()
             return
         super().connection_lost(exc)
 
