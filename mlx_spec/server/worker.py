@@ -246,7 +246,8 @@ class Engine:
         self.busy = False
         self.closing = False
         self.running: list[Job] = []  # the jobs being generated (several when batched)
-        self.recent_seconds: list[float] = []  # durations of the last jobs (Retry-After)
+        # durations of each partition's last jobs (its Retry-After: never another key's)
+        self.recent_seconds: dict[str, list[float]] = {}
         self.thread = threading.Thread(target=self._run, name="mlx-spec-engine", daemon=True)
         self.failure: BaseException | None = None  # why the engine thread ended, if it broke
         self.on_death: Callable[[], None] | None = None  # called on that thread when it does
@@ -358,9 +359,14 @@ class Engine:
             self.thread.join()  # it ends right after a failed load
             raise
 
-    def retry_after(self) -> int:
+    def timed(self, partition: str, seconds: float) -> None:
+        recent = self.recent_seconds.get(partition, [])
+        self.recent_seconds[partition] = [*recent[-7:], seconds]
+
+    def retry_after(self, partition: str = "") -> int:
         """Seconds until a queue slot is likely free: the mean recent job time, at least 1."""
-        mean = sum(self.recent_seconds) / len(self.recent_seconds) if self.recent_seconds else 1
+        recent = self.recent_seconds.get(partition)
+        mean = sum(recent) / len(recent) if recent else 1
         return max(1, min(60, math.ceil(mean)))
 
     def check_capacity(self, partition: str = "") -> None:
@@ -376,7 +382,7 @@ class Engine:
                     429,
                     f"the server's queue is full (--max-queue {self.max_queue}); retry later",
                     code="rate_limit_exceeded",
-                    headers={"Retry-After": str(self.retry_after())},
+                    headers={"Retry-After": str(self.retry_after(partition))},
                 )
             mine = len(self.queues.get(partition, ()))
             if self.max_queue_per_key is not None and mine >= max(self.max_queue_per_key, 1):
@@ -385,7 +391,7 @@ class Engine:
                     f"this API key already has {mine} requests queued"
                     f" (--max-queue-per-key {self.max_queue_per_key}); retry later",
                     code="rate_limit_exceeded",
-                    headers={"Retry-After": str(self.retry_after())},
+                    headers={"Retry-After": str(self.retry_after(partition))},
                 )
 
     def submit(self, job: Job) -> None:
@@ -539,7 +545,7 @@ class Engine:
             with self.lock:
                 self.busy, self.running = False, []
             if not batched:  # (batched jobs are timed as each leaves)
-                self.recent_seconds = [*self.recent_seconds[-7:], time.monotonic() - start]
+                self.timed(job.request.partition, time.monotonic() - start)
 
     def _die(self, err: BaseException, job: Job | None) -> None:
         """The engine thread is ending on an error: refuse new jobs, fail the queued and
@@ -800,7 +806,7 @@ class Engine:
             spec = speculation(row.stats, self.drafter, history is not None)
         spec["batched"] = True
         self._conclude(row.reply, row.stats, spec)
-        self.recent_seconds = [*self.recent_seconds[-7:], time.monotonic() - row.started]
+        self.timed(row.job.request.partition, time.monotonic() - row.started)
         self._done(row.job)
 
 
