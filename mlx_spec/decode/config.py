@@ -15,7 +15,10 @@ from ..errors import SpecError
 from ..pairs.config import PairConfig, is_int
 
 SAMPLING = tuple(f.name for f in dataclasses.fields(SamplingParams))  # temperature, top_p, …
-POSITIONAL = ("max_tokens", *SAMPLING, "seed")  # the order positional settings have always had
+# the order positional settings have always had (the fields' order before `sampling`)
+POSITIONAL = ("max_tokens", *SAMPLING, "seed", "num_draft_tokens", "use_draft", "system")
+POSITIONAL += ("chat_template_kwargs", "processors", "logprobs", "schema", "grammar", "regex")
+POSITIONAL += ("forced_tokens",)
 
 
 @dataclass(frozen=True, init=False)
@@ -41,8 +44,8 @@ class GenerationConfig:
 
     def __init__(self, *args, sampling: SamplingParams | None = None, **settings):
         """`GenerationConfig(64, 0.7)` and `GenerationConfig(max_tokens=64, temperature=0.7)`
-        as ever (positional in the order max_tokens, temperature, top_p, top_k, min_p, seed,
-        then the fields); a sampling keyword given with `sampling` changes just that one."""
+        as ever (positional in the order of POSITIONAL, the fields' order before `sampling`
+        held them); a sampling keyword given with `sampling` changes just that one."""
         if len(args) > len(POSITIONAL):
             raise TypeError(f"GenerationConfig takes at most {len(POSITIONAL)} positional settings")
         for name, value in zip(POSITIONAL, args, strict=False):
