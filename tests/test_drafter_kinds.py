@@ -98,8 +98,12 @@ class HiddenRecorder(RepeatLast):
     max_draft = None
 
     def prefill(self, tokens, timed=False, output=None):
-        self.states = {}  # position in the sequence -> {layer: (hidden,)}
-        self.filled = 0
+        # the target hands the rows from here on (a continued sequence keeps what is before:
+        # a drafting turn after a plain one resumes where the rows stopped, not from 0)
+        start = len(tokens) - 1 - (output.fed if output is not None else 0)
+        kept = getattr(self, "states", {})  # position in the sequence -> {layer: (hidden,)}
+        self.states = {p: rows for p, rows in kept.items() if p < start}
+        self.filled = start
         self.take(output)
         return super().prefill(tokens, timed)
 
