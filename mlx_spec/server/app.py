@@ -31,7 +31,7 @@ from .keymetrics import KeyMetrics, key_metrics_text
 from .openapi import document as openapi_document
 from .prompts import make_pool, prepare
 from .protocol import ApiError, GenRequest, Limits, parse_chat, parse_completion
-from .responses import JobResponse, error_response
+from .streaming import JobResponse, error_response
 from .worker import BATCH_BUCKETS, Engine, Job
 
 DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to this, then cut off
