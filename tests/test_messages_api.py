@@ -246,3 +246,17 @@ def test_a_forced_tool_streamed_is_assembled_by_the_sdk(tools):
     assert [b.input for b in plain.content if b.type == "tool_use"] == [call.input]
     with pytest.raises(anthropic.BadRequestError):  # a tool that is not in tools
         tools.messages.create(**{**kwargs, "tool_choice": {"type": "tool", "name": "nope"}})
+
+
+def test_a_system_turn_mid_conversation(client, pair):
+    """Claude Code sends `system` turns inside messages: they reach the template in place."""
+    turns = [*chat("Hello"), {"role": "assistant", "content": "Hi"}, *chat(STORY)]
+    sent = [*turns[:2], {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}]
+    expected = generate(
+        pair, [*turns[:2], {"role": "system", "content": "Be brief."}, turns[2]], max_tokens=12,
+        temperature=0.0,
+    )  # fmt: skip
+    msg = client.messages.create(
+        model="target", max_tokens=12, messages=[*sent, turns[2]], extra_body=GREEDY
+    )
+    assert msg.content[0].text == expected.text

@@ -153,10 +153,14 @@ def test_text_format_json_schema(client):
     jsonschema.validate(json.loads(resp.output_text), PET)
 
 
-def test_unsupported_tools_and_parts_are_400(client):
-    with pytest.raises(openai.BadRequestError) as info:
-        client.responses.create(model="target", input="hi", tools=[{"type": "web_search"}])
-    assert info.value.body["param"] == "tools[0].type"
+def test_hosted_tools_are_left_out_and_images_are_400(client):
+    # Codex sends web_search and `namespace` tools: left out of the prompt, named in a header
+    raw = client.responses.with_raw_response.create(
+        model="target", input="hi", max_output_tokens=2,
+        tools=[{"type": "web_search"}, {"type": "namespace", "name": "ns", "tools": []}],
+    )  # fmt: skip
+    assert raw.headers["x-ignored-fields"] == "tools[0]:web_search, tools[1]:namespace"
+    assert raw.parse().usage.output_tokens == 2
     image = {"type": "input_image", "image_url": "data:image/png;base64,AA"}
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="target", input=[{"role": "user", "content": [image]}])

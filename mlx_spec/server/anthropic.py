@@ -222,8 +222,11 @@ def parse_messages(data: dict, limits: Limits, counting: bool = False) -> GenReq
             chat += user_turn(m.get("content"), i)
         elif role == "assistant":
             chat.append(assistant_turn(m.get("content"), i))
+        elif role == "system":  # Claude Code sends system turns mid-conversation
+            text = text_of(m.get("content"), f"messages[{i}].content")
+            chat.append({"role": "system", "content": text})
         else:
-            raise bad("each message needs role: user or assistant", f"messages[{i}].role")
+            raise bad("each message needs role: user, assistant or system", f"messages[{i}].role")
     body = {
         "model": data.get("model"),
         "messages": chat,

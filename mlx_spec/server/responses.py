@@ -178,7 +178,10 @@ def input_messages(items) -> list[dict]:
     return out
 
 
-def tools_of(tools) -> list | None:
+def tools_of(tools, skipped: list[str]) -> list | None:
+    """Function tools as chat tools. Tools of other types (hosted ones such as web_search,
+    Codex's namespaces) are left out of the prompt and named in `skipped`: the model cannot
+    call them here, and an agent that sends them would otherwise get nothing but a 400."""
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -186,8 +189,11 @@ def tools_of(tools) -> list | None:
     out = []
     for j, t in enumerate(tools):
         kind = t.get("type") if isinstance(t, dict) else None
+        if not isinstance(kind, str):
+            raise bad("each tool needs a type", f"tools[{j}].type")
         if kind != "function":
-            raise bad(f"only function tools are supported, not {kind!r}", f"tools[{j}].type")
+            skipped.append(f"tools[{j}]:{kind[:32]}")
+            continue
         fn = {"name": t.get("name"), "parameters": t.get("parameters") or {"type": "object"}}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
@@ -242,6 +248,7 @@ def parse_responses(
     if data.get("store") not in (None, True, False):
         raise bad("store must be a boolean", "store", "invalid_type")
     conversation: list[dict] = []
+    skipped: list[str] = []
     previous = data.get("previous_response_id")
     if previous is not None:
         entry = store.get(partition, previous)
@@ -262,14 +269,15 @@ def parse_responses(
         "temperature": data.get("temperature"),
         "top_p": data.get("top_p"),
         "stream": data.get("stream"),
-        "tools": tools_of(data.get("tools")),
+        "tools": tools_of(data.get("tools"), skipped),
         "tool_choice": tool_choice_of(data.get("tool_choice")),
         "response_format": format_of(data.get("text")),
         "chat_template_kwargs": thinking_switch(data.get("reasoning")),
         "parallel_tool_calls": data.get("parallel_tool_calls"),
     }
     req = parse_chat({k: v for k, v in body.items() if v is not None}, limits)
-    req.ignored = sorted(k for k in set(data) - KNOWN - set(UNSUPPORTED) if isinstance(k, str))
+    unknown = sorted(k for k in set(data) - KNOWN - set(UNSUPPORTED) if isinstance(k, str))
+    req.ignored = unknown + skipped
     return req, conversation
 
 
