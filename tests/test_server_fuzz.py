@@ -105,15 +105,20 @@ def from_schema(schema: dict, depth: int = 0) -> st.SearchStrategy:
 
 
 @st.composite
-def mutated(draw, body_strategy, model: str) -> bytes:
-    """A body from the schema, usually valid in shape, then one mutation (or none)."""
+def mutated(draw, body_strategy, model: str, budget: str = "max_tokens") -> bytes:
+    """A body from the schema, usually valid in shape, then one mutation (or none).
+    `budget`: the field that bounds the reply (max_output_tokens for Responses)."""
     body = draw(body_strategy)
     if draw(st.integers(0, 2)):  # mostly few fields: each optional one may be out of place
         keep = draw(st.sets(st.sampled_from(sorted(body)), max_size=2)) if body else set()
-        body = {k: v for k, v in body.items() if k in keep or k in ("messages", "prompt")}
+        body = {
+            k: v
+            for k, v in body.items()
+            if k in keep or k in ("messages", "prompt", "input", "max_tokens")
+        }
     if draw(st.integers(0, 3)):  # mostly the served pair, a small reply
         body["model"] = model
-        body["max_tokens"] = draw(st.integers(1, 4))
+        body[budget] = draw(st.integers(1, 4))
         body.pop("max_completion_tokens", None)
         if "stream_options" in body:
             body["stream"] = True
@@ -159,11 +164,18 @@ def cases(spec: dict, model: str) -> st.SearchStrategy:
     schemas = spec["components"]["schemas"]
     chat = mutated(from_schema(schemas["ChatCompletionRequest"]), model)
     completion = mutated(from_schema(schemas["CompletionRequest"]), model)
+    messages = mutated(from_schema(schemas["MessagesRequest"]), model)
+    count = mutated(from_schema(schemas["CountTokensRequest"]), model)
+    responses = mutated(from_schema(schemas["ResponsesRequest"]), model, "max_output_tokens")
+    bodies = {
+        "/v1/chat/completions": chat,
+        "/v1/completions": completion,
+        "/v1/messages": messages,
+        "/v1/messages/count_tokens": count,
+        "/v1/responses": responses,
+    }
     gets = sorted(p for p, ops in spec["paths"].items() if "get" in ops)
-    posts = st.tuples(
-        st.just("POST"),
-        st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
-    )
+    posts = st.tuples(st.just("POST"), st.sampled_from(sorted(bodies)))
     good = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     headers = st.sampled_from(
         [good] * 12
@@ -173,23 +185,32 @@ def cases(spec: dict, model: str) -> st.SearchStrategy:
             {"Authorization": "Bearer wrong", "Content-Type": "application/json"},
             {"Content-Type": "application/json"},
             {"Authorization": f"Basic {KEY}", "Content-Type": "application/json; charset=utf-8"},
+            {"x-api-key": KEY, "Content-Type": "application/json", "anthropic-version": "x"},
+            {"x-api-key": "wrong", "Content-Type": "application/json"},
         ]
     )
 
     @st.composite
     def one(draw):
-        kind = draw(st.sampled_from(["chat"] * 5 + ["completion"] * 4 + ["get", "odd"]))
+        kinds = ["chat"] * 3 + ["completion"] * 2 + ["messages"] * 3 + ["responses"] * 3
+        kind = draw(st.sampled_from([*kinds, "count", "get", "odd"]))
         head = draw(headers)
-        if kind == "chat":
-            return "POST", "/v1/chat/completions", head, draw(chat)
-        if kind == "completion":
-            return "POST", "/v1/completions", head, draw(completion)
+        paths = {
+            "chat": "/v1/chat/completions",
+            "completion": "/v1/completions",
+            "messages": "/v1/messages",
+            "count": "/v1/messages/count_tokens",
+            "responses": "/v1/responses",
+        }
+        if kind in paths:
+            return "POST", paths[kind], head, draw(bodies[paths[kind]])
         if kind == "get":
             return "GET", draw(st.sampled_from(gets)), head, None
         method, path = draw(posts)
         method = draw(st.sampled_from(["GET", "PUT", "DELETE", "PATCH", "OPTIONS", method]))
+        body = st.one_of(st.none(), bodies[path])
         path = draw(st.sampled_from([path, path + "/", "/v1/nothing", "/v1/models?x=%ff", "//"]))
-        return method, path, head, draw(st.one_of(st.none(), chat))
+        return method, path, head, draw(body)
 
     return one()
 
@@ -223,9 +244,9 @@ def test_openapi_document_describes_every_route(fuzzed):
     assert r.status_code == 200
     spec = r.json()
     assert spec["openapi"].startswith("3.")
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"} <= set(
-        spec["paths"]
-    )
+    routes = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+    routes |= {"/v1/messages", "/v1/messages/count_tokens", "/v1/responses"}
+    assert routes <= set(spec["paths"])
     chat = spec["components"]["schemas"]["ChatCompletionRequest"]
     assert {"model", "messages"} == set(chat["required"])
 
@@ -251,8 +272,9 @@ def test_fuzz_every_endpoint(fuzzed, pair, record_property):
         status, reply = send(base, method, path, headers, body)
         seen[status] = seen.get(status, 0) + 1
         assert status < 500, (case, status, reply[:500])
-        if status == 200:  # (a stream's error event after its headers)
+        if status == 200:  # (a stream's error event after its headers, in any protocol)
             assert b'"server_error"' not in reply, (case, reply[:500])
+            assert b'"api_error"' not in reply, (case, reply[:500])
         assert proc.poll() is None, case
 
     run()

@@ -1,4 +1,5 @@
-"""The HTTP side: a Starlette app with OpenAI's endpoints, /health and /metrics.
+"""The HTTP side: a Starlette app with OpenAI's endpoints, Anthropic's Messages (anthropic.py),
+OpenAI's Responses (responses.py), /health and /metrics.
 
 Requests are checked (Host, Origin, key, content type, queue room) before their body is read,
 validated (protocol.py), queued on the engine (worker.py) and answered from the job's items:
@@ -27,12 +28,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from . import anthropic
 from .connections import HEAD_TIMEOUT, SEND_TIMEOUT
 from .keymetrics import KeyMetrics, key_metrics_text
 from .openapi import document as openapi_document
 from .prompts import make_pool, prepare
 from .protocol import ApiError, GenRequest, Limits, parse_chat, parse_completion
-from .streaming import JobResponse, error_response
+from .responses import ResponsesEncoder, ResponseStore, not_found, parse_responses
+from .streaming import Encoder, JobResponse, error_response
 from .worker import BATCH_BUCKETS, Engine, Job
 
 DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to this, then cut off
@@ -64,14 +67,17 @@ class Settings:
         ]
 
 
-def authorize(request: Request, settings: Settings) -> str:
+def authorize(request: Request, settings: Settings, x_api_key: bool = False) -> str:
     """The request's partition: "" without keys (or with --shared-history), else an id of
-    the key it presented (a digest: the key itself is kept nowhere else)."""
+    the key it presented (a digest: the key itself is kept nowhere else). `x_api_key`:
+    Anthropic's header may carry the key instead of Authorization: Bearer."""
     keys = settings.keys()
     if not keys:
         return ""
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
+    if x_api_key and "x-api-key" in request.headers:
+        scheme, token = "bearer", request.headers["x-api-key"]
     token = token.strip().encode()
     match = None
     for key in keys:  # compare with every key: the time does not tell which one matched
@@ -82,6 +88,11 @@ def authorize(request: Request, settings: Settings) -> str:
     if settings.shared_history:
         return ""
     return hashlib.sha256(match.encode()).hexdigest()[:16]
+
+
+def errors_for(path: str):
+    """The error body's shape: Anthropic's on its endpoints, OpenAI's elsewhere."""
+    return anthropic.error_response if path.startswith("/v1/messages") else error_response
 
 
 def host_name(value: str) -> str:
@@ -120,7 +131,8 @@ class Guard:
         self.app, self.settings = app, settings
 
     async def refuse(self, scope, send, status: int, message: str, code: str) -> None:
-        await error_response(ApiError(status, message, code=code))(scope, None, send)
+        respond = errors_for(scope.get("path", ""))
+        await respond(ApiError(status, message, code=code))(scope, None, send)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -336,14 +348,20 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
 
     preparing: dict[str, asyncio.Semaphore] = {}  # per partition (the keys are configured)
 
-    async def generation(request: Request, endpoint: str, parse) -> Response | JobResponse:
+    stored = ResponseStore()  # /v1/responses kept for previous_response_id, by partition
+
+    async def generation(
+        request: Request, endpoint: str, parse, errors=error_response
+    ) -> Response | JobResponse:
+        """A generation request of any protocol: `parse(data, partition)` gives the internal
+        request and a function making the protocol's encoder for its job (None: OpenAI's)."""
         partition = None
         try:
-            partition = authorize(request, settings)
+            partition = authorize(request, settings, x_api_key=errors is not error_response)
             check_json_type(request)
             engine.check_capacity(partition)  # before the body is read
             data = await read_json(request, settings.max_body_bytes, settings.body_timeout)
-            req: GenRequest = parse(data, settings.limits)
+            req, make_encoder = parse(data, partition)
             req.partition = partition
             req.parse_special = settings.parse_special
             deadline = time.monotonic() + settings.request_timeout  # tokenising counts too
@@ -356,7 +374,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
             engine.submit(job)
         except ApiError as err:
             count(endpoint, err.status, partition)
-            return error_response(err)
+            return errors(err)
         headers = {}
         if req.ignored:
             names = [n[:64] for n in req.ignored[:32]]
@@ -372,15 +390,68 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
             settings.keepalive,
             headers,
             settings.send_timeout,
+            make_encoder(req, job.id) if make_encoder is not None else None,
         )
         response.figures = keyed.of(partition)
         return response
 
     async def chat(request: Request) -> Response | JobResponse:
-        return await generation(request, "chat", parse_chat)
+        return await generation(
+            request, "chat", lambda data, _: (parse_chat(data, settings.limits), None)
+        )
 
     async def completions(request: Request) -> Response | JobResponse:
-        return await generation(request, "completions", parse_completion)
+        return await generation(
+            request, "completions", lambda data, _: (parse_completion(data, settings.limits), None)
+        )
+
+    async def messages(request: Request) -> Response | JobResponse:
+        def parse(data: dict, _) -> tuple[GenRequest, type[Encoder]]:
+            return anthropic.parse_messages(data, settings.limits), anthropic.MessagesEncoder
+
+        return await generation(request, "messages", parse, anthropic.error_response)
+
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic's count_tokens: the prompt's tokens as the resident pair renders it."""
+        partition = None
+        try:
+            partition = authorize(request, settings, x_api_key=True)
+            check_json_type(request)
+            data = await read_json(request, settings.max_body_bytes, settings.body_timeout)
+            req = anthropic.parse_messages(data, settings.limits, counting=True)
+            if req.model != engine.name:
+                names = [engine.name, *engine.models]
+                if req.model not in names:
+                    message = f"The model {req.model!r} does not exist; see /v1/models"
+                    raise ApiError(404, message, "model", "model_not_found")
+                message = f"tokens are counted for the resident pair ({engine.name}) only"
+                raise ApiError(400, message, "model")
+            req.parse_special = settings.parse_special
+            await prepare(engine, req, prompt_pool)
+        except ApiError as err:
+            count("count_tokens", err.status, partition)
+            return anthropic.error_response(err)
+        count("count_tokens", 200, partition)
+        return JSONResponse({"input_tokens": len(req.prompt_ids or ())})
+
+    async def responses(request: Request) -> Response | JobResponse:
+        def parse(data: dict, partition: str):
+            req, conversation = parse_responses(data, settings.limits, stored, partition)
+
+            def encoder(req: GenRequest, job_id: str) -> ResponsesEncoder:
+                return ResponsesEncoder(req, job_id, data, conversation, stored, partition)
+
+            return req, encoder
+
+        return await generation(request, "responses", parse)
+
+    async def get_response(request: Request) -> Response:
+        """A stored response, for its own API key only."""
+        partition = authorize(request, settings)
+        entry = stored.get(partition, request.path_params["rid"])
+        if entry is None:
+            raise not_found(request.path_params["rid"])
+        return JSONResponse(entry["response"])
 
     async def models(request: Request) -> Response:
         authorize(request, settings)
@@ -422,13 +493,14 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         return JSONResponse(openapi_document())
 
     async def api_error(request: Request, err: ApiError) -> Response:
-        return error_response(err)
+        return errors_for(request.url.path)(err)
 
     async def http_error(request: Request, err: HTTPException) -> Response:
         message = {404: "no such endpoint", 405: "method not allowed"}.get(
             err.status_code, err.detail
         )
-        return error_response(ApiError(err.status_code, f"{message}: {request.url.path}"))
+        respond = errors_for(request.url.path)
+        return respond(ApiError(err.status_code, f"{message}: {request.url.path}"))
 
     routes = [
         Route("/health", health),
@@ -437,6 +509,10 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         Route("/v1/models", models),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{rid}", get_response),
     ]
     app = Starlette(
         routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error}

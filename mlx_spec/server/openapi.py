@@ -1,6 +1,7 @@
 """/openapi.json: the endpoints and their request bodies as JSON Schema, written by hand from
-protocol.py (keep the two together: tests/test_server_fuzz.py generates its requests from this
-document, and tests/test_server_fuzz.py checks that protocol.py accepts what it describes).
+protocol.py, anthropic.py and responses.py (keep them together: tests/test_server_fuzz.py
+generates its requests from this document, and checks that the server accepts what it
+describes).
 
 The bounds are the ones protocol.py enforces; a body outside them is answered 400 (never 5xx).
 """
@@ -210,6 +211,257 @@ COMPLETION_REQUEST = {
         "suffix": {"const": ""},
     },
 }
+# ------------------------------------------------------------------ Anthropic's Messages
+TEXT_BLOCK = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {
+        "type": {"const": "text"},
+        "text": {"type": "string"},
+        "cache_control": {"type": "object", "description": "accepted, ignored"},
+    },
+}
+BLOCKS = {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK}]}
+TOOL_USE = {
+    "type": "object",
+    "required": ["type", "id", "name", "input"],
+    "properties": {
+        "type": {"const": "tool_use"},
+        "id": {"type": "string"},
+        "name": {"type": "string"},
+        "input": {"type": "object"},
+    },
+}
+TOOL_RESULT = {
+    "type": "object",
+    "required": ["type", "tool_use_id"],
+    "properties": {
+        "type": {"const": "tool_result"},
+        "tool_use_id": {"type": "string"},
+        "content": BLOCKS,
+        "is_error": {"type": "boolean"},
+    },
+}
+THINKING_BLOCK = {
+    "type": "object",
+    "required": ["type", "thinking"],
+    "properties": {
+        "type": {"const": "thinking"},
+        "thinking": {"type": "string"},
+        "signature": {"type": "string"},
+    },
+}
+ANTHROPIC_MESSAGE = {
+    "anyOf": [
+        {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {
+                "role": {"const": "user"},
+                "content": {
+                    "anyOf": [
+                        {"type": "string"},
+                        {"type": "array", "items": {"anyOf": [TEXT_BLOCK, TOOL_RESULT]}},
+                    ]
+                },
+            },
+        },
+        {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {
+                "role": {"const": "assistant"},
+                "content": {
+                    "anyOf": [
+                        {"type": "string"},
+                        {
+                            "type": "array",
+                            "items": {"anyOf": [TEXT_BLOCK, TOOL_USE, THINKING_BLOCK]},
+                        },
+                    ]
+                },
+            },
+        },
+    ]
+}
+MESSAGES_FIELDS = {
+    "model": COMMON["model"],
+    "system": BLOCKS,
+    "messages": {"type": "array", "minItems": 1, "items": ANTHROPIC_MESSAGE},
+    "tools": {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "required": ["name", "input_schema"],
+            "properties": {
+                "name": {"type": "string", "minLength": 1},
+                "description": {"type": "string"},
+                "input_schema": {"type": "object"},
+            },
+        },
+    },
+    "tool_choice": {
+        "anyOf": [
+            {
+                "type": "object",
+                "required": ["type"],
+                "properties": {"type": {"enum": ["auto", "any", "none"]}},
+            },
+            {
+                "type": "object",
+                "required": ["type", "name"],
+                "properties": {"type": {"const": "tool"}, "name": {"type": "string"}},
+            },
+        ]
+    },
+    "thinking": {
+        "type": "object",
+        "required": ["type"],
+        "properties": {
+            "type": {"enum": ["enabled", "disabled", "adaptive"]},
+            "budget_tokens": {"type": "integer", "description": "accepted, not used"},
+        },
+        "description": "the chat template's enable_thinking, where it has one",
+    },
+    "metadata": {"type": "object", "description": "accepted, ignored"},
+}
+MESSAGES_REQUEST = {
+    "type": "object",
+    "required": ["model", "max_tokens", "messages"],
+    "properties": {
+        **MESSAGES_FIELDS,
+        "max_tokens": COMMON["max_tokens"],
+        "stop_sequences": {"type": "array", "items": STOP["anyOf"][0]},
+        "temperature": COMMON["temperature"],
+        "top_p": COMMON["top_p"],
+        "top_k": COMMON["top_k"],
+        "stream": COMMON["stream"],
+    },
+}
+COUNT_TOKENS_REQUEST = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": MESSAGES_FIELDS,
+}
+# ------------------------------------------------------------------ OpenAI's Responses
+INPUT_PART = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}},
+}
+INPUT_ITEM = {
+    "anyOf": [
+        {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {
+                "type": {"const": "message"},
+                "role": {"enum": ["user", "system", "developer", "assistant"]},
+                "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": INPUT_PART}]},
+            },
+        },
+        {
+            "type": "object",
+            "required": ["type", "call_id", "name", "arguments"],
+            "properties": {
+                "type": {"const": "function_call"},
+                "call_id": {"type": "string"},
+                "name": {"type": "string"},
+                "arguments": {"type": "string", "description": "a JSON object, as text"},
+            },
+        },
+        {
+            "type": "object",
+            "required": ["type", "call_id", "output"],
+            "properties": {
+                "type": {"const": "function_call_output"},
+                "call_id": {"type": "string"},
+                "output": {"type": "string"},
+            },
+        },
+        {
+            "type": "object",
+            "required": ["type"],
+            "properties": {"type": {"const": "reasoning"}, "summary": {"type": "array"}},
+        },
+    ]
+}
+RESPONSES_REQUEST = {
+    "type": "object",
+    "required": ["model", "input"],
+    "properties": {
+        "model": COMMON["model"],
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": INPUT_ITEM}]},
+        "instructions": {"type": "string"},
+        "tools": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "name"],
+                "properties": {
+                    "type": {"const": "function"},
+                    "name": {"type": "string", "minLength": 1},
+                    "description": {"type": "string"},
+                    "parameters": {"type": "object"},
+                    "strict": {"type": "boolean"},
+                },
+            },
+        },
+        "tool_choice": {
+            "anyOf": [
+                {"enum": ["none", "auto", "required"]},
+                {
+                    "type": "object",
+                    "required": ["type", "name"],
+                    "properties": {"type": {"const": "function"}, "name": {"type": "string"}},
+                },
+            ]
+        },
+        "max_output_tokens": COMMON["max_tokens"],
+        "temperature": COMMON["temperature"],
+        "top_p": COMMON["top_p"],
+        "stream": COMMON["stream"],
+        "text": {
+            "type": "object",
+            "properties": {
+                "format": {
+                    "anyOf": [
+                        {
+                            "type": "object",
+                            "required": ["type"],
+                            "properties": {"type": {"enum": ["text", "json_object"]}},
+                        },
+                        {
+                            "type": "object",
+                            "required": ["type", "schema"],
+                            "properties": {
+                                "type": {"const": "json_schema"},
+                                "name": {"type": "string"},
+                                "schema": {"type": "object"},
+                                "strict": {"type": "boolean"},
+                            },
+                        },
+                    ]
+                }
+            },
+        },
+        "reasoning": {
+            "type": "object",
+            "properties": {
+                "effort": {"enum": ["none", "minimal", "low", "medium", "high"]},
+            },
+            "description": "the chat template's enable_thinking (off for none, minimal)",
+        },
+        "previous_response_id": {"type": "string"},
+        "store": {"type": "boolean"},
+        "parallel_tool_calls": {"type": "boolean"},
+        "prompt_cache_key": {"type": "string", "description": "accepted, ignored"},
+        "include": {"type": "array", "items": {"type": "string"}},
+        "metadata": {"type": "object"},
+        "user": {"type": "string"},
+        "truncation": {"enum": ["auto", "disabled"]},
+    },
+}
 ERROR = {
     "type": "object",
     "properties": {
@@ -258,6 +510,9 @@ def document(version: str = "") -> dict:
             "schemas": {
                 "ChatCompletionRequest": CHAT_REQUEST,
                 "CompletionRequest": COMPLETION_REQUEST,
+                "MessagesRequest": MESSAGES_REQUEST,
+                "CountTokensRequest": COUNT_TOKENS_REQUEST,
+                "ResponsesRequest": RESPONSES_REQUEST,
                 "Error": ERROR,
             },
         },
@@ -267,6 +522,16 @@ def document(version: str = "") -> dict:
                 "post": operation("Chat completion", CHAT_REQUEST, stream=True)
             },
             "/v1/completions": {"post": operation("Text completion", COMPLETION_REQUEST, True)},
+            "/v1/messages": {
+                "post": operation(
+                    "Anthropic Messages (x-api-key or Bearer)", MESSAGES_REQUEST, True
+                )
+            },
+            "/v1/messages/count_tokens": {
+                "post": operation("Anthropic count_tokens: {input_tokens}", COUNT_TOKENS_REQUEST)
+            },
+            "/v1/responses": {"post": operation("OpenAI Responses", RESPONSES_REQUEST, True)},
+            "/v1/responses/{id}": {"get": operation("A stored response (its own key only)")},
             "/v1/models": {"get": operation("The served pair and those it may swap to")},
             "/health": {"get": {**operation("ok, or 503 once the engine died"), "security": []}},
             "/metrics": {"get": operation("Prometheus text: a key's own figures, or all")},

@@ -11,6 +11,7 @@ class StopText:
         self.stops = [s for s in stops if s]
         self.pending = ""  # held back: it may begin a stop string
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def _held(self) -> int:
         """Length of the longest tail of `pending` that is a proper prefix of a stop string."""
@@ -28,9 +29,10 @@ class StopText:
         if not self.stops:
             out, self.pending = self.pending, ""
             return out
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if hits:
-            out, self.pending, self.stopped = self.pending[: min(hits)], "", True
+            at, self.matched = min(hits, key=lambda h: h[0])
+            out, self.pending, self.stopped = self.pending[:at], "", True
             return out
         keep = self._held()
         out = self.pending[: len(self.pending) - keep]

@@ -73,6 +73,7 @@ class Outcome:
     finish_reason: str
     usage: dict
     speculation: dict
+    stop_sequence: str | None = None  # the stop string that ended the reply, if one did
 
 
 @dataclass
@@ -891,7 +892,8 @@ class Reply:
         finish = self.ended or stats.finish_reason
         if self.output.calls and finish == "stop":
             finish = "tool_calls"
-        self.job.put("done", Outcome(finish, usage(stats), spec))
+        matched = self.stops.matched if self.ended == "stop" else None
+        self.job.put("done", Outcome(finish, usage(stats), spec, matched))
 
 
 def log_error(err: BaseException, job: Job) -> None:
