@@ -6,6 +6,8 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import Static
 
+from mlx_spec.core.payoff import Payoff
+
 BAR_WIDTH = 16
 # C0/C1 control characters (but newline and tab) would be dropped or reach the terminal raw;
 # models do emit them, so show them as replacement characters
@@ -309,6 +311,7 @@ class StatsPanel(Static):
             f"tokens/s     {s['tokens_per_second']:.1f}  {sparkline(self.speeds[-SPARK:])}",
             f"acceptance   {s['acceptance_rate']:.0%}",
             f"tokens/pass  {s['tokens_per_target_pass']:.2f}",
+            *self.verdict_lines(s),
             f"tokens       {s['generated_tokens']} in {s['target_passes']} passes",
             f"k per round  {s['mean_draft_length']:.1f} on average",
             *self.controller_lines(s),
@@ -324,6 +327,16 @@ class StatsPanel(Static):
         for i, rate in enumerate(s["acceptance_by_position"]):
             lines.append(f"{i + 1:>2} {bar(rate)} {rate:>4.0%}")
         return "\n".join(lines)
+
+    @staticmethod
+    def verdict_lines(s: dict) -> list[str]:
+        """Whether drafting pays by what the replies measured, in the words `probe` and
+        `generate` use (payoff.Payoff): "pays, 1.22x at k=1"."""
+        if not s.get("num_draft_tokens"):
+            return []
+        payoff = s.get("payoff")
+        words = Payoff.from_json(payoff).short() if payoff else "not measured yet"
+        return [f"verdict      {words}"]
 
     @staticmethod
     def controller_lines(s: dict) -> list[str]:

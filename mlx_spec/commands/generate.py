@@ -15,7 +15,6 @@ COLORS = {
     "target": "\x1b[36m",  # cyan: the target's own token (a bonus, or nothing drafted)
 }
 RESET = "\x1b[0m"
-LOW_ACCEPTANCE = 0.5
 
 
 def setup_arg_parser(parser):
@@ -65,19 +64,20 @@ def build_prompt(pair, args, text: str):
 
 
 def hint(stats) -> str | None:
-    if not stats.drafted or stats.acceptance_rate >= LOW_ACCEPTANCE:
-        return None  # nothing drafted (auto paused it, or no draft): nothing to judge
-    first = stats.acceptance_by_position[0] if stats.acceptance_by_position else 0.0
-    if first >= LOW_ACCEPTANCE and not stats.adaptive:  # auto shortens the draft by itself
-        return (
-            f"hint: acceptance {stats.acceptance_rate:.0%} but {first:.0%} at the first draft "
-            f"position: the draft is too long for this text; try --num-draft-tokens "
-            f"{max(1, stats.num_draft_tokens // 2)}"
-        )
-    return (
-        f"hint: acceptance {stats.acceptance_rate:.0%}: the draft is a poor match for this "
-        "target or text; speculation is unlikely to pay here (compare with --no-draft)"
-    )
+    """The verdict on this run by what it measured (its policy's `payoff`: the rounds' wall
+    time against a plain step, the draft's acceptance), in the words `probe` and the chat use;
+    None when nothing was measured (no draft, or too short a reply)."""
+    payoff = stats.payoff
+    if payoff is None:
+        return None
+    line = f"{payoff.sentence()} ({payoff.figures()}, measured by this run)"
+    if payoff.pays:
+        return line
+    if stats.adaptive:  # auto drafts only where it predicts a gain
+        return f"hint: {line}; auto decodes plainly where drafting does not pay"
+    if payoff.k > 1:
+        return f"hint: {line}; compare with --num-draft-tokens auto and --no-draft"
+    return f"hint: {line}; compare with --no-draft"
 
 
 def read_constraint(args) -> dict:
