@@ -6,15 +6,9 @@ import json
 import os
 import sys
 
+from ..core.provenance import EMITTED, paint
 from ..errors import SpecError
 from .args import add_pair_args, pair_from_args, seed
-
-COLORS = {
-    "accepted": "\x1b[32m",  # green: a draft token the target accepted
-    "regenerated": "\x1b[33m",  # yellow: the target's correction of a rejected draft token
-    "target": "\x1b[36m",  # cyan: the target's own token (a bonus, or nothing drafted)
-}
-RESET = "\x1b[0m"
 
 
 def setup_arg_parser(parser):
@@ -152,13 +146,11 @@ def reply(pair, args, text: str, config) -> int:
 
     color = sys.stdout.isatty() and not args.no_color and "NO_COLOR" not in os.environ
     stats = Stats()
-    if color and pair.speculative:
-        names = {"accepted": "accepted draft", "regenerated": "regenerated", "target": "target"}
-        legend = " · ".join(f"{COLORS[kind]}{name}{RESET}" for kind, name in names.items())
-        print(legend, file=sys.stderr)
+    if color and pair.speculative:  # the legend: the kinds' names in their colours
+        print(" · ".join(paint(kind, kind) for kind in EMITTED), file=sys.stderr)
     for ev in stream(pair, prompt, config, stats=stats):
         if color:
-            sys.stdout.write(f"{COLORS[ev.kind]}{ev.text}{RESET}")
+            sys.stdout.write(paint(ev.text, ev.kind))
         else:
             sys.stdout.write(ev.text)
         sys.stdout.flush()
