@@ -269,15 +269,14 @@ def main(args):
             f"--context {args.context} plus the timed passes exceeds the target's context of "
             f"{pair.context_length} tokens"
         )
-    quiet = lambda *_: None  # noqa: E731
-    result = run_probe(
-        pair,
-        args.context,
-        args.temp,
-        args.sample_tokens,
-        progress=quiet if args.json else (lambda m: print(m, file=sys.stderr)),
-        budget=args.budget,
-    )
+    from .progress import Stages
+
+    if args.json:
+        say = lambda *_: None  # noqa: E731
+        result = run_probe(pair, args.context, args.temp, args.sample_tokens, say, args.budget)
+    else:  # stage lines on stderr; on a terminal, a bar over the time budget
+        with Stages(args.budget, by_time=True, stream=sys.stderr) as say:
+            result = run_probe(pair, args.context, args.temp, args.sample_tokens, say, args.budget)
     if args.plot:
         plot(result, args.plot)
     print(json.dumps(result.to_json()) if args.json else format_table(result))
