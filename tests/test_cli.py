@@ -190,9 +190,10 @@ def test_no_acceptance_verdict_when_nothing_was_drafted():
 
     paused = Stats(num_draft_tokens=8, generated_tokens=7, target_passes=8)
     assert hint(paused) is None and "acceptance –" in paused.summary()
+    # a low acceptance alone is no verdict (the 50 % rule is gone): only measured costs are
     poor = Stats(num_draft_tokens=4, generated_tokens=7, target_passes=6, drafted=20, accepted=1)
     poor.drafted_at, poor.accepted_at = [5, 5, 5, 5], [1, 0, 0, 0]
-    assert "poor match" in hint(poor) and "acceptance 5%" in poor.summary()
+    assert hint(poor) is None and "acceptance 5%" in poor.summary()
 
 
 @pytest.mark.parametrize("no_openblas", [True, False])

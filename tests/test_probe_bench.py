@@ -13,7 +13,7 @@ from mlx_lm.models.cache import ArraysCache
 from mlx_spec.cli import main
 from mlx_spec.commands.probe import MIN_SAMPLE_ROUNDS, SAMPLE_PROMPT, run_probe
 from mlx_spec.core import caches
-from mlx_spec.core.policies import expected_tokens
+from mlx_spec.core.payoff import estimate_alpha, expected_tokens
 from mlx_spec.measure.benchmark import format_rows, run_bench, summarise
 from mlx_spec.measure.verify_cost import (
     MAX_REPS,
@@ -21,7 +21,6 @@ from mlx_spec.measure.verify_cost import (
     PREFIX,
     PassTimer,
     classify_regime,
-    estimate_alpha,
     fill_curve,
     plan_passes,
     predict,

@@ -229,7 +229,10 @@ def test_snapshot_after_a_reply(chat_pair, snap_compare):
         panel = app.query_one(StatsPanel)
         # timings and the cursor blink vary from run to run; pin them for a stable picture
         panel.speeds = [1.0] * len(panel.speeds)  # the sparkline, too
-        panel.show({**panel.stats, "tokens_per_second": 0.0, "peak_memory_gb": 0.0})
+        verdict = {"k": 2, "speedup": 1.5, "acceptance": 0.5, "round_cost": 1.17}
+        panel.show(
+            {**panel.stats, "tokens_per_second": 0.0, "peak_memory_gb": 0.0, "payoff": verdict}
+        )
         app.query_one("#prompt").cursor_blink = False
         await pilot.pause(0.1)
         app.screen.refresh(repaint=True, layout=True)  # one full render, however it streamed

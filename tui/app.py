@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 from textual import work
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.reactive import var
-from textual.screen import ModalScreen
+from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Input, OptionList, ProgressBar, Static
 from textual.widgets.option_list import Option
 from textual.worker import get_current_worker
@@ -28,6 +29,7 @@ from mlx_spec.core.policies import Auto, Fixed
 from mlx_spec.models.hub import DownloadProgress
 from mlx_spec.runtime.threads import ModelThread
 
+from .keys import BINDINGS, ChatScreen, own_commands
 from .widgets import ReplyView, StatsPanel
 
 DEFAULT_MAX_TOKENS = 1024
@@ -142,23 +144,7 @@ class PairPicker(ModalScreen[str | None]):
 class ChatApp(App):
     CSS_PATH = Path(__file__).with_name("app.tcss")
     TITLE = "mlx-spec chat"
-    BINDINGS = [
-        Binding("ctrl+n", "new_chat", "New chat"),
-        Binding("escape", "stop", "Stop reply"),
-        Binding("f2", "toggle_speculation", "Draft on/off"),
-        Binding("f3", "change_k(-1)", "k−"),
-        Binding("f4", "change_k(1)", "k+"),
-        Binding("f5", "change_temperature(-0.1)", "temp−"),
-        Binding("f6", "change_temperature(0.1)", "temp+"),
-        Binding("f7", "pick_pair", "Pair"),
-        Binding("f8", "toggle_rejected", "Rejected guesses"),
-        Binding("f9", "race", "Race plain"),
-        Binding("f10", "fold_thinking", "Fold thinking"),
-        Binding("f11", "toggle_thinking", "Thinking on/off"),
-        Binding("ctrl+y", "copy_reply", "Copy reply"),
-        Binding("ctrl+s", "save", "Save chat"),
-        Binding("ctrl+q", "quit", "Quit", priority=True),
-    ]
+    BINDINGS = BINDINGS  # tui/keys.py: the app's keys, their palette entries
 
     # the settings the panel shows: each change re-renders it (watch_ below)
     stats_panel: StatsPanel | None = None  # found in on_mount
@@ -212,6 +198,15 @@ class ChatApp(App):
         self.rounds_received = 0  # RoundMessages handled (for measurements)
         self.refreshes = 0  # timer ticks that re-rendered something
         self._initial_pair = pair
+
+    # ------------------------------------------------------------------ keys and commands
+    def get_default_screen(self) -> Screen:
+        return ChatScreen(id="_default")
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        """The command palette: the app's own commands first (keys.own_commands)."""
+        yield from own_commands(self)
+        yield from super().get_system_commands(screen)
 
     # ------------------------------------------------------------------ layout and timer
     def compose(self) -> ComposeResult:

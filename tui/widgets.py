@@ -6,6 +6,9 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import Static
 
+from mlx_spec.core.payoff import Payoff
+from mlx_spec.core.provenance import KINDS, textual_css
+
 BAR_WIDTH = 16
 # C0/C1 control characters (but newline and tab) would be dropped or reach the terminal raw;
 # models do emit them, so show them as replacement characters
@@ -15,11 +18,11 @@ CONTROL_CHARS = {c: "\ufffd" for c in [*range(0x20), *range(0x7F, 0xA0)] if c no
 class ReplyView(Vertical):
     """One assistant reply: (text, kind) pieces, re-assembled at most ~30 times a second.
 
-    Kinds: "accepted" (a draft token the target accepted), "regenerated" (the target's
-    correction of a rejected draft token), "target" (the target's own: a bonus token, or
-    nothing was drafted) and "rejected" (the draft's losing guesses, shown struck through only
-    when `show_rejected` is on). Colours come from the component classes in app.tcss, so they
-    follow the theme.
+    Kinds (core/provenance.py, the vocabulary and colours the CLI and the docs use too):
+    "accepted" (a draft token the target accepted), "regenerated" (the target's correction of
+    a rejected draft token), "target" (the target's own: a bonus token, or nothing was drafted)
+    and "rejected" (the draft's losing guesses, shown struck through only when `show_rejected`
+    is on). Their colours are component styles made from that module (DEFAULT_CSS).
 
     A long reply stays cheap to update: finished paragraphs (up to a blank line, or TAIL_LINES
     lines without one) move into Statics of their own, and an update re-renders only the live
@@ -33,6 +36,7 @@ class ReplyView(Vertical):
         "reply--rejected",
         "reply--note",
     }
+    DEFAULT_CSS = textual_css("ReplyView")
     TAIL_LINES = 40  # a paragraph with more lines than this is frozen at its last line end
 
     def __init__(self, **kwargs):
@@ -104,7 +108,7 @@ class ReplyView(Vertical):
     def _style(self, name: str) -> str:
         styles = self.get_component_styles(name)
         style = styles.color.hex
-        if name == "reply--rejected":  # "the draft said blue" before "the target said red"
+        if styles.text_style.strike:  # rejected: "the draft said blue", then "the target said red"
             style = f"strike {style}"
         return style
 
@@ -276,6 +280,7 @@ class StatsPanel(Static):
         "reply--target",
         "reply--rejected",
     }
+    DEFAULT_CSS = textual_css("StatsPanel")
 
     def __init__(self, **kwargs):
         super().__init__("", **kwargs)
@@ -309,6 +314,7 @@ class StatsPanel(Static):
             f"tokens/s     {s['tokens_per_second']:.1f}  {sparkline(self.speeds[-SPARK:])}",
             f"acceptance   {s['acceptance_rate']:.0%}",
             f"tokens/pass  {s['tokens_per_target_pass']:.2f}",
+            *self.verdict_lines(s),
             f"tokens       {s['generated_tokens']} in {s['target_passes']} passes",
             f"k per round  {s['mean_draft_length']:.1f} on average",
             *self.controller_lines(s),
@@ -326,6 +332,16 @@ class StatsPanel(Static):
         return "\n".join(lines)
 
     @staticmethod
+    def verdict_lines(s: dict) -> list[str]:
+        """Whether drafting pays by what the replies measured, in the words `probe` and
+        `generate` use (payoff.Payoff): "pays, 1.22x at k=1"."""
+        if not s.get("num_draft_tokens"):
+            return []
+        payoff = s.get("payoff")
+        words = Payoff.from_json(payoff).short() if payoff else "not measured yet"
+        return [f"verdict      {words}"]
+
+    @staticmethod
     def controller_lines(s: dict) -> list[str]:
         """What `auto` decided and why: "drafting paused: draft costs 1.50 steps"."""
         view = s.get("controller")
@@ -338,21 +354,13 @@ class StatsPanel(Static):
         return lines
 
     def assemble(self) -> Content:
-        def color(kind: str) -> str:
-            return self.get_component_styles(f"reply--{kind}").color.hex
-
-        return Content.assemble(
-            self.render_text(),
-            "\n\n",
-            ("■ accepted draft token", color("accepted")),
-            "\n",
-            ("■ regenerated: the target's correction", color("regenerated")),
-            "\n",
-            ("■ the target's own (bonus, no draft)", color("target")),
-            "\n",
-            ("rejected guess", f"strike {color('rejected')}"),
-            " (f8 shows them)",
-        )
+        """The numbers, then the legend: each kind's name in its colour and what it means."""
+        legend = []
+        for kind in KINDS.values():
+            styles = self.get_component_styles(f"reply--{kind.name}")
+            style = f"strike {styles.color.hex}" if styles.text_style.strike else styles.color.hex
+            legend += ["\n", (kind.name, style), f" {kind.meaning}"]
+        return Content.assemble(self.render_text(), "\n", *legend)
 
     def refresh_if_dirty(self) -> None:
         if self.dirty:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 from ..errors import SpecError
@@ -106,12 +105,19 @@ def main(args):
 
 
 def report(pair, args, prompts) -> int:
-    from ..measure.benchmark import format_rows, run_bench, summarise, to_json
+    from ..measure.benchmark import bench_configs, format_rows, run_bench, summarise, to_json
     from ..runtime.blas import describe
+    from .progress import Stages
 
-    say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr))
-    say(f"BLAS: {describe()}")
-    results = run_bench(pair, prompts, args.temps, args.k, args.runs, args.max_tokens, progress=say)
+    if args.json:
+        results = run_bench(pair, prompts, args.temps, args.k, args.runs, args.max_tokens)
+    else:  # stage lines on stderr; on a terminal, a bar over the runs with the time left
+        total = args.runs * len(prompts) * len(args.temps) * len(bench_configs(pair, args.k))
+        with Stages(total) as say:
+            say(f"BLAS: {describe()}")
+            results = run_bench(
+                pair, prompts, args.temps, args.k, args.runs, args.max_tokens, say, say.step
+            )
     rows = summarise(results)
     if args.plot and (pair.link is None or pair.link.rank == 0):
         plot(rows, args.plot)

@@ -6,16 +6,9 @@ import json
 import os
 import sys
 
+from ..core.provenance import EMITTED, paint
 from ..errors import SpecError
 from .args import add_pair_args, pair_from_args, seed
-
-COLORS = {
-    "accepted": "\x1b[32m",  # green: a draft token the target accepted
-    "regenerated": "\x1b[33m",  # yellow: the target's correction of a rejected draft token
-    "target": "\x1b[36m",  # cyan: the target's own token (a bonus, or nothing drafted)
-}
-RESET = "\x1b[0m"
-LOW_ACCEPTANCE = 0.5
 
 
 def setup_arg_parser(parser):
@@ -65,19 +58,20 @@ def build_prompt(pair, args, text: str):
 
 
 def hint(stats) -> str | None:
-    if not stats.drafted or stats.acceptance_rate >= LOW_ACCEPTANCE:
-        return None  # nothing drafted (auto paused it, or no draft): nothing to judge
-    first = stats.acceptance_by_position[0] if stats.acceptance_by_position else 0.0
-    if first >= LOW_ACCEPTANCE and not stats.adaptive:  # auto shortens the draft by itself
-        return (
-            f"hint: acceptance {stats.acceptance_rate:.0%} but {first:.0%} at the first draft "
-            f"position: the draft is too long for this text; try --num-draft-tokens "
-            f"{max(1, stats.num_draft_tokens // 2)}"
-        )
-    return (
-        f"hint: acceptance {stats.acceptance_rate:.0%}: the draft is a poor match for this "
-        "target or text; speculation is unlikely to pay here (compare with --no-draft)"
-    )
+    """The verdict on this run by what it measured (its policy's `payoff`: the rounds' wall
+    time against a plain step, the draft's acceptance), in the words `probe` and the chat use;
+    None when nothing was measured (no draft, or too short a reply)."""
+    payoff = stats.payoff
+    if payoff is None:
+        return None
+    line = f"{payoff.sentence()} ({payoff.figures()}, measured by this run)"
+    if payoff.pays:
+        return line
+    if stats.adaptive:  # auto drafts only where it predicts a gain
+        return f"hint: {line}; auto decodes plainly where drafting does not pay"
+    if payoff.k > 1:
+        return f"hint: {line}; compare with --num-draft-tokens auto and --no-draft"
+    return f"hint: {line}; compare with --no-draft"
 
 
 def read_constraint(args) -> dict:
@@ -152,13 +146,11 @@ def reply(pair, args, text: str, config) -> int:
 
     color = sys.stdout.isatty() and not args.no_color and "NO_COLOR" not in os.environ
     stats = Stats()
-    if color and pair.speculative:
-        names = {"accepted": "accepted draft", "regenerated": "regenerated", "target": "target"}
-        legend = " · ".join(f"{COLORS[kind]}{name}{RESET}" for kind, name in names.items())
-        print(legend, file=sys.stderr)
+    if color and pair.speculative:  # the legend: the kinds' names in their colours
+        print(" · ".join(paint(kind, kind) for kind in EMITTED), file=sys.stderr)
     for ev in stream(pair, prompt, config, stats=stats):
         if color:
-            sys.stdout.write(f"{COLORS[ev.kind]}{ev.text}{RESET}")
+            sys.stdout.write(paint(ev.text, ev.kind))
         else:
             sys.stdout.write(ev.text)
         sys.stdout.flush()

@@ -51,15 +51,17 @@ def positive_float(text: str) -> float:
     return value
 
 
-def sample_acceptance(pair, temperature: float, max_tokens: int, deadline: float, clock):
-    """Sample from `pair` at k=SAMPLE_K until `max_tokens` or the deadline (after at least
+def sample_acceptance(
+    pair, temperature: float, max_tokens: int, deadline: float, clock, k: int = SAMPLE_K
+):
+    """Sample from `pair` at a fixed k until `max_tokens` or the deadline (after at least
     MIN_SAMPLE_ROUNDS rounds); the run's stats."""
     from ..core.stats import Stats
     from ..decode.config import GenerationConfig
     from ..decode.engine import stream_rounds
 
     stats = Stats()
-    config = GenerationConfig(max_tokens, temperature, seed=0, num_draft_tokens=SAMPLE_K)
+    config = GenerationConfig(max_tokens, temperature, seed=0, num_draft_tokens=k)
     prompt = [{"role": "user", "content": SAMPLE_PROMPT}]
     rounds = stream_rounds(pair, prompt, config, stats=stats)
     for _ in rounds:
@@ -67,6 +69,16 @@ def sample_acceptance(pair, temperature: float, max_tokens: int, deadline: float
             rounds.close()
             break
     return stats
+
+
+def own_ks(length) -> tuple[int, list[int]]:
+    """The pair's own draft length -> (the k to sample acceptance at, the ks its verdict may
+    choose from): a fixed k is that k; `auto` is the controller's range 1..k_max."""
+    from ..core.policies import Fixed
+
+    if isinstance(length, Fixed):
+        return length.k, [length.k]
+    return min(SAMPLE_K, length.k_max), list(range(1, length.k_max + 1))
 
 
 def time_head(pair, ks, clock) -> dict[int, float]:
@@ -105,11 +117,11 @@ def run_probe(
     pass times, and the sample for α stops at the deadline (after MIN_SAMPLE_ROUNDS rounds)."""
     import time
 
+    from ..core.payoff import estimate_alpha, judge
     from ..measure.verify_cost import (
         PassTimer,
         ProbeResult,
         classify_regime,
-        estimate_alpha,
         fill_curve,
         predict,
         time_passes,
@@ -120,7 +132,10 @@ def run_probe(
     clock = clock or time.perf_counter
     begin = clock()
     deadline = begin + budget
-    sizes = sorted({*range(1, max(PREDICT_KS) + 2), 16})
+    length = pair.config.num_draft_tokens
+    sample_k, ks = own_ks(length)
+    predict_ks = sorted({*PREDICT_KS, *ks})
+    sizes = sorted({*range(1, max(predict_ks) + 2), 16})
     progress(f"BLAS: {blas.describe()}")
     progress(f"building {context} tokens of context…")
     vocab = pair.vocab_size
@@ -146,22 +161,30 @@ def run_probe(
             draft_seconds = time_passes(draft, [1], DRAFT_SHARE * left, min_sizes=1)[0][1]
             result.passes += draft.passes
         elif pair.head is not None:  # a drafting head: timed through its drafter's propose
-            drafting = time_head(pair, PREDICT_KS, clock)
+            drafting = time_head(pair, predict_ks, clock)
             draft_seconds = drafting[1]
         result.draft_cost = draft_seconds / t1
-        progress(f"sampling up to {sample_tokens} tokens at k={SAMPLE_K} to estimate acceptance…")
-        stats = sample_acceptance(pair, temperature, sample_tokens, deadline, clock)
-        hist = stats.accepted_lengths + [0] * (SAMPLE_K + 1 - len(stats.accepted_lengths))
+        result.k_policy = str(length)
+        progress(f"sampling up to {sample_tokens} tokens at k={sample_k} to estimate acceptance…")
+        stats = sample_acceptance(pair, temperature, sample_tokens, deadline, clock, sample_k)
+        hist = stats.accepted_lengths + [0] * (sample_k + 1 - len(stats.accepted_lengths))
         accepted = sum(i * h for i, h in enumerate(hist))
-        result.alpha = estimate_alpha(accepted, stats.drafted, hist[SAMPLE_K], sum(hist))
+        result.alpha = estimate_alpha(accepted, stats.drafted, hist[sample_k], sum(hist))
         result.sample_tokens, result.sample_rounds = stats.generated_tokens, stats.target_passes
         by_n = dict(zip(sizes, curve, strict=True))
         result.predictions = predict(
-            result.alpha, result.draft_cost, by_n, t1, PREDICT_KS, drafting
+            result.alpha, result.draft_cost, by_n, t1, predict_ks, drafting
         )
         best = max(result.predictions, key=lambda p: p.tokens_per_second)
-        result.recommended_k = best.k if best.speedup >= 1.05 else None
-        result.verdict = verdict(regime, result.draft_cost, result.alpha, best)
+        result.recommended_k = best.k if judge(best.speedup) == "pays" else None
+        # the verdict is on the pair's own k policy: its fixed k, or the best of auto's range
+        own = max((p for p in result.predictions if p.k in ks), key=lambda p: p.speedup)
+        result.verdict_k, result.judgement = own.k, judge(own.speedup)
+        result.verdict = verdict(regime, result.draft_cost, result.alpha, own)
+        if best.k != own.k and best.speedup > own.speedup and result.recommended_k:
+            result.verdict += (
+                f"; the best k here is {best.k} ({best.speedup:.2f}x): --num-draft-tokens {best.k}"
+            )
     else:
         result.verdict = verdict(regime, None, None, None)
     result.seconds = clock() - begin
@@ -191,7 +214,13 @@ def format_table(r) -> str:
             " k  tokens/round  predicted tok/s  speedup",
         ]
         for p in r.predictions:
-            mark = "  <- recommended" if p.k == r.recommended_k else ""
+            marks = []
+            if p.k == r.verdict_k:
+                own = "auto's best" if r.k_policy == "auto" else f"the pair's k ({r.k_policy})"
+                marks.append(own)
+            if p.k == r.recommended_k and p.k != r.verdict_k:
+                marks.append("best")
+            mark = f"  <- {', '.join(marks)}" if marks else ""
             lines.append(
                 f"{p.k:>2}  {p.tokens_per_round:>12.2f}  {p.tokens_per_second:>15.1f}  "
                 f"{p.speedup:>6.2f}x{mark}"
@@ -240,15 +269,14 @@ def main(args):
             f"--context {args.context} plus the timed passes exceeds the target's context of "
             f"{pair.context_length} tokens"
         )
-    quiet = lambda *_: None  # noqa: E731
-    result = run_probe(
-        pair,
-        args.context,
-        args.temp,
-        args.sample_tokens,
-        progress=quiet if args.json else (lambda m: print(m, file=sys.stderr)),
-        budget=args.budget,
-    )
+    from .progress import Stages
+
+    if args.json:
+        say = lambda *_: None  # noqa: E731
+        result = run_probe(pair, args.context, args.temp, args.sample_tokens, say, args.budget)
+    else:  # stage lines on stderr; on a terminal, a bar over the time budget
+        with Stages(args.budget, by_time=True, stream=sys.stderr) as say:
+            result = run_probe(pair, args.context, args.temp, args.sample_tokens, say, args.budget)
     if args.plot:
         plot(result, args.plot)
     print(json.dumps(result.to_json()) if args.json else format_table(result))

@@ -14,11 +14,11 @@ plainly and re-probes with a short draft now and then.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..errors import SpecError
+from .payoff import Payoff, estimate_alpha, expected_tokens, predicted_speedup
 
 K_MAX = 8  # `auto` chooses k within [0, K_MAX]
 
@@ -106,36 +106,51 @@ class Policy(Protocol):
     def view(self) -> dict:
         """Its state for stats (empty: nothing to show)."""
 
-
-def expected_tokens(acceptance: Sequence[float], reach: Sequence[float] | None = None) -> float:
-    """Tokens a round emits, E(k) = 1 + sum_j R_j * prod_{i<=j} a_i, for k = len(acceptance):
-    a_i the acceptance of draft position i given the ones before it were accepted, R_j the
-    chance a j-th token is proposed at all (default 1). With a_i = alpha for every i this is
-    (1 - alpha^(k+1)) / (1 - alpha) (Leviathan et al. 2023)."""
-    total, chain = 1.0, 1.0
-    for j, a in enumerate(acceptance):
-        chain *= a
-        total += (1.0 if reach is None else reach[j]) * chain
-    return total
+    def payoff(self) -> Payoff | None:
+        """Whether drafting pays by what this run measured (None: not measured yet)."""
 
 
 class FixedK:
-    """The same draft length every round."""
+    """The same draft length every round. It decides nothing from what happens, but keeps what
+    the run measured for `payoff`: a plain step timed in prefill, the rounds' wall times and
+    the draft's acceptance."""
 
     def __init__(self, k: int):
         self.k = self.k_max = k
+        self.plain_step: float | None = None  # seconds of a target step (prefill times one)
+        self.first_round: float | None = None  # the first round's seconds: it pays one-time costs
+        self.timed_rounds, self.round_seconds = 0, 0.0  # k-draft rounds after the first, their time
+        self.accepted = self.rejections = 0  # draft tokens accepted; rounds that rejected one
 
     def next(self, available: bool | None = None) -> int:
         return self.k
 
     def update(self, requested, drafted, verified, seconds, split=None, replayed=0) -> None:
-        pass
+        if drafted:
+            self.accepted += min(verified, drafted)
+            self.rejections += verified < drafted
+        if requested != self.k or drafted != self.k:
+            return  # a shorter round (the reply's end, a short proposal) is not a k round
+        if self.first_round is None:
+            self.first_round = seconds
+        else:
+            self.timed_rounds += 1
+            self.round_seconds += seconds
 
     def wants_timing(self) -> bool:
-        return False
+        return self.plain_step is None
 
     def calibrate(self, plain: float | None, draft: float | None) -> None:
-        pass
+        if plain is not None:
+            self.plain_step = plain
+
+    def payoff(self) -> Payoff | None:
+        """What this run measured: a round of k drafts against the plain step."""
+        if not self.plain_step or self.first_round is None:
+            return None
+        mean = self.round_seconds / self.timed_rounds if self.timed_rounds else self.first_round
+        alpha = estimate_alpha(self.accepted, 0, 0, self.rejections)
+        return Payoff.of(alpha, self.k, mean / self.plain_step)
 
     def update_plain(self, tokens: int, seconds: float) -> None:
         pass
@@ -378,8 +393,23 @@ class Controller:
         return max(1, self.burst)
 
     def predicted_speedup(self, k: int) -> float:
-        plain, speed = self.round_time(0), self.speed(k)
-        return speed * plain if plain and speed else 0.0
+        """speed(k) / speed(0), through the one criterion (payoff.predicted_speedup)."""
+        plain, t = self.round_time(0), self.round_time(k)
+        if not plain or t is None:
+            return 0.0
+        acceptance = [self.acceptance(i) for i in range(k)]
+        return predicted_speedup(acceptance, k, t / plain, [self.proposed(j) for j in range(k)])
+
+    def payoff(self) -> Payoff | None:
+        """The verdict on the best draft length (k >= 1) by the estimates this run made: it
+        pays when the controller drafts, and loses when it decodes plainly."""
+        plain = self.round_time(0)
+        k = self.best(lowest=1)[0]
+        t = self.round_time(k)
+        if not plain or t is None or not self.drafted_total:
+            return None
+        alpha = self.accepted_total / self.drafted_total
+        return Payoff(k, self.predicted_speedup(k), alpha, t / plain)
 
     def _paused_reason(self) -> str:
         """Why k = 0, citing only what was measured: the draft's timed cost, the acceptance of

@@ -93,6 +93,14 @@ class Stats:
         return view or None
 
     @property
+    def payoff(self):
+        """Whether drafting paid by what this run measured (payoff.Payoff: the k, its speed-up
+        over plain decoding, the figures), from the draft-length policy; None before a plain
+        step and a round were timed, or without a draft."""
+        get = getattr(self.policy, "payoff", None)
+        return get() if get is not None else None
+
+    @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
@@ -150,6 +158,7 @@ class Stats:
             "masks": self.masks,
             "chosen_k_histogram": self.chosen_lengths,
             "controller": self.controller,
+            "payoff": payoff.to_json() if (payoff := self.payoff) is not None else None,
             "num_draft_tokens": self.num_draft_tokens,
             "adaptive": self.adaptive,
             "mean_draft_length": round(self.mean_draft_length, 3),

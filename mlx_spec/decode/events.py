@@ -11,18 +11,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..core.provenance import ACCEPTED, REGENERATED, TARGET, round_kind
 from ..core.stats import Stats
 from .rounds import Round
 
-# What produced a token: the draft (and the target agreed), the target correcting a rejected
-# draft token, or the target on its own (a bonus after full acceptance, or nothing drafted).
-ACCEPTED = "accepted"
-
-
-REGENERATED = "regenerated"
-
-
-TARGET = "target"
+# What produced a token (the one vocabulary, with its colours: core/provenance.py): the draft
+# (and the target agreed), the target correcting a rejected draft token, or the target on its own
+# (a bonus after full acceptance, or nothing drafted).
 
 
 @dataclass
@@ -49,9 +44,8 @@ class RoundRecord:
 
     @property
     def kind(self) -> str:
-        if not self.drafted:
-            return "plain"
-        return "bonus" if self.accepted == len(self.drafted) else "correction"
+        """provenance.ROUND_KINDS: "bonus", "correction" or "plain"."""
+        return round_kind(len(self.drafted), self.accepted)
 
     def to_json(self) -> dict[str, Any]:
         return {

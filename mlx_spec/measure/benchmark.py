@@ -162,16 +162,28 @@ def mlx_lm_speculates(pair) -> bool:
     return all(can_trim_prompt_cache(make_prompt_cache(m)) for m in (pair.target, pair.draft))
 
 
-def run_bench(pair, prompts: dict[str, str], temps, ks, runs: int, max_tokens: int, progress=None):
+def bench_configs(pair, ks) -> list:
+    """(runner, k) of every configuration a run of the prompts goes through."""
     configs = [(run_mlx_lm, 0), (run_mlx_spec, 0)]
     peer = pair.speculative and mlx_lm_speculates(pair)
-    if pair.speculative and pair.draft is not None and not peer and progress:
-        progress("mlx-lm's speculative path refuses this pair (a cache it cannot trim): no rows")
     if pair.speculative:
         for k in ks:
             if peer and k != "auto":  # mlx-lm: a model and a fixed k only
                 configs.append((run_mlx_lm, k))
             configs.append((run_mlx_spec, k))
+    return configs
+
+
+def run_bench(
+    pair, prompts: dict[str, str], temps, ks, runs: int, max_tokens: int, progress=None, step=None
+):
+    """Every configuration on every prompt and temperature, `runs` times. `progress(line)`:
+    notes; `step(line)` (else `progress`): a configuration's run done, with its line."""
+    configs = bench_configs(pair, ks)
+    peer = pair.speculative and mlx_lm_speculates(pair)
+    if pair.speculative and pair.draft is not None and not peer and progress:
+        progress("mlx-lm's speculative path refuses this pair (a cache it cannot trim): no rows")
+    step = step or progress
     results: list[Run] = []
     for run_index in range(runs):
         for name, text in prompts.items():
@@ -184,8 +196,8 @@ def run_bench(pair, prompts: dict[str, str], temps, ks, runs: int, max_tokens: i
                     r = fn(pair, ids, max_tokens, temperature, k, seed=run_index)
                     r.prompt = name
                     results.append(r)
-                    if progress:
-                        progress(
+                    if step:
+                        step(
                             f"run {run_index + 1}/{runs} {name} temp={temperature} "
                             f"{r.config} k={k}: {r.tokens_per_second:.1f} tok/s"
                         )

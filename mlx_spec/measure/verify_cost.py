@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..core import caches
-from ..core.policies import expected_tokens
+from ..core.payoff import Payoff, predicted_speedup
 from ..drafters import prefill_cache
 
 # Regimes by the extra cost of each verified token, as a fraction of a decode step (the slope
@@ -203,20 +203,13 @@ def classify_regime(sizes, curve) -> str:
     return "in between"
 
 
-def estimate_alpha(accepted: int, drafted: int, full_rounds: int, rounds: int) -> float:
-    """Per-token acceptance α, the maximum-likelihood estimate under the geometric model:
-    accepted tokens / (accepted tokens + rejections). A round with fewer than k accepted
-    ended in one rejection; a fully accepted round ended in none."""
-    rejections = rounds - full_rounds
-    return accepted / (accepted + rejections) if accepted + rejections else 0.0
-
-
 @dataclass
 class Prediction:
     k: int
     tokens_per_round: float
     tokens_per_second: float
     speedup: float
+    round_cost: float = 0.0  # in plain steps
 
 
 def predict(
@@ -229,10 +222,10 @@ def predict(
     out = []
     for k in ks:
         draft_seconds = drafting[k] if drafting is not None else k * c * t1
-        round_seconds = draft_seconds + curve[k + 1] * t1
-        tokens = expected_tokens([alpha] * k)  # the geometric model: α at every position
-        tps = tokens / round_seconds
-        out.append(Prediction(k, tokens, tps, tps * t1))
+        round_cost = (draft_seconds + curve[k + 1] * t1) / t1  # in plain steps
+        speedup = predicted_speedup(alpha, k, round_cost)  # the geometric model: α everywhere
+        tokens = speedup * round_cost
+        out.append(Prediction(k, tokens, speedup / t1, speedup, round_cost))
     return out
 
 
@@ -247,8 +240,11 @@ class ProbeResult:
     draft_cost: float | None  # c: draft step / target step
     alpha: float | None
     predictions: list[Prediction] = field(default_factory=list)
-    recommended_k: int | None = None
+    recommended_k: int | None = None  # the best k of all it predicted, if it pays
     verdict: str = ""
+    k_policy: str = ""  # the pair's own draft length: "1", "auto"
+    verdict_k: int | None = None  # the k the verdict is on: the pair's, or auto's best
+    judgement: str | None = None  # payoff.judge of the verdict's k: pays / even / loses
     timed_sizes: list[int] = field(default_factory=list)  # the rest of `sizes` interpolated
     repetitions: int = 0  # timed passes per timed size (after a warm-up pass each)
     passes: int = 0  # forward passes timed or warming up, target and draft
@@ -282,6 +278,9 @@ class ProbeResult:
                 for p in self.predictions
             ],
             "recommended_k": self.recommended_k,
+            "k_policy": self.k_policy,
+            "verdict_k": self.verdict_k,
+            "judgement": self.judgement,
             "verdict": self.verdict,
             "passes": self.passes,
             "seconds": round(self.seconds, 2),
@@ -289,10 +288,13 @@ class ProbeResult:
 
 
 def verdict(regime: str, c: float | None, alpha: float | None, best: Prediction | None) -> str:
+    """The verdict on `best` (the prediction at the pair's own k, or the best of its range),
+    in the words every tool uses (payoff.Payoff), with the reasons when it does not pay."""
     if c is None or best is None:
         return f"decoding is {regime} here; no draft to evaluate"
-    if best.speedup >= 1.05:
-        return f"speculation pays: k={best.k} predicts {best.speedup:.2f}x plain decoding"
+    payoff = Payoff(best.k, best.speedup, alpha or 0.0, best.round_cost)
+    if payoff.judgement == "pays":
+        return payoff.sentence()
     reasons = []
     if regime != "memory-bound":
         reasons.append(f"the verify pass is {regime} (checking k tokens costs ~k steps)")
@@ -301,4 +303,6 @@ def verdict(regime: str, c: float | None, alpha: float | None, best: Prediction 
     if alpha is not None and alpha < 0.5:
         reasons.append(f"acceptance is low (α={alpha:.2f})")
     why = "; ".join(reasons) or "the gain is within noise"
-    return f"speculation does not pay here: {why}. Use --no-draft"
+    if payoff.judgement == "even":
+        return f"{payoff.sentence()} ({why}); compare with --no-draft"
+    return f"{payoff.sentence()} ({why}); use --no-draft"

@@ -1,0 +1,116 @@
+"""One verdict, computed one way (issue 47): `probe`, the `generate` hint, the chat's verdict
+line and the `auto` controller all judge a draft by payoff.predicted_speedup, so they agree on
+a pair whose draft pays (an identical copy: always accepted) and one whose draft does not (a
+deranged draft: never accepted), given the same measured costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_spec import GenerationConfig, Stats, generate, load_pair
+from mlx_spec.commands.generate import hint
+from mlx_spec.commands.probe import own_ks, run_probe
+from mlx_spec.core.payoff import PAYS, Payoff, expected_tokens, judge, predicted_speedup
+from mlx_spec.core.policies import Auto, Controller, Fixed, FixedK
+from mlx_spec.measure.verify_cost import predict, verdict
+from tui.widgets import StatsPanel
+
+K = 2
+DRAFT_STEP = 0.25  # a draft step, in plain steps: a round of 2 drafts costs 2 * 0.25 + 1 = 1.5
+ROUND_COST = K * DRAFT_STEP + 1.0  # the verify pass over k+1 tokens costs one step (flat)
+
+
+def test_the_speedup_is_expected_tokens_over_the_round_cost():
+    assert predicted_speedup(0.5, 1, 1.0) == pytest.approx(1.5)
+    assert predicted_speedup(0.5, 2, 1.75) == pytest.approx(1.0)
+    assert predicted_speedup([0.8, 0.5], 2, 2.0) == pytest.approx((1 + 0.8 + 0.4) / 2)
+    assert predicted_speedup(0.9, 3, 0.0) == 0.0
+    assert predicted_speedup(0.7, 4, 1.3) == pytest.approx(expected_tokens([0.7] * 4) / 1.3)
+    assert [judge(s) for s in (PAYS, 1.01, 0.99)] == ["pays", "even", "loses"]
+
+
+def run(tiny_models, draft: str):
+    """A real greedy run of the tiny target with `draft` at k = 2; the run's own policy."""
+    pair = load_pair(
+        target=str(tiny_models.target), draft=str(getattr(tiny_models, draft)), num_draft_tokens=K
+    )
+    result = generate(pair, "Hello there, how are you", GenerationConfig(24, seed=0))
+    return pair, result.stats
+
+
+def with_costs(stats: Stats) -> Stats:
+    """The run's policy with these costs as if measured: a plain step of 1 s, each round
+    ROUND_COST s (the tiny CPU models' real timings are noise)."""
+    policy = stats.policy
+    assert isinstance(policy, FixedK) and policy.plain_step is not None  # prefill timed a step
+    assert policy.first_round is not None and policy.timed_rounds > 0  # the rounds were timed
+    policy.plain_step, policy.first_round = 1.0, ROUND_COST
+    policy.round_seconds = ROUND_COST * policy.timed_rounds
+    return stats
+
+
+@pytest.mark.parametrize(("draft", "pays"), [("copy", True), ("deranged", False)])
+def test_probe_hint_chat_and_controller_agree(tiny_models, draft, pays):
+    pair, stats = run(tiny_models, draft)
+    stats = with_costs(stats)
+    payoff = stats.payoff
+    alpha = payoff.acceptance
+    assert alpha == (1.0 if pays else 0.0)  # copy: always accepted; deranged: never
+    assert payoff.round_cost == pytest.approx(ROUND_COST)
+
+    # the hint on `generate`
+    line = hint(stats)
+    assert ("speculation pays" in line) == pays
+    assert ("does not pay" in line) == (not pays)
+    assert line.startswith("hint: ") == (not pays)
+
+    # probe: the same figures through its prediction (a flat verify curve: T(3) = T(1))
+    flat = {n: 1.0 for n in range(1, 17)}
+    prediction = predict(alpha, DRAFT_STEP, flat, 0.01, [K])[0]
+    assert prediction.speedup == pytest.approx(payoff.speedup)
+    words = verdict("memory-bound", DRAFT_STEP, alpha, prediction)
+    assert words.startswith(payoff.sentence())
+
+    # the chat's verdict line, from the reply's stats as the app receives them
+    chat = StatsPanel.verdict_lines(stats.to_json())
+    assert chat == [f"verdict      {Payoff.from_json(stats.to_json()['payoff']).short()}"]
+    assert chat[0].split()[1].startswith("pays" if pays else "does")
+
+    # the controller, given the same costs and this run's rounds, drafts exactly when it pays
+    controller = Controller(K)
+    controller.calibrate(1.0, DRAFT_STEP)
+    for _ in range(3):
+        for r in stats.records:
+            if r.drafted:
+                controller.update(K, len(r.drafted), r.accepted, ROUND_COST)
+    assert (controller.next() > 0) == pays
+    assert controller.payoff().pays == pays
+    assert (controller.predicted_speedup(K) >= PAYS) == pays
+
+
+def test_nothing_measured_no_verdict():
+    """No policy (plain decoding, or a run too short to time): no hint and no verdict line."""
+    assert hint(Stats()) is None
+    assert StatsPanel.verdict_lines(Stats(num_draft_tokens=2).to_json()) == [
+        "verdict      not measured yet"
+    ]
+    assert FixedK(2).payoff() is None
+
+
+def test_probe_measures_at_the_pairs_own_k(tiny_models):
+    """A pair fixed at k = 2 is sampled and judged at k = 2 (it sampled at 4 and judged the
+    best of 1..10 before); `auto` is judged over the controller's range."""
+    assert own_ks(Fixed(1)) == (1, [1])
+    assert own_ks(Auto()) == (4, list(range(1, 9)))
+    assert own_ks(Auto(3)) == (3, [1, 2, 3])
+    pair = load_pair(
+        target=str(tiny_models.target), draft=str(tiny_models.draft), num_draft_tokens=K
+    )
+    said = []
+    r = run_probe(pair, 32, 0.0, 16, progress=said.append, budget=1e-6)
+    assert any(f"at k={K} " in line for line in said)
+    assert r.verdict_k == K and r.k_policy == str(K)
+    own = next(p for p in r.predictions if p.k == K)
+    assert r.judgement == judge(own.speedup)
+    assert verdict(r.regime, r.draft_cost, r.alpha, own) in r.verdict
+    assert r.to_json()["verdict_k"] == K
