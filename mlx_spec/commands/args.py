@@ -1,6 +1,6 @@
 """The flags several commands share: the pair (--pair / --target / --draft / --drafter …) and
-the number types argparse checks. Loading is imported inside the functions that load: the
-parser is built for `mlx-spec --help`, which must not import MLX and mlx-lm (start-up time).
+the number types argparse checks. Loading is imported inside the functions that load: every
+command's parser is built for each invocation, and only the command that runs needs it.
 """
 
 from __future__ import annotations
