@@ -63,7 +63,7 @@ def test_chat_in_tmux(tiny_models, tmp_path):
         print(shown)
         assert "Tell me a story" in shown
         assert "acceptance" in shown and "tokens       40 in" in shown
-        assert "accepted draft token" in shown and "regenerated" in shown
+        assert "accepted a draft token" in shown and "regenerated" in shown  # the legend
         tmux("send-keys", "-t", session, "C-q")
         wait_for(lambda: exit_file.exists() and exit_file.read_text().strip(), timeout=30)
         assert exit_file.read_text().strip() == "0"
