@@ -12,8 +12,9 @@ import pytest
 from mlx_spec import generate, load_pair
 from mlx_spec.cli import main
 from mlx_spec.errors import SpecError
-from mlx_spec.train.common import Prompt, Settings, read_data
+from mlx_spec.train.common import Prompt, read_data
 from mlx_spec.train.lora import distill
+from mlx_spec.train.settings import Settings
 
 QUICK = dict(steps=40, learning_rate=1e-3, reply_tokens=32, max_length=128, eval_every=10)
 

@@ -237,9 +237,9 @@ def test_the_replies_passes_give_a_separate_passes_features(targets, prefill_col
     import numpy as np
 
     from mlx_spec.train import eagle_head as head_train
-    from mlx_spec.train.common import Settings
     from mlx_spec.train.eagle_head import replies_with_features
     from mlx_spec.train.eagle_ttt import TOP_K, target_features
+    from mlx_spec.train.settings import Settings
 
     pair = load_pair(target=str(targets["qwen3"]), skip_draft=True)
     if prefill_columns:

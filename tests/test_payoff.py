@@ -114,3 +114,23 @@ def test_probe_measures_at_the_pairs_own_k(tiny_models):
     assert r.judgement == judge(own.speedup)
     assert verdict(r.regime, r.draft_cost, r.alpha, own) in r.verdict
     assert r.to_json()["verdict_k"] == K
+
+
+def test_auto_that_never_drafted_still_says_why():
+    """`auto` that paused before drafting anything (the draft step as dear as a target step):
+    no acceptance was measured, but even a draft that is always right loses at the measured
+    costs, and the verdict says so as a bound, quoting no acceptance it did not measure."""
+    controller = Controller(4)
+    controller.calibrate(1.0, 1.4)  # a plain step 1 s, a draft step 1.4 s: nothing can pay
+    assert controller.next() == 0 and controller.drafted_total == 0
+    payoff = controller.payoff()
+    assert payoff is not None and payoff.bound and not payoff.pays
+    assert payoff.speedup < 1.0
+    assert "even a perfect draft" in payoff.sentence() and "at most" in payoff.short()
+    assert "%" not in payoff.figures()  # no acceptance quoted
+    back = Payoff.from_json(payoff.to_json())  # (the chat reads it back from the stats)
+    assert back.bound and back.k == payoff.k and back.short() == payoff.short()
+    # a draft that costs little and is not yet measured: no verdict rather than a guess
+    cheap = Controller(4)
+    cheap.calibrate(1.0, 0.05)
+    assert cheap.payoff() is None

@@ -1,6 +1,7 @@
 """The flags several commands share: the pair (--pair / --target / --draft / --drafter …) and
 the number types argparse checks. Loading is imported inside the functions that load: every
-command's parser is built for each invocation, and only the command that runs needs it.
+command's parser is built for each invocation (`mlx-spec --help` too, which loads neither MLX
+nor mlx-lm), and only the command that runs needs it.
 """
 
 from __future__ import annotations
@@ -8,9 +9,21 @@ from __future__ import annotations
 import argparse
 
 from ..core.policies import Auto, Fixed
-from ..core.sampling import check_seed
-from ..drafters import KINDS
 from ..errors import SpecError
+
+# The package's drafter kinds and their help, for --drafter's help without importing the
+# kinds' modules (they load MLX and mlx-lm: `mlx-spec --help` took ~1.3 s); tests/test_cli.py
+# checks it equals the registry. The kind named is checked where the pair's config is built
+# (drafters.kind), which also knows kinds registered at run time.
+DRAFTER_KINDS = {
+    "model": "the draft model",
+    "ngram": "prompt lookup in the context, no second model",
+    "ngram+model": "lookup first, the draft model when lookup finds nothing",
+    "eagle3": "an EAGLE-3 head (--head DIR): drafts from three of the target's layers",
+    "mtp": "the target's own multi-token-prediction layer (--head DIR from mlx-spec heads "
+    "extract, or the original checkpoint: extracted once into the cache)",
+    "dflash": "a DFlash block-diffusion head (z-lab): one forward drafts a block",
+}
 
 DEFAULT_PAIR = "smollm2-demo"
 
@@ -35,6 +48,8 @@ def nonnegative_int(text: str) -> int:
 
 def seed(text: str) -> int:
     """--seed: an integer in [0, 2**64), the range MLX's random keys accept."""
+    from ..core.sampling import check_seed  # (loads mlx-lm: only when a seed is given)
+
     try:
         return check_seed(int_at_least(text, 0))
     except SpecError:
@@ -76,8 +91,8 @@ def add_pair_args(parser: argparse.ArgumentParser, adapter: bool = True) -> None
     g.add_argument("--no-draft", action="store_true", help="plain decoding (the baseline)")
     g.add_argument(
         "--drafter",
-        choices=list(KINDS),
-        help="; ".join(f"{name}: {kind.help}" for name, kind in KINDS.items()),
+        metavar="KIND",
+        help="; ".join(f"{name}: {text}" for name, text in DRAFTER_KINDS.items()),
     )
     g.add_argument(
         "--head",

@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..models.model_dir import new_output_dir
-
 
 def setup_arg_parser(parser):
     parser.add_argument("gguf", help="the .gguf file")
@@ -21,6 +19,7 @@ def setup_arg_parser(parser):
 
 def main(args):
     from ..models.gguf import convert
+    from ..models.model_dir import new_output_dir
 
     out = new_output_dir(args.out)
     start = time.perf_counter()

@@ -27,8 +27,7 @@ def fraction(text: str) -> float:
 
 
 def setup_arg_parser(parser):
-    from ..train.common import LOSSES, Settings
-    from ..train.eagle_head import HeadSettings
+    from ..train.settings import LOSSES, HeadSettings, Settings
 
     d, h = Settings(), HeadSettings()
 
@@ -129,8 +128,7 @@ def setup_arg_parser(parser):
 
 
 def settings_from_args(args):
-    from ..train.common import Settings
-    from ..train.eagle_head import HeadSettings
+    from ..train.settings import HeadSettings, Settings
 
     head = args.drafter == "eagle3"
     d = HeadSettings() if head else Settings()
@@ -204,7 +202,7 @@ class Bar:
 
 
 def main(args):
-    from ..drafters import KINDS
+    from ..drafters import kind
     from ..pairs.loading import NO_ADAPTER
     from ..train.common import read_data
     from ..train.lora import distill, format_table
@@ -213,7 +211,7 @@ def main(args):
         return main_head(args)
     if args.head:
         raise SpecError("--head is for --drafter eagle3 (the head to fine-tune)")
-    if args.no_draft or (args.drafter and not KINDS[args.drafter].needs_model):
+    if args.no_draft or (args.drafter and not kind(args.drafter).needs_model):
         flag = "--no-draft" if args.no_draft else f"--drafter {args.drafter}"
         raise SpecError(f"distill trains a draft model; drop {flag}")
     settings = settings_from_args(args)

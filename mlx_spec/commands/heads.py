@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import time
 
-from ..drafters.mtp_extract import extract
-from ..models.model_dir import new_output_dir
-
 
 def setup_arg_parser(parser):
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -21,6 +18,9 @@ def setup_arg_parser(parser):
 
 
 def main(args):
+    from ..drafters.mtp_extract import extract
+    from ..models.model_dir import new_output_dir
+
     out = new_output_dir(args.out)
     start = time.perf_counter()
     extract(args.source, out, args.bits, args.group_size)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from ..pairs.loading import pair_downloaded
-from ..pairs.registry import load_registry, user_file
-
 
 def setup_arg_parser(parser):
     pass
@@ -23,6 +20,9 @@ def describe_draft(spec) -> str:
 
 
 def main(args):
+    from ..pairs.loading import pair_downloaded
+    from ..pairs.registry import load_registry, user_file
+
     registry = load_registry()
     print(f"{'pair':<20} {'k':>4}  {'downloaded':<10}  target / draft")
     for name, spec in registry.pairs.items():

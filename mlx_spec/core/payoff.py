@@ -69,6 +69,9 @@ class Payoff:
     speedup: float
     acceptance: float
     round_cost: float
+    # an upper bound: nothing was drafted, and even a draft the target always accepted would
+    # not pay at the measured costs (acceptance is then the 100 % assumed, not measured)
+    bound: bool = False
 
     @classmethod
     def of(cls, acceptance: float, k: int, round_cost: float) -> Payoff:
@@ -83,11 +86,16 @@ class Payoff:
         return self.judgement == "pays"
 
     def figures(self) -> str:
-        return f"acceptance {self.acceptance:.0%}, a round costs {self.round_cost:.2f} plain steps"
+        cost = f"a round costs {self.round_cost:.2f} plain steps"
+        if self.bound:
+            return f"{cost}, even if every draft token were accepted (none was tried)"
+        return f"acceptance {self.acceptance:.0%}, {cost}"
 
     def sentence(self) -> str:
         """The verdict in the words every tool uses."""
         at = f"k={self.k} predicts {self.speedup:.2f}x plain decoding"
+        if self.bound:
+            at = f"even a perfect draft at k={self.k} predicts at most {self.speedup:.2f}x"
         if self.judgement == "pays":
             return f"speculation pays: {at}"
         if self.judgement == "even":
@@ -97,11 +105,12 @@ class Payoff:
     def short(self) -> str:
         """The chat panel's form: "pays, 1.22x at k=1"."""
         word = {"pays": "pays", "even": "even", "loses": "does not pay"}[self.judgement]
-        return f"{word}, {self.speedup:.2f}x at k={self.k}"
+        most = "at most " if self.bound else ""
+        return f"{word}, {most}{self.speedup:.2f}x at k={self.k}"
 
     @classmethod
     def from_json(cls, d: dict) -> Payoff:
-        return cls(d["k"], d["speedup"], d["acceptance"], d["round_cost"])
+        return cls(d["k"], d["speedup"], d["acceptance"], d["round_cost"], d.get("bound", False))
 
     def to_json(self) -> dict:
         return {
@@ -110,4 +119,5 @@ class Payoff:
             "acceptance": round(self.acceptance, 4),
             "round_cost": round(self.round_cost, 3),
             "verdict": self.judgement,
+            "bound": self.bound,
         }

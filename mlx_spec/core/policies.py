@@ -404,6 +404,12 @@ class Controller:
         """The verdict on the best draft length (k >= 1) by the estimates this run made: it
         pays when the controller drafts, and loses when it decodes plainly."""
         plain = self.round_time(0)
+        if plain and not self.drafted_total and self.best(optimistic=True)[0] == 0:
+            # nothing drafted, and even a draft that is always right loses at these costs
+            k, speed = self.best(optimistic=True, lowest=1)
+            t = self.round_time(k, optimistic=True)
+            if t is not None:
+                return Payoff(k, speed * plain, 1.0, t / plain, bound=True)
         k = self.best(lowest=1)[0]
         t = self.round_time(k)
         if not plain or t is None or not self.drafted_total:

@@ -16,9 +16,7 @@ import numpy as np
 from ..decode.engine import generate
 from ..decode.prompts import encode_prompt
 from ..errors import SpecError
-
-LOSSES = ("tv", "kl")
-
+from .settings import Settings
 
 SEQUENCES_FILE = "sequences.json"
 
@@ -102,45 +100,6 @@ class Prompt:
     @staticmethod
     def chat(text: str) -> Prompt:
         return Prompt(messages=({"role": "user", "content": text},))
-
-
-@dataclass
-class Settings:
-    steps: int = 200
-    batch_size: int = 4
-    learning_rate: float = 1e-4
-    rank: int = 8
-    scale: float = 20.0  # mlx-lm's default LoRA scale
-    num_layers: int = -1  # LoRA in the last N blocks (-1: all)
-    loss: str = "tv"
-    reply_tokens: int = 64  # tokens of each target reply
-    max_length: int = 256  # longest training sequence (a prompt's start is cut beyond it)
-    held_out: float = 0.2  # share of prompts never trained on
-    eval_every: int = 25
-    save_every: int = 25
-    seed: int = 0
-    temperature: float = 1.0  # the target's replies are sampled at this temperature
-    k: int = 4  # draft length when measuring tokens per target pass
-    eval_prompts: int = 4  # held-out prompts decoded with the pair to count tokens per pass
-    max_prompts: int | None = None
-
-    def check(self) -> None:
-        if self.loss not in LOSSES:
-            raise SpecError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
-        if not 0 < self.held_out < 1:
-            raise SpecError(f"--held-out must be in (0, 1), got {self.held_out}")
-        if self.reply_tokens >= self.max_length:
-            raise SpecError("--reply-tokens must be below --max-length")
-        if not self.learning_rate > 0:
-            raise SpecError(f"--learning-rate must be > 0, got {self.learning_rate}")
-        if self.temperature < 0:
-            raise SpecError(f"--temp must be >= 0, got {self.temperature}")
-
-    def training_key(self) -> dict:
-        """What a resumed run must share with the run it continues (all but the length)."""
-        return {
-            k: v for k, v in asdict(self).items() if k not in ("steps", "eval_every", "save_every")
-        }
 
 
 def read_data(path: str | None, max_prompts: int | None = None, seed: int = 0) -> list[Prompt]:

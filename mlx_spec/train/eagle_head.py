@@ -47,7 +47,6 @@ from .common import (
     SEQUENCES_FILE,
     TOKENS,
     Sequence,
-    Settings,
     State,
     batch_indices,
     before_after,
@@ -82,26 +81,6 @@ from .eagle_ttt import (
 
 OPTIMIZER = "optimizer/moments.safetensors"  # not in the head's folder: it loads *.safetensors
 PREFILL_FLOATS = 2**27  # logits one prefill chunk of a reply batch holds (512 MB in float32)
-
-
-@dataclasses.dataclass
-class HeadSettings(Settings):
-    """distill's settings (data, replies, held-out share, checkpoints) and the head's."""
-
-    steps: int = 300
-    batch_size: int = 8
-    learning_rate: float = 5e-4
-    ttt_steps: int = 7  # draft steps trained (EAGLE-3: 7)
-    ttt_warmup: int = 0  # the first steps train draft step 1 alone (see train_head)
-    draft_vocab: int = 4096  # tokens the head can propose (the replies' most frequent)
-    intermediate: int | None = None  # the head's MLP width (default: the target's)
-    half: bool = True  # write float16 weights
-    reply_tokens: int = 96
-
-    def check(self) -> None:
-        super().check()
-        if self.ttt_steps < 1 or self.draft_vocab < 2:
-            raise SpecError("--ttt-steps must be >= 1 and --draft-vocab >= 2")
 
 
 # ----------------------------------------------------------------------------- the run

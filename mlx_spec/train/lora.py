@@ -31,7 +31,6 @@ from .common import (
     TOKENS,
     Prompt,
     Sequence,
-    Settings,
     State,
     batch_indices,
     before_after,
@@ -46,6 +45,7 @@ from .common import (
     write_json,
     write_sequences,
 )
+from .settings import Settings
 
 # ----------------------------------------------------------------------------- data
 
