@@ -350,6 +350,18 @@ def check_cache(decoder, pair, layers_of, target_cfg_or_none, weights, embed):
     np.testing.assert_allclose(np.array(keys), np.array(k_ref), atol=2e-4, rtol=1e-3)
 
 
+def check_sglang_cache(decoder, pair, heads, target_cfg):
+    """`check_cache` for the tiny target's head in the SGLang convention (the fixtures')."""
+    check_cache(
+        decoder,
+        pair,
+        lambda toks: ref_layer_outputs(pair.target, target_cfg, toks),
+        target_cfg,
+        heads["weights"],
+        pair.target.model.embed_tokens.weight,
+    )
+
+
 def test_the_cache_holds_the_sequence_after_rejections(eagle_pair, heads, target_cfg):
     decoder = make_decoder(eagle_pair)
     res = generate(eagle_pair, PROMPTS[1], max_tokens=40, num_draft_tokens=3, decoder=decoder)
@@ -357,14 +369,7 @@ def test_the_cache_holds_the_sequence_after_rejections(eagle_pair, heads, target
     assert res.stats.drafted - res.stats.accepted > 10  # rejection-heavy: a random head
 
     def check():
-        check_cache(
-            decoder,
-            eagle_pair,
-            lambda toks: ref_layer_outputs(eagle_pair.target, target_cfg, toks),
-            target_cfg,
-            heads["weights"],
-            eagle_pair.target.model.embed_tokens.weight,
-        )
+        check_sglang_cache(decoder, eagle_pair, heads, target_cfg)
 
     check()
     # a follow-up turn reuses the cache: the head stays consistent
@@ -390,14 +395,7 @@ def test_a_reply_without_drafts_leaves_the_cache_reusable(eagle_pair, heads, tar
     assert res.stats.prompt_tokens_reused >= held  # from the gap on, not from nothing
     assert res.stats.prompt_tokens_reused < len(more)  # the plain stretch computed again
     assert res.tokens == reference(eagle_pair, follow, 16)
-    check_cache(
-        decoder,
-        eagle_pair,
-        lambda toks: ref_layer_outputs(eagle_pair.target, target_cfg, toks),
-        target_cfg,
-        heads["weights"],
-        eagle_pair.target.model.embed_tokens.weight,
-    )
+    check_sglang_cache(decoder, eagle_pair, heads, target_cfg)
 
 
 def test_a_recurrent_target_replays_and_the_head_follows(tiny_models, tmp_path):

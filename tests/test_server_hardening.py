@@ -250,3 +250,29 @@ def test_deeply_nested_tools_are_400(server):
     r = request("POST", url + "/chat/completions", chat_body(tools=[tool]))
     one_400(r, "nests deeper")
     still_serving(proc, url)
+
+
+def test_an_unknown_field_named_with_crlf_is_still_answered(server):
+    """Unknown fields are named in X-Ignored-Fields; a name holding CR/LF once made h11 refuse
+    the header after the whole generation (a 500). Now the name is cleaned."""
+    proc, url = server
+    body = json.dumps({**chat_body(), "x\r\ninjected: 1": 1, "caf\u00e9": 2}).encode()
+    r = request("POST", url + "/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"]
+    still_serving(proc, url)
+
+
+def test_one_key_cannot_push_anothers_stored_responses_out():
+    """The Responses store is shared and bounded; a key that stores many responses evicts its
+    own oldest first, past its share, and another key's conversation stays."""
+    from mlx_spec.server.responses import PER_KEY_SHARE, ResponseStore
+
+    store = ResponseStore(max_items=8, max_bytes=1 << 20)
+    store.put("b", "resp_b", {"output": ["b's"]})
+    for i in range(50):
+        store.put("a", f"resp_a{i}", {"output": [i]})
+    assert store.get("b", "resp_b") == {"output": ["b's"]}
+    assert sum(1 for p, _ in store.entries if p == "a") == 8 // PER_KEY_SHARE
+    assert store.get("a", "resp_a49") is not None and store.get("a", "resp_a0") is None
+    assert store.get("a", "resp_b") is None  # another key's id: not found for this one

@@ -377,8 +377,10 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
             return errors(err)
         headers = {}
         if req.ignored:
-            names = [n[:64] for n in req.ignored[:32]]
-            headers["X-Ignored-Fields"] = ", ".join(names).encode("ascii", "replace").decode()
+            # printable ASCII only: a client's field name with CR/LF would make h11 refuse the
+            # header after the whole generation (a 500)
+            names = [re.sub(r"[^\x21-\x7e]", "?", n[:64]) for n in req.ignored[:32]]
+            headers["X-Ignored-Fields"] = ", ".join(names)
             new = [n for n in names if n not in logged]
             if new and len(logged) < 1024:
                 logged.update(new)
@@ -427,7 +429,14 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
                 message = f"tokens are counted for the resident pair ({engine.name}) only"
                 raise ApiError(400, message, "model")
             req.parse_special = settings.parse_special
-            await prepare(engine, req, prompt_pool)
+            if engine.pair is None:  # loading or swapping: nothing to count with
+                raise ApiError(503, "the pair is loading; retry", code="loading")
+            # as a generation's: one request of a key at a time in the pool, within the timeout
+            async with preparing.setdefault(partition, asyncio.Semaphore(1)):
+                await asyncio.wait_for(prepare(engine, req, prompt_pool), settings.request_timeout)
+        except TimeoutError:
+            count("count_tokens", 504, partition)
+            return anthropic.error_response(ApiError(504, "counting timed out"))
         except ApiError as err:
             count("count_tokens", err.status, partition)
             return anthropic.error_response(err)

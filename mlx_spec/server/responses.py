@@ -23,6 +23,7 @@ from .protocol import ApiError, GenRequest, Limits, bad, parse_chat
 from .streaming import Encoder, sse
 
 MAX_STORED = 256
+PER_KEY_SHARE = 4  # one key holds at most a quarter of the store
 MAX_STORED_BYTES = 64 << 20
 # accepted; those not listed here are named in X-Ignored-Fields
 KNOWN = {
@@ -73,14 +74,25 @@ class ResponseStore:
         return self.entries[key][0]
 
     def put(self, partition: str, rid: str, entry: dict) -> None:
-        size = len(json.dumps(entry, ensure_ascii=False).encode())
-        if size > self.max_bytes:
+        # parsed JSON takes a few times its text in memory: count it at 3x
+        size = 3 * len(json.dumps(entry, ensure_ascii=False).encode())
+        if size > self.max_bytes // PER_KEY_SHARE:
             return
         self.entries[(partition, rid)] = (entry, size)
         self.bytes += size
+        # one key's own oldest first once it holds its share, so that a key storing many
+        # responses cannot push every other key's conversations out
+        mine = [k for k in self.entries if k[0] == partition]
+        while len(mine) > self.max_items // PER_KEY_SHARE or self.mine_bytes(mine) > (
+            self.max_bytes // PER_KEY_SHARE
+        ):
+            self.bytes -= self.entries.pop(mine.pop(0))[1]
         while len(self.entries) > self.max_items or self.bytes > self.max_bytes:
             _, (_, dropped) = self.entries.popitem(last=False)
             self.bytes -= dropped
+
+    def mine_bytes(self, keys: list) -> int:
+        return sum(self.entries[k][1] for k in keys)
 
 
 def not_found(rid) -> ApiError:
@@ -473,6 +485,9 @@ class ResponsesEncoder(Encoder):
         return out
 
     def done(self, outcome) -> list[dict]:
+        cut = outcome.finish_reason == "length" and self.open == "message"
+        if cut:  # the item's own done event must say what the final response says
+            self.items[-1]["status"] = "incomplete"
         out = self.close()
         body = self.finished(outcome)
         name = "response.completed" if body["status"] == "completed" else "response.incomplete"
