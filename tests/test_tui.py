@@ -779,3 +779,15 @@ def test_chat_with_a_bad_pair_is_one_line_before_the_app(argv, words):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0].lower(), run.stderr
     assert run.stdout == ""
+
+
+@pytest.mark.real_model
+async def test_the_docs_screenshot_is_made_as_the_docs_say(tmp_path):
+    """`python -m tui.screenshot` (docs/chat.md) runs the app with the demo pair and writes
+    its SVG; it once still passed max_tokens= to ChatApp after the app took a GenerationConfig."""
+    from tui.screenshot import screenshot
+
+    out = tmp_path / "chat.svg"
+    await screenshot(out, ["What is the capital of France?"])
+    svg = out.read_text()
+    assert svg.startswith("<svg") and "smollm2-demo" in svg and "accepted" in svg

@@ -15,12 +15,12 @@ QUESTIONS = ["What is the capital of France?", "Write two lines about the sea."]
 
 
 async def screenshot(out: Path, questions: list[str], size=(110, 36)) -> None:
-    from mlx_spec import load_pair
+    from mlx_spec import GenerationConfig, load_pair
 
     from .app import ChatApp
 
     pair = load_pair("smollm2-demo")  # its shipped head, at the k it fixes (1)
-    app = ChatApp(pair, pair_name="smollm2-demo", max_tokens=60)
+    app = ChatApp(pair, pair_name="smollm2-demo", generation=GenerationConfig(max_tokens=60))
     async with app.run_test(size=size) as pilot:
         for question in questions:
             await pilot.click("#prompt")
