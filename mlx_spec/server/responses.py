@@ -9,7 +9,7 @@ serve it. `ResponsesEncoder` writes the job's items as a Response object or as t
 stream the `openai` SDK reads. A stored response (store: true, the default) keeps its whole
 conversation, its input and its output, for a later `previous_response_id`: per partition
 (API key), never visible to another, least recently used dropped first past a count and a
-size in bytes (all keys together).
+size in bytes (all keys together; one key holds at most a quarter, its own oldest going first).
 """
 
 from __future__ import annotations
