@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from . import anthropic
 from .connections import HEAD_TIMEOUT, SEND_TIMEOUT
-from .keymetrics import KeyMetrics, key_metrics_text
+from .keymetrics import Exposition, KeyMetrics, key_metrics_text
 from .openapi import document as openapi_document
 from .prompts import make_pool, prepare
 from .protocol import ApiError, GenRequest, Limits, parse_chat, parse_completion
@@ -271,17 +271,8 @@ def finite_float(text: str) -> float:
 
 
 def metrics_text(engine: Engine) -> str:
-    m = engine.metrics
-    lines = []
-
-    def metric(name, kind, help_text, samples):
-        lines.append(f"# HELP mlx_spec_{name} {help_text}")
-        lines.append(f"# TYPE mlx_spec_{name} {kind}")
-        for labels, value in samples:
-            lines.append(f"mlx_spec_{name}{labels} {value}")
-
-    requests = [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(m.requests.items())]
-    metric("requests_total", "counter", "Requests answered, by endpoint and status.", requests)
+    m, out = engine.metrics, Exposition()
+    out.requests(m.requests, "Requests answered, by endpoint and status.")
     counters = [
         ("prompt_tokens_total", "Prompt tokens.", m.prompt_tokens),
         ("prompt_tokens_cached_total", "Prompt tokens reused from a kept KV cache.",
@@ -298,8 +289,7 @@ def metrics_text(engine: Engine) -> str:
         ("cancelled_total", "Jobs stopped because their client disconnected.", m.cancelled),
         ("timeouts_total", "Jobs stopped by the request timeout.", m.timeouts),
     ]  # fmt: skip
-    for name, help_text, value in counters:
-        metric(name, "counter", help_text, [("", value)])
+    out.each("counter", counters)
     rate = m.accepted / m.drafted if m.drafted else 0.0
     gauges = [
         ("acceptance_rate", "Accepted / drafted draft tokens since start.", round(rate, 4)),
@@ -322,16 +312,15 @@ def metrics_text(engine: Engine) -> str:
          "Mean target rows per batched pass since start: requests x (drafted + 1).",
          round(m.batch_target_rows / m.batch_passes, 4) if m.batch_passes else 0.0),
     ]  # fmt: skip
-    for name, help_text, value in gauges:
-        metric(name, "gauge", help_text, [("", value)])
+    out.each("gauge", gauges)
     buckets, total = [], 0
     for bound, n in zip(BATCH_BUCKETS, m.batch_hist, strict=True):
         total += n
         buckets.append((f'_bucket{{le="{bound}"}}', total))
     buckets += [('_bucket{le="+Inf"}', m.batch_passes), ("_sum", m.batch_rows)]
     buckets.append(("_count", m.batch_passes))
-    metric("batch_size_passes", "histogram", "Batched passes by their requests.", buckets)
-    return "\n".join(lines) + "\n"
+    out.metric("batch_size_passes", "histogram", "Batched passes by their requests.", buckets)
+    return out.text()
 
 
 def create_app(engine: Engine, settings: Settings) -> Starlette:

@@ -65,19 +65,36 @@ class KeyMetrics:
         return match and scheme.lower() == "bearer"
 
 
+class Exposition:
+    """Prometheus' text format, one family at a time: the writer the whole server's /metrics
+    and a key's own view share (their names are the same)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def metric(self, name: str, kind: str, help_text: str, samples) -> None:
+        self.lines.append(f"# HELP mlx_spec_{name} {help_text}")
+        self.lines.append(f"# TYPE mlx_spec_{name} {kind}")
+        for labels, value in samples:
+            self.lines.append(f"mlx_spec_{name}{labels} {value}")
+
+    def each(self, kind: str, rows) -> None:
+        """(name, help, value) rows of unlabelled samples of one kind."""
+        for name, help_text, value in rows:
+            self.metric(name, kind, help_text, [("", value)])
+
+    def requests(self, counts: dict, help_text: str) -> None:
+        samples = [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(counts.items())]
+        self.metric("requests_total", "counter", help_text, samples)
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
 def key_metrics_text(figures: KeyFigures, waiting: int) -> str:
     """The Prometheus text of one key's own figures (the names of the global view)."""
-    lines = []
-
-    def metric(name, kind, help_text, samples):
-        lines.append(f"# HELP mlx_spec_{name} {help_text}")
-        lines.append(f"# TYPE mlx_spec_{name} {kind}")
-        for labels, value in samples:
-            lines.append(f"mlx_spec_{name}{labels} {value}")
-
-    f = figures
-    requests = [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(f.requests.items())]
-    metric("requests_total", "counter", "This key's requests, by endpoint and status.", requests)
+    out, f = Exposition(), figures
+    out.requests(f.requests, "This key's requests, by endpoint and status.")
     counters = [
         ("prompt_tokens_total", "Prompt tokens of this key's requests.", f.prompt_tokens),
         ("prompt_tokens_cached_total", "Of them, reused from a kept KV cache.",
@@ -90,9 +107,13 @@ def key_metrics_text(figures: KeyFigures, waiting: int) -> str:
          f.cancelled),
         ("timeouts_total", "This key's requests stopped by the request timeout.", f.timeouts),
     ]  # fmt: skip
-    for name, help_text, value in counters:
-        metric(name, "counter", help_text, [("", value)])
+    out.each("counter", counters)
     rate = f.accepted / f.drafted if f.drafted else 0.0
-    metric("acceptance_rate", "gauge", "Accepted / drafted for this key.", [("", round(rate, 4))])
-    metric("queue_waiting", "gauge", "This key's requests waiting for the engine.", [("", waiting)])
-    return "\n".join(lines) + "\n"
+    out.each(
+        "gauge",
+        [
+            ("acceptance_rate", "Accepted / drafted for this key.", round(rate, 4)),
+            ("queue_waiting", "This key's requests waiting for the engine.", waiting),
+        ],
+    )
+    return out.text()
