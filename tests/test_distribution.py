@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_spec.decode.engine as engine
+import mlx_spec.decode.rounds as rounds
 from mlx_spec import Decoder, SamplingParams, load_pair
 from mlx_spec.core.sampling import probabilities
 from mlx_spec.drafters import ModelDrafter
@@ -100,7 +100,7 @@ def sample_and_match(draft_tokens, p, q, key):
     return n, target_samples[n]
 
 
-engine_verify = engine.verify_stochastic
+engine_verify = rounds.verify_stochastic
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
@@ -136,7 +136,7 @@ def test_first_two_tokens_follow_the_target_with_a_draft_adapter(tiny_models, tm
 def test_wrong_rules_fail_the_same_check(small_pair, monkeypatch, wrong_rule):
     params = SamplingParams(temperature=1.0)
     probs = exact_joint(small_pair, params)
-    monkeypatch.setattr(engine, "verify_stochastic", wrong_rule)
+    monkeypatch.setattr(rounds, "verify_stochastic", wrong_rule)
     counts = first_two(small_pair, params, runs=1500)
     stat, threshold = chi_square(counts, probs)
     print(f"{wrong_rule.__name__}: chi-square {stat:.1f} (threshold {threshold:.1f})")
@@ -146,7 +146,7 @@ def test_wrong_rules_fail_the_same_check(small_pair, monkeypatch, wrong_rule):
 def test_sample_and_match_is_lossless_too(small_pair, monkeypatch):
     params = SamplingParams(temperature=1.0)
     probs = exact_joint(small_pair, params)
-    monkeypatch.setattr(engine, "verify_stochastic", sample_and_match)
+    monkeypatch.setattr(rounds, "verify_stochastic", sample_and_match)
     stat, threshold = chi_square(first_two(small_pair, params, runs=1500), probs)
     assert stat < threshold
 
@@ -172,7 +172,7 @@ def test_acceptance_rate_is_sum_of_min_p_q(small_pair, monkeypatch):
     measured = first_position_acceptance(small_pair, params, runs)
     print(f"acceptance {measured:.3f}, sum min(p,q) {expected:.3f}, sum p*q {sample_match:.3f}")
     assert abs(measured - expected) < tolerance
-    monkeypatch.setattr(engine, "verify_stochastic", sample_and_match)
+    monkeypatch.setattr(rounds, "verify_stochastic", sample_and_match)
     theirs = first_position_acceptance(small_pair, params, runs)
     assert abs(theirs - sample_match) < 4 * math.sqrt(sample_match * (1 - sample_match) / runs)
     assert measured > theirs + 0.1

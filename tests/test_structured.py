@@ -19,7 +19,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from test_distribution import accept_everything, chi_square
 
-import mlx_spec.decode.engine as engine
+import mlx_spec.decode.rounds as rounds
 from mlx_spec import Decoder, SamplingParams, SpecError, generate, load_pair
 from mlx_spec.core.grammar import JSON_OPTIONS, Constraint
 from mlx_spec.core.sampling import probabilities
@@ -308,7 +308,7 @@ def test_trusting_forced_tokens_fails_the_same_check(dist_setup, monkeypatch):
     """Keeping every forced guess unverified is wrong (another tokenization of the forced
     bytes may be likelier); the harness sees it."""
     pair, prompt, params, joint = dist_setup
-    monkeypatch.setattr(engine, "verify_stochastic", accept_everything)
+    monkeypatch.setattr(rounds, "verify_stochastic", accept_everything)
     counts, _, _ = sampled_pairs(pair, prompt, params, 1500, None)
     stat, threshold = statistic_lenient(counts, joint)
     print(f"forced guesses trusted: chi-square {stat:.1f} (threshold {threshold:.1f})")

@@ -6,8 +6,8 @@ and, with a draft model, one for the draft. Each round (`step`):
 1. every row proposes up to k tokens: the draft model batched the same way (one forward over the
    B rows per draft step), or prompt lookup in the row's own context;
 2. ONE target pass over (B, K+1) tokens, K the longest proposal: `[last, x1..xk, pad..]` a row;
-3. each row is verified on its own rows of logits by the single-stream functions
-   (`verify_greedy`, `verify_stochastic`) under its own sampling settings and random key, which
+3. each row is verified on its own rows of logits by the function the single stream uses
+   (`rounds.verify`) under its own sampling settings and random key, which
    it splits exactly as `engine.Decoder` does, so a seeded row samples what it would alone;
 4. each row forgets what it rejected (`rollback_rows`).
 
@@ -67,7 +67,6 @@ from mlx_lm.models.cache import (
 from mlx_lm.utils import common_prefix_len
 
 from ..core import caches
-from ..core.acceptance import verify_greedy, verify_stochastic
 from ..core.batch_policy import BatchController
 from ..core.policies import Auto, DraftLength, Fixed, draft_length
 from ..core.sampling import SamplingParams, check_seed, probabilities, sample
@@ -77,7 +76,7 @@ from ..errors import SpecError
 from .config import GenerationConfig
 from .events import Result, RoundRecord, token_kind
 from .prompts import prompt_tokens
-from .rounds import Round, pad_vocab, point_mass
+from .rounds import Round, cut_at_end, verify
 
 # drafter kinds a batch can run: a draft model batched like the target, or lookup per row
 BATCHED_KINDS = ("model", "ngram")
@@ -585,13 +584,8 @@ class BatchDecoder:
                 token = sample(probabilities(logits[0], params), r.next_key())
             return mx.stack([mx.array(0), token.astype(mx.int32)]).astype(mx.int32)
         x = drafts[:k].astype(mx.uint32)  # (k,)
-        if params.greedy:
-            n, token = verify_greedy(x, logits)
-        else:
-            p = probabilities(logits, params)  # (k+1, vocab)
-            q = q[:k] if q is not None else point_mass(x, p.shape[-1])
-            vocab = max(p.shape[-1], q.shape[-1])
-            n, token = verify_stochastic(x, pad_vocab(p, vocab), pad_vocab(q, vocab), r.next_key())
+        key = None if params.greedy else r.next_key()
+        n, token = verify(x, logits, params, q[:k] if q is not None else None, key)
         return mx.stack([n, token]).astype(mx.int32)
 
     def _draft(self, requested: list[int], keys: list) -> tuple[mx.array, list]:
@@ -633,10 +627,7 @@ class BatchDecoder:
         for b, (r, (n, token)) in enumerate(zip(rows, out, strict=True)):
             k = lengths[b]
             proposal = drafted[b][:k]
-            kept = proposal[:n] + [token]
-            stop = next((i for i, t in enumerate(kept) if t in self.eos), None)
-            if stop is not None:  # an end token among the accepted: what follows is dropped
-                kept = kept[: stop + 1]
+            kept, stop = cut_at_end(proposal[:n] + [token], self.eos)
             held.append(len(kept) - 1)
             if r.lookup is not None:
                 r.lookup.commit(kept)

@@ -20,7 +20,6 @@ from mlx_lm.generate import wired_limit
 from mlx_lm.utils import common_prefix_len
 
 from ..core import caches
-from ..core.acceptance import verify_greedy, verify_stochastic
 from ..core.hidden import capturing
 from ..core.policies import Controller, DraftLength, FixedK, Policy
 from ..core.processors import LogitsProcessor
@@ -33,7 +32,7 @@ from ..models import distributed
 from .config import GenerationConfig
 from .events import Event, Result, event_batches
 from .prompts import constraint_for, prompt_tokens
-from .rounds import Round, pad_vocab, point_mass, read_logprobs, target_logprobs
+from .rounds import Round, cut_at_end, read_logprobs, target_logprobs, verify
 
 # A recurrent target re-feeds the tokens of rejected rounds (see Decoder); past this many, the
 # next round drafts nothing, so its pass cannot be rejected and the replay ends. Measured
@@ -323,16 +322,8 @@ class Decoder:
         # row i is the distribution after sequence + x1..xi: the same transform the draft saw
         path = proposal if proposal is not None else draft_tokens
         logits = apply_processors(processors, self.sequence, path, logits)
-        if params.greedy:
-            n, next_token = verify_greedy(draft_tokens, logits)
-        else:
-            p = probabilities(logits, params)  # (k+1, vocab)
-            if q is None:  # a deterministic drafter: q is a point mass on each guess
-                q = point_mass(draft_tokens, p.shape[-1])
-            vocab = max(p.shape[-1], q.shape[-1])
-            n, next_token = verify_stochastic(
-                draft_tokens, pad_vocab(p, vocab), pad_vocab(q, vocab), self._next_key()
-            )
+        verify_key = None if params.greedy else self._next_key()
+        n, next_token = verify(draft_tokens, logits, params, q, verify_key)
         out = mx.concatenate([mx.stack([n, next_token]).astype(mx.int32), draft_tokens])
         lp = None
         if logprobs is not None:  # row i emits x_(i+1) while i < n, then next_token
@@ -344,10 +335,7 @@ class Decoder:
         mx.eval(out, self.key, *[a for a in lp or () if a is not None], *output.hidden.values())
         n, next_token, *drafted = out.tolist()
         kept = drafted[:n] + [next_token]
-        # cut at the first end-of-sequence token; it stays in `sequence`, not in the output
-        stop = next((i for i, t in enumerate(kept) if t in self.eos), None)
-        if stop is not None:
-            kept = kept[: stop + 1]
+        kept, stop = cut_at_end(kept, self.eos)
         # the target ran on the unfed tokens + x1..xk; it must hold them + every kept token
         # but the new last one
         rejected = k + 1 - len(kept)

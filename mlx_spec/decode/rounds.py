@@ -1,6 +1,7 @@
-"""One verify round as the decoder reports it (`Round`), and the small array helpers the
-single-stream and batched rounds share: the target's log-probabilities, a point mass for a
-forced token, a vocabulary padded to the target's width.
+"""One verify round as the decoder reports it (`Round`), and what the single-stream and
+batched rounds share: the verification of a row's draft, the cut at an end token, the
+target's log-probabilities, a point mass for a forced token, a vocabulary padded to the
+target's width. Written once, so a fix in one decoder cannot be missing in the other.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..core.acceptance import verify_greedy, verify_stochastic
+from ..core.sampling import SamplingParams, probabilities
 from ..drafters import TargetOutput
 
 
@@ -75,3 +78,30 @@ def pad_vocab(a: mx.array, size: int) -> mx.array:
     if extra <= 0:
         return a
     return mx.concatenate([a, mx.zeros((*a.shape[:-1], extra), a.dtype)], axis=-1)
+
+
+def verify(
+    draft_tokens: mx.array,
+    logits: mx.array,
+    params: SamplingParams,
+    q: mx.array | None,
+    key: mx.array | None,
+) -> tuple[mx.array, mx.array]:
+    """(n accepted, the target's token), lazy, for one row's draft x1..xk (k,) under its
+    processed logits (k+1, vocab): greedy, or speculative sampling with the draft's q (k, V')
+    (None: a deterministic drafter's point mass on each guess) and `key` (None when greedy:
+    a greedy round draws no key)."""
+    if params.greedy:
+        return verify_greedy(draft_tokens, logits)
+    p = probabilities(logits, params)  # (k+1, vocab)
+    if q is None:
+        q = point_mass(draft_tokens, p.shape[-1])
+    vocab = max(p.shape[-1], q.shape[-1])
+    return verify_stochastic(draft_tokens, pad_vocab(p, vocab), pad_vocab(q, vocab), key)
+
+
+def cut_at_end(kept: list[int], eos) -> tuple[list[int], int | None]:
+    """A round's kept tokens up to the first end-of-sequence token (which stays in the
+    sequence, not in the output), and its index (None: no end token; the round goes on)."""
+    stop = next((i for i, t in enumerate(kept) if t in eos), None)
+    return (kept if stop is None else kept[: stop + 1]), stop
