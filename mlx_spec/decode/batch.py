@@ -71,15 +71,13 @@ from ..core.batch_policy import BatchController
 from ..core.policies import Auto, DraftLength, Fixed, draft_length
 from ..core.sampling import SamplingParams, check_seed, probabilities, sample
 from ..core.stats import Stats
-from ..drafters import NGramDrafter, prefill_cache
+from ..drafters import NGramDrafter, batched_kinds, prefill_cache
 from ..errors import SpecError
 from .config import GenerationConfig
 from .events import Result, RoundRecord, token_kind
 from .prompts import prompt_tokens
 from .rounds import Round, cut_at_end, verify
 
-# drafter kinds a batch can run: a draft model batched like the target, or lookup per row
-BATCHED_KINDS = ("model", "ngram")
 # Tokens the draft missed (plain rounds) that ride along in a drafting round's first step; more
 # get a pass of their own, kept out of the round's timing: the controller would otherwise take
 # a long catch-up for the cost of a draft step (a compute-bound draft: one step per token).
@@ -675,18 +673,17 @@ def make_batch_decoder(pair, num_draft_tokens=None, plain: bool = False) -> Batc
     pair whose drafter a batch cannot take (a head)."""
     if getattr(pair, "link", None) is not None:
         raise SpecError("a target sharded over several machines cannot be batched yet")
-    kind = None if plain else pair.config.drafter
-    if kind is not None and kind not in BATCHED_KINDS:
+    kind = None if plain else pair.config.kind
+    drafting = kind.batch_drafting(pair) if kind is not None else {}
+    if drafting is None:
         raise SpecError(
-            f"the {kind} drafter is not batched yet (batches draft with: "
-            f"{', '.join(BATCHED_KINDS)}); use generate for this pair"
+            f"the {kind.name} drafter is not batched yet (batches draft with: "
+            f"{', '.join(batched_kinds())}); use generate for this pair"
         )
     length = num_draft_tokens or pair.config.num_draft_tokens
-    lookup = (pair.config.ngram_max, pair.config.ngram_min) if kind == "ngram" else None
     return BatchDecoder(
         pair.target,
-        pair.draft if kind == "model" else None,
-        lookup=lookup,
+        **drafting,
         eos_token_ids=pair.tokenizer.eos_token_ids,
         num_draft_tokens=length,
         vocab=pair.vocab_size,

@@ -33,6 +33,13 @@ def kind(name: str) -> type[DrafterKind]:
     return KINDS[name]
 
 
+def batched_kinds() -> list[str]:
+    """The kinds a batch drafts with (those that say how: `DrafterKind.batch_drafting`)."""
+    return [n for n, k in KINDS.items() if k.batch_drafting.__func__ is not _UNBATCHED]
+
+
+_UNBATCHED = DrafterKind.batch_drafting.__func__
+
 register(ModelKind)
 register(NGramKind)
 register(LookupThenModelKind)
@@ -50,6 +57,7 @@ __all__ = [
     "NGramDrafter",
     "NGramIndex",
     "TargetOutput",
+    "batched_kinds",
     "kind",
     "prefill_cache",
     "register",

@@ -144,6 +144,14 @@ class DrafterKind:
         """A fresh drafter over a loaded pair (its draft model, its head: `pair.head`)."""
         raise NotImplementedError
 
+    @classmethod
+    def batch_drafting(cls, pair) -> dict | None:
+        """How a batch of requests drafts with this kind: the keywords of
+        `batch.BatchDecoder` (`draft=` a draft model batched like the target, `lookup=`
+        (ngram_max, ngram_min) per row); None: not batched yet (the batch then decodes
+        plainly, or the pair runs one stream at a time)."""
+        return None
+
 
 def prefill_cache(
     model,

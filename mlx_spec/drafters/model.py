@@ -131,3 +131,7 @@ class ModelKind(DrafterKind):
     @classmethod
     def build(cls, pair) -> ModelDrafter:
         return ModelDrafter(pair.draft, pair.vocab_size, pair.config.draft_confidence or 0.0)
+
+    @classmethod
+    def batch_drafting(cls, pair) -> dict:
+        return {"draft": pair.draft}

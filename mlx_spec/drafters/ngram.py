@@ -111,3 +111,7 @@ class NGramKind(DrafterKind):
     @classmethod
     def build(cls, pair) -> NGramDrafter:
         return NGramDrafter(pair.config.ngram_max, pair.config.ngram_min)
+
+    @classmethod
+    def batch_drafting(cls, pair) -> dict:
+        return {"lookup": (pair.config.ngram_max, pair.config.ngram_min)}

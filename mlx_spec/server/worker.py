@@ -50,7 +50,7 @@ from mlx_lm.utils import common_prefix_len
 from ..core import caches
 from ..core.processors import make_processors
 from ..core.stats import Stats
-from ..decode.batch import BATCHED_KINDS, into_decoder, make_batch_decoder
+from ..decode.batch import into_decoder, make_batch_decoder
 from ..decode.engine import make_decoder, stream_rounds
 from ..decode.events import EventMaker
 from ..decode.history import HistoryIndex
@@ -263,11 +263,12 @@ class Engine:
         self.cache = PromptCache(pair, self.prompt_cache_bytes, self.history)
         self.batch, self.batch_plain = None, False
         if pair is not None and self.max_batch > 1:
-            try:  # checked once: the caches' kinds and the drafter's (batch.BATCHED_KINDS)
+            try:  # checked once: the caches' kinds and the drafter's (batch_drafting)
                 self.batch = make_batch_decoder(pair)
             except SpecError as err:
                 self.batch_refusal = str(err)
-            if self.batch is None and pair.speculative and pair.config.drafter not in BATCHED_KINDS:
+            unbatched = pair.speculative and pair.config.kind.batch_drafting(pair) is None
+            if self.batch is None and unbatched:
                 try:  # a drafter a batch cannot take: its target may still batch plainly
                     self.batch, self.batch_plain = make_batch_decoder(pair, plain=True), True
                     self.batch_refusal = f"the {pair.config.drafter} drafter is not batched yet"
