@@ -5,7 +5,7 @@
 - `stream`: prompt handling, detokenization, timing and stats; yields one `Event` per token.
 - `generate`: collects a stream into a `Result`.
 
-Over 600 lines: the `Decoder` class alone is ~440, one state machine over the target's and the
+Over 600 lines: the `Decoder` class alone is ~480, one state machine over the target's and the
 drafter's caches whose methods share its invariants; `Round` (rounds.py), events (events.py)
 and prompts (prompts.py) live beside it.
 """
