@@ -17,14 +17,21 @@ to forget the last few tokens. mlx-lm's caches cannot always:
 
 `rollback` checks that every layer forgot exactly what was asked; a cache that cannot raises
 `CacheRollbackError` — never a silently wrong state.
+
+`copy` makes an independent copy of a whole cache (a fork of a decoder): the two may then
+continue apart, neither seeing the other's writes.
 """
 
 from __future__ import annotations
 
+import copy as _shallow
+
 import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
+    ChunkedKVCache,
     ConcatenateKVCache,
     KVCache,
     QuantizedKVCache,
@@ -44,6 +51,10 @@ WINDOW_SLACK = 256
 
 class CacheRollbackError(SpecError):
     """A cache was asked to forget more than it can."""
+
+
+class CacheCopyError(SpecError):
+    """A cache kind `copy` does not know: sharing it would let two decoders write one state."""
 
 
 class WindowedKVCache(KVCache):
@@ -218,6 +229,59 @@ def rollback(cache: list, n: int, skip_recurrent: bool = False) -> None:
         trimmed = c.trim(n)
         if trimmed != n:  # checked above; a cache type we do not know misbehaved
             raise CacheRollbackError(f"{type(c).__name__} trimmed {trimmed} of {n} tokens")
+
+
+def fresh(x):
+    """`x` (an array, None, or a tuple / list of them) as new array objects with the same value
+    and memory: no copy, nothing to evaluate. An in-place write to one (`a[i] = y` replaces
+    that Python object's value, which is how KV caches write) leaves the other as it was."""
+    return tree_map(lambda a: a[...] if isinstance(a, mx.array) else a, x)
+
+
+def _rows(a, n: int):
+    """A KV array's (or a quantized (w, scales, biases) tuple's) first n positions (axis -2):
+    new array objects sharing the memory until either side writes (MLX then copies, as the
+    buffer is no longer the writer's alone; the copy's first write past its end concatenates
+    into a fresh buffer anyway)."""
+    return None if a is None else tree_map(lambda x: x[..., :n, :], a)
+
+
+def _copy_layer(c):
+    kind = type(c)  # by exact type: a subclass may keep state this does not know of
+    if kind is CacheList:
+        twin = _shallow.copy(c)
+        twin.caches = type(c.caches)(_copy_layer(x) for x in c.caches)
+        return twin
+    twin = _shallow.copy(c)  # every attribute: offset, step, window, margin, dropped, bits...
+    if kind is ArraysCache:  # the layers assign new arrays into the list, never write into one
+        twin.cache = [fresh(a) for a in c.cache]
+        twin.left_padding, twin.lengths = fresh(c.left_padding), fresh(c.lengths)
+    elif kind is WindowedKVCache:
+        twin.keys, twin.values = _rows(c.keys, c.stored), _rows(c.values, c.stored)
+    elif kind in (KVCache, QuantizedKVCache, ConcatenateKVCache):
+        twin.keys, twin.values = _rows(c.keys, c.offset), _rows(c.values, c.offset)
+    elif kind is ChunkedKVCache:  # plain decoding only (make_cache(strict=False))
+        held = c.offset - c.start_position
+        twin.keys, twin.values = _rows(c.keys, held), _rows(c.values, held)
+    else:
+        raise CacheCopyError(f"a {kind.__name__} layer cannot be copied (an unknown cache kind)")
+    return twin
+
+
+def copy(cache: list) -> list:
+    """An independent copy of a cache `make_cache` built: every layer of the same kind with
+    the same attributes, holding the same tokens in new array objects (two caches must never
+    hold one array object: a KV cache writes into its arrays in place). Cheap: the arrays are
+    slices that share the original's memory until either side writes. The slices are lazy:
+    evaluate them (`eval_state`) before another thread uses the copy. Its `nbytes` counts the
+    rows it holds (not the original's spare capacity). A layer kind it does not know raises
+    `CacheCopyError` rather than be shared."""
+    return [_copy_layer(c) for c in cache]
+
+
+def copy_snapshot(saved: list) -> list:
+    """An independent copy of what `snapshot` returned."""
+    return [[fresh(a) for a in layer] for layer in saved]
 
 
 def nbytes(cache: list) -> int:

@@ -5,13 +5,14 @@
 - `stream`: prompt handling, detokenization, timing and stats; yields one `Event` per token.
 - `generate`: collects a stream into a `Result`.
 
-Over 600 lines: the `Decoder` class alone is ~440, one state machine over the target's and the
+Over 600 lines: the `Decoder` class alone is ~480, one state machine over the target's and the
 drafter's caches whose methods share its invariants; `Round` (rounds.py), events (events.py)
 and prompts (prompts.py) live beside it.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 
@@ -120,6 +121,50 @@ class Decoder:
     def _new_cache(self) -> list:
         return caches.make_cache(self.target, strict=self.drafter is not None)
 
+    def fork(self) -> Decoder:
+        """A new decoder at the same point: the same sequence, a copy of every cache
+        (caches.copy: shared memory until either side writes) and of the drafter's state
+        (Drafter.fork), of the draft-length policy and what it measured; its own key (this
+        one's split in two). The two then go on apart, neither seeing the other's writes,
+        so a kept decoder can be handed out (a copy of it) and kept. Refused mid-stream:
+        the caches may be mid-round then. Everything it holds is evaluated (threads.py)."""
+        if self.active:
+            raise SpecError("a decoder cannot be forked while a stream is using it")
+        twin = Decoder.__new__(Decoder)
+        twin.target, twin.pair = self.target, self.pair
+        twin.drafter = self.drafter.fork() if self.drafter is not None else None
+        twin.cache = caches.copy(self.cache)
+        twin.recurrent, twin.eos = self.recurrent, set(self.eos)
+        twin.sequence, twin.unfed = list(self.sequence), self.unfed
+        twin.stale, twin.hidden_gap = self.stale, self.hidden_gap
+        self.key, twin.key = mx.random.split(self.key)
+        twin.epoch, twin.active = 0, False
+        twin._policy, twin._policy_key = copy.deepcopy((self._policy, self._policy_key))
+        twin.step_seconds, twin._drafting = self.step_seconds, self._drafting
+        twin.hidden_layers = self.hidden_layers
+        mx.eval(self.key)
+        twin.settle()  # the key and the copies' slices, lazy until now
+        return twin
+
+    def _reuse(self, prompt: list[int], use_draft: bool) -> tuple[int, int | None]:
+        """(prompt tokens a prefill keeps, the tokens to roll back for that), or (0, None)
+        when the caches must start over. The one rule of `prefill` and `reusable`."""
+        cached = self.sequence[: len(self.sequence) - self.unfed]
+        reuse = min(common_prefix_len(cached, prompt), len(prompt) - 1)
+        if use_draft and self.hidden_gap is not None:
+            # the drafter never got the target's features past the gap: compute them again
+            # from there (once the whole prompt: the chat's follow-up after a plain race
+            # reused 0 of 58 tokens on the demo pair)
+            reuse = min(reuse, self.hidden_gap)
+        if self.stale or not caches.can_rollback(self.cache, len(cached) - reuse):
+            return 0, None  # a recurrent state (or a window) cannot forget that much
+        return reuse, len(cached) - reuse
+
+    def reusable(self, prompt: list[int], use_draft: bool = True) -> int:
+        """How many tokens of `prompt` `prefill(prompt, use_draft)` would reuse, changing
+        nothing."""
+        return self._reuse(prompt, use_draft)[0]
+
     def prefill(
         self, prompt: list[int], use_draft: bool = True, timed: bool = False, abort=None
     ) -> int:
@@ -129,20 +174,13 @@ class Decoder:
         too short to time), so a controller knows both costs before the first token.
         `abort()`, asked between prefill chunks, stops it with `Aborted` (the caches are then
         stale: the next prefill starts over)."""
-        cached = self.sequence[: len(self.sequence) - self.unfed]
-        reuse = min(common_prefix_len(cached, prompt), len(prompt) - 1)
-        if use_draft and self.hidden_gap is not None:
-            # the drafter never got the target's features past the gap: compute them again
-            # from there (once the whole prompt: the chat's follow-up after a plain race
-            # reused 0 of 58 tokens on the demo pair)
-            reuse = min(reuse, self.hidden_gap)
-        if self.stale or not caches.can_rollback(self.cache, len(cached) - reuse):
-            # a recurrent state (or a window) cannot forget that much: start over
-            self.cache, reuse = self._new_cache(), 0
+        reuse, forget = self._reuse(prompt, use_draft)
+        if forget is None:  # start over
+            self.cache = self._new_cache()
             if self.drafter is not None:
                 self.drafter.reset()
         else:
-            caches.rollback(self.cache, len(cached) - reuse)
+            caches.rollback(self.cache, forget)
         if use_draft:
             self.hidden_gap = None
         elif self.hidden_layers:  # the drafter gets nothing of this prompt and reply

@@ -61,6 +61,13 @@ class Drafter:
     def reset(self) -> None:
         """Forget everything (the next prefill starts from nothing)."""
 
+    def fork(self) -> Drafter:
+        """An independent copy of the per-sequence state (Decoder.fork): the two may then go
+        on apart, neither touching the other's caches, lists or arrays. Models, heads,
+        tokenizers and the history index are shared (read-only). Every kind that keeps state
+        defines its own; this default refuses rather than share a state it does not know."""
+        raise SpecError(f"a {type(self).__name__} drafter cannot be forked (it defines no fork)")
+
     def propose(
         self, k: int, params: SamplingParams, key: mx.array | None, *, processors=()
     ) -> tuple[mx.array, mx.array | None]:

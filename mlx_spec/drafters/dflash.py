@@ -34,6 +34,7 @@ never exactness.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -217,6 +218,14 @@ class DFlashDrafter(Drafter):
         self.spans: list[list[int]] = []  # [first position, rows] of the cached context
         self.pending: list[tuple[int, mx.array]] = []  # (first position, features) to add
         self.tokens: list[int] = []  # the sequence as the drafter knows it
+
+    def fork(self) -> DFlashDrafter:
+        twin = copy.copy(self)  # the head, embedding and lm_head shared
+        twin.cache = caches.copy(self.cache)
+        twin.spans = [list(span) for span in self.spans]
+        twin.pending = [(start, caches.fresh(rows)) for start, rows in self.pending]
+        twin.tokens = list(self.tokens)
+        return twin
 
     # ------------------------------------------------------------------ the context
 

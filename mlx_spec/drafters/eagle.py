@@ -27,6 +27,7 @@ mapped here to `hidden.capturing`'s layer-output ids (`capture_layers`).
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import common_prefix_len
 
+from ..core import caches
 from ..core.hidden import decoder_stack
 from ..core.processors import apply as apply_processors
 from ..core.sampling import probabilities, sample
@@ -333,6 +335,15 @@ class EagleDrafter(Drafter):
         self.pending: mx.array | None = None  # (rows - entries, H)
         self.last: mx.array | None = None  # (H,) the head's output at entry entries-1
         self.last_fused: mx.array | None = None  # (H,) the fused features at entries-1
+
+    def fork(self) -> EagleDrafter:
+        twin = copy.copy(self)  # the head shared; rows, entries: ints
+        twin.cache = caches.copy(self.cache)
+        twin.tokens = list(self.tokens)
+        twin.pending, twin.last, twin.last_fused = caches.fresh(
+            (self.pending, self.last, self.last_fused)
+        )
+        return twin
 
     # -- feeding the target's features
 

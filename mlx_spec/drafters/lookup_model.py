@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 
 from .base import Drafter, DrafterKind
@@ -22,6 +24,11 @@ class LookupThenModel(Drafter):
     def reset(self) -> None:
         self.lookup.reset()
         self.model.reset()
+
+    def fork(self) -> LookupThenModel:
+        twin = copy.copy(self)  # steps: an int
+        twin.lookup, twin.model = self.lookup.fork(), self.model.fork()
+        return twin
 
     def prefill(self, tokens, timed=False, output=None):
         self.lookup.prefill(tokens)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
@@ -34,6 +36,13 @@ class ModelDrafter(Drafter):
         self.unfed: list[int] = []
         self.ran = False  # whether the model ran this round
         self.fed = 0  # draft tokens of this round's proposal the cache has seen
+
+    def fork(self) -> ModelDrafter:
+        twin = copy.copy(self)  # the model and settings shared; ran, fed, steps are ints
+        twin.cache = caches.copy(self.cache)
+        twin.snapshots = [caches.copy_snapshot(s) for s in self.snapshots]
+        twin.cached, twin.unfed = list(self.cached), list(self.unfed)
+        return twin
 
     def prefill(self, tokens, timed=False, output=None):
         reuse = min(common_prefix_len(self.cached, tokens), len(tokens) - 1)

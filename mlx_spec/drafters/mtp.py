@@ -5,6 +5,7 @@ head directory or extracts one from the original checkpoint (mtp_extract.py).
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -61,6 +62,12 @@ class MTPDrafter(Drafter):
         self.target_at: int | None = 0
         self.spec = 0  # cache entries the last proposal added beyond the target's pairs
         self.ran = False
+
+    def fork(self) -> MTPDrafter:
+        twin = copy.copy(self)  # head, embedding, lm_head shared; end, target_at, spec: ints
+        twin.cache = caches.copy(self.cache)
+        twin.tokens, twin.rows = list(self.tokens), caches.fresh(self.rows)
+        return twin
 
     # -------------------------------------------------------------------------- helpers
 

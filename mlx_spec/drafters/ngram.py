@@ -3,6 +3,8 @@ propose the tokens that followed them. No model, almost no cost."""
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
@@ -29,6 +31,11 @@ class NGramIndex:
     def reset(self) -> None:
         self.tokens: list[int] = []
         self.index: dict[int, int] = {}
+
+    def copy(self) -> NGramIndex:
+        twin = NGramIndex(self.ngram_min, self.ngram_max)
+        twin.tokens, twin.index = list(self.tokens), dict(self.index)
+        return twin
 
     def extend(self, new: list[int]) -> None:
         start = len(self.tokens)
@@ -70,6 +77,11 @@ class NGramDrafter(Drafter):
 
     def reset(self) -> None:
         self.context.reset()
+
+    def fork(self) -> NGramDrafter:
+        twin = copy.copy(self)  # the history index shared (other requests' tokens, read-only)
+        twin.context = self.context.copy()
+        return twin
 
     def prefill(self, tokens, timed=False, output=None):
         reuse = common_prefix_len(self.context.tokens, tokens)
