@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
 from mlx_spec import generate, load_pair, make_decoder
+from mlx_spec.core import caches
 
 PROMPT = "Once upon a time"
 
@@ -59,3 +61,23 @@ def test_plain_decoding_cache_after_stop_and_length(tiny_models):
     decoder = make_decoder(pair)
     res = generate(pair, PROMPT, max_tokens=12, decoder=decoder)
     assert decoder.cache[0].offset == res.stats.prompt_tokens + len(res.tokens) - 1
+
+
+def test_a_chunked_layer_rolls_back_only_into_a_chunk_it_still_holds():
+    """Llama 4's chunked attention keeps the last chunk_size tokens; the position a roll-back
+    returns to attends to its whole chunk, so the chunk's front must still be there (a branch
+    into a chunk whose front was dropped decoded other tokens than a fresh run)."""
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    c = ChunkedKVCache(8)
+    c.update_and_fetch(mx.zeros((1, 1, 20, 4)), mx.zeros((1, 1, 20, 4)))
+    c.maybe_trim_front()  # as the model does before each pass: it holds positions 12..19
+    assert c.start_position == 12
+    assert caches.can_rollback([c], 4)  # back to 16: its chunk (16..23) starts after 12
+    assert not caches.can_rollback([c], 6)  # back to 14: chunk 8..15 lost 8..11
+    assert not caches.can_rollback([c], 9)  # before anything it holds
+    with pytest.raises(caches.CacheRollbackError, match="chunk of position 14"):
+        caches.rollback([c], 6)
+    assert c.offset == 20  # refused before anything changed
+    caches.rollback([c], 4)
+    assert c.offset == 16

@@ -110,45 +110,6 @@ def test_chat_templates_render_in_a_sandbox(tiny_models):
     assert hf.decode(ids) == "HI"  # ordinary templates still render
 
 
-def test_prompt_cache_keeps_recent_conversations_within_its_bytes(pair):
-    from mlx_spec.decode.prompts import encode_prompt
-    from mlx_spec.server.worker import PromptCache, decoder_bytes
-
-    prompts = ["The quick brown fox", "Paris is the capital", "def add(a, b):", "Once upon"]
-    ids = [encode_prompt(pair.tokenizer, p) for p in prompts]
-    probe = make_decoder(pair)
-    generate(pair, ids[0], max_tokens=8, decoder=probe)
-    one = decoder_bytes(probe)  # short conversations: one allocation step each
-    assert one > 0
-    cache = PromptCache(pair, max_bytes=int(2.5 * one), history=None)
-    decoders = []
-    for p in ids:
-        decoders.append(cache.take(p))
-        generate(pair, p, max_tokens=8, decoder=decoders[-1])
-        cache.trim()
-        assert cache.bytes <= 2.5 * one
-    assert cache.entries == decoders[-2:]  # the two most recent, least recent first
-    follow_up = decoders[-1].sequence + encode_prompt(pair.tokenizer, " and then")
-    assert cache.take(follow_up) is decoders[-1]  # continues the kept conversation
-    assert cache.take(ids[0]) not in decoders  # an evicted one starts afresh
-
-
-def test_prompt_cache_takes_the_conversation_a_prompt_continues(pair):
-    """Two kept sequences share a prompt's first part: it takes the one it mostly continues,
-    even when the other (long: it would lose most of its cache) shares as much and is older."""
-    from mlx_spec.decode.prompts import encode_prompt
-    from mlx_spec.server.worker import PromptCache
-
-    cache = PromptCache(pair, max_bytes=1 << 30, history=None)
-    prompt = encode_prompt(pair.tokenizer, "The quick brown fox jumps over the lazy dog.")
-    long_one = cache.take(prompt)
-    generate(pair, prompt, max_tokens=200, decoder=long_one)
-    short_one = cache.take(prompt)  # shares too little of long_one's sequence to take it
-    assert short_one is not long_one
-    generate(pair, prompt, max_tokens=8, decoder=short_one)
-    assert cache.take(prompt[:-1] + [7, 8]) is short_one
-
-
 # ----------------------------------------------------------------- reply text on the wire
 
 

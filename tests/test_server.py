@@ -23,6 +23,7 @@ import openai
 import pytest
 import tiny
 from conftest import VOCAB
+from mlx_lm.utils import common_prefix_len
 
 from mlx_spec import generate
 
@@ -364,6 +365,42 @@ def test_follow_up_prefills_only_its_new_tokens(client, pair):
     )
     assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
     assert r2.choices[0].message.content == generate(pair, turn2, max_tokens=20, temperature=0).text
+
+
+def test_a_sub_task_keeps_the_shared_part_and_the_parent_its_conversation(client, pair):
+    """An agent's sub-task (the parent's system prompt, then another conversation) between two
+    turns of the parent: it reuses the system part, and the parent's next turn still reuses its
+    whole first turn (the prompt cache keeps both branches; it once handed the parent's caches
+    to the sub-task, and the parent prefilled all again)."""
+    from mlx_spec.decode.prompts import encode_prompt
+
+    system = {"role": "system", "content": "You are a careful coding agent. " * 6}
+    parent = [system, {"role": "user", "content": "Fix the parser in parse.py."}]
+    sub = [system, {"role": "user", "content": "List every file under src."}]
+    shared = common_prefix_len(
+        encode_prompt(pair.tokenizer, parent), encode_prompt(pair.tokenizer, sub)
+    )
+    assert shared > 40  # the system part
+
+    def ask(messages):
+        r = client.chat.completions.create(
+            model="target", messages=messages, max_tokens=12, temperature=0
+        )
+        assert (
+            r.choices[0].message.content
+            == generate(pair, messages, max_tokens=12, temperature=0).text
+        )
+        return r
+
+    r1 = ask(parent)
+    rs = ask(sub)
+    assert rs.usage.prompt_tokens_details.cached_tokens >= shared - 1
+    turn2 = parent + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "Now add a test."},
+    ]
+    r2 = ask(turn2)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
 
 
 @pytest.mark.parametrize(

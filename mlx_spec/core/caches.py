@@ -155,7 +155,9 @@ def _convert(c):
 
 # Layer caches whose trim is exact at any length (checked by class, not by is_trimmable(),
 # which says only whether a trim is possible now). ArraysCache is snapshotted instead.
-ROLLBACK_TYPES = (KVCache, QuantizedKVCache, ConcatenateKVCache, ArraysCache)
+# (not mlx-lm's ConcatenateKVCache: its trim lowers the offset but keeps the rows, so the next
+# write lands after the forgotten ones; no model's make_prompt_cache returns it today)
+ROLLBACK_TYPES = (KVCache, QuantizedKVCache, ArraysCache)
 
 
 def make_cache(model, role: str = "target", strict: bool = True) -> list:
@@ -182,6 +184,16 @@ def is_recurrent(cache: list) -> bool:
     return any(isinstance(c, ArraysCache) for c in _leaves(cache))
 
 
+# Layer caches that forget any number of the tokens they hold (not a window, a chunk or a
+# recurrent state): one kept sequence then serves every prefix of it (server/prompt_cache.py).
+FREE_ROLLBACK_TYPES = (KVCache, QuantizedKVCache)
+
+
+def rolls_back_freely(cache: list) -> bool:
+    """Whether every layer can forget any number of the tokens it holds."""
+    return all(type(c) in FREE_ROLLBACK_TYPES for c in _leaves(cache))
+
+
 def snapshot(cache: list) -> list:
     """The recurrent layers' state, cheaply: the arrays are immutable, the lists are copied."""
     return [list(c.cache) for c in _leaves(cache) if isinstance(c, ArraysCache)]
@@ -193,38 +205,44 @@ def restore(cache: list, saved: list) -> None:
         c.cache = list(s)
 
 
+def _refusal(c, n: int) -> str | None:
+    """Why layer cache `c` cannot forget its last `n` tokens exactly (None: it can)."""
+    if isinstance(c, ArraysCache):
+        return "a recurrent layer's state cannot be rolled back"
+    if isinstance(c, WindowedKVCache) and not c.can_trim(min(n, c.offset)):
+        return (
+            f"a sliding-window layer cannot forget {n} tokens (it keeps {c.margin} beyond "
+            f"its window of {c.window})"
+        )
+    if isinstance(c, ChunkedKVCache):
+        # it keeps the tokens from start_position on; the position after the roll-back
+        # attends to its whole chunk, which must not start before them (Llama 4: a branch
+        # into a chunk whose front was dropped decoded other tokens than a fresh run)
+        end = c.offset - n
+        if end < c.start_position or end // c.chunk_size * c.chunk_size < c.start_position:
+            return f"a chunked-attention layer no longer holds the chunk of position {end}"
+    if not c.is_trimmable():  # e.g. a RotatingKVCache past its window: trim would lie
+        return f"a {type(c).__name__} layer cannot forget tokens now"
+    if c.offset < n:
+        return f"cannot forget {n} tokens of a {c.offset}-token cache"
+    return None
+
+
 def can_rollback(cache: list, n: int) -> bool:
     """Whether `rollback(cache, n)` would succeed (recurrent layers only for n = 0)."""
-    if n == 0:
-        return True
-    for c in _leaves(cache):
-        if isinstance(c, ArraysCache):
-            return False
-        if isinstance(c, WindowedKVCache) and not c.can_trim(min(n, c.offset)):
-            return False
-        if not c.is_trimmable() or c.offset < n:
-            return False
-    return True
+    return n == 0 or all(_refusal(c, n) is None for c in _leaves(cache))
 
 
 def rollback(cache: list, n: int, skip_recurrent: bool = False) -> None:
-    """Forget the last `n` tokens in every layer, or raise. `skip_recurrent`: the caller
-    restores the recurrent layers from a snapshot itself."""
+    """Forget the last `n` tokens in every layer, or raise before any layer changed.
+    `skip_recurrent`: the caller restores the recurrent layers from a snapshot itself."""
     if n == 0:
         return
     layers = [c for c in _leaves(cache) if not (skip_recurrent and isinstance(c, ArraysCache))]
     for c in layers:
-        if isinstance(c, ArraysCache):
-            raise CacheRollbackError("a recurrent layer's state cannot be rolled back")
-        if isinstance(c, WindowedKVCache) and not c.can_trim(n):
-            raise CacheRollbackError(
-                f"a sliding-window layer cannot forget {n} tokens (it keeps {c.margin} beyond "
-                f"its window of {c.window})"
-            )
-        if not c.is_trimmable():  # e.g. a RotatingKVCache past its window: trim would lie
-            raise CacheRollbackError(f"a {type(c).__name__} layer cannot forget tokens now")
-        if c.offset < n:
-            raise CacheRollbackError(f"cannot forget {n} tokens of a {c.offset}-token cache")
+        why = _refusal(c, n)
+        if why is not None:
+            raise CacheRollbackError(why)
     for c in layers:
         trimmed = c.trim(n)
         if trimmed != n:  # checked above; a cache type we do not know misbehaved

@@ -166,14 +166,42 @@ class Decoder:
         return self._reuse(prompt, use_draft)[0]
 
     def prefill(
-        self, prompt: list[int], use_draft: bool = True, timed: bool = False, abort=None
+        self,
+        prompt: list[int],
+        use_draft: bool = True,
+        timed: bool = False,
+        abort=None,
+        marks: tuple[int, ...] = (),
+        on_mark=None,
     ) -> int:
         """Fill the caches for `prompt`; returns how many prompt tokens were reused.
         `timed`: feed the prompt's last tokens one by one, as decoding steps, and keep the
         seconds of a target step and a draft step in `step_seconds` (None where the prompt was
         too short to time), so a controller knows both costs before the first token.
         `abort()`, asked between prefill chunks, stops it with `Aborted` (the caches are then
-        stale: the next prefill starts over)."""
+        stale: the next prefill starts over). `marks` (ascending): positions where
+        `on_mark(mark)` is called with the decoder holding exactly `prompt[:mark + 1]` (its
+        caches `prompt[:mark]`), for the server to keep a copy there (prompt_cache.py); the
+        prompt's last position after the whole prefill; marks already reused are skipped."""
+        reused = self._reuse(prompt, use_draft)[0]
+        for mark in marks:
+            if reused < mark < len(prompt) - 1:
+                self._prefill(prompt[: mark + 1], use_draft, abort=abort)
+                self._mark(on_mark, mark)
+        self._prefill(prompt, use_draft, timed, abort)
+        if marks and marks[-1] == len(prompt) - 1 > reused:
+            self._mark(on_mark, marks[-1])
+        return reused
+
+    def _mark(self, on_mark, mark: int) -> None:
+        # the caches are whole between prefills: the stream that began may be forked here
+        active, self.active = self.active, False
+        try:
+            on_mark(mark)
+        finally:
+            self.active = active
+
+    def _prefill(self, prompt: list[int], use_draft: bool, timed: bool = False, abort=None) -> int:
         reuse, forget = self._reuse(prompt, use_draft)
         if forget is None:  # start over
             self.cache = self._new_cache()
@@ -538,10 +566,13 @@ def stream_rounds(
     decoder: Decoder | None = None,
     stats: Stats | None = None,
     abort=None,
+    marks: tuple[int, ...] = (),
+    on_mark=None,
 ) -> Iterator[list[Event]]:
     """Generate from `pair` as `config` asks, one list of `Event`s per verify round (see
     `stream`). `decoder` (from `make_decoder`) keeps the caches across calls; `stats` is
-    filled live; `abort()` is asked between prefill chunks."""
+    filled live; `abort()` is asked between prefill chunks; `marks` and `on_mark`: see
+    `Decoder.prefill`."""
     config = GenerationConfig.of(config)
     params, seed = config.sampling, config.seed
     constraint = constraint_for(pair, config.schema, config.grammar, config.regex)
@@ -580,7 +611,7 @@ def stream_rounds(
     start = time.perf_counter()
     timed = speculative and policy.wants_timing()
     stats.prompt_tokens_reused = decoder.prefill(
-        tokens, use_draft=speculative, timed=timed, abort=abort
+        tokens, use_draft=speculative, timed=timed, abort=abort, marks=marks, on_mark=on_mark
     )
     mx.synchronize()
     stats.prefill_seconds = time.perf_counter() - start

@@ -25,6 +25,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from jinja2 import TemplateError
+from mlx_lm.utils import common_prefix_len
 
 from ..decode.prompts import encode_prompt
 from ..errors import SpecError
@@ -35,13 +36,18 @@ MAX_CHARS_PER_TOKEN = 32  # no tokenizer averages more: a longer text cannot fit
 _plain = weakref.WeakKeyDictionary()  # tokenizer wrapper -> its copy that reads specials as text
 
 
+def template_kwargs(req: GenRequest) -> dict:
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.kind == "chat" and req.tools and req.tool_choice != "none":
+        kwargs["tools"] = req.tools
+    return kwargs
+
+
 def prompt_ids(pair, req: GenRequest, parse_special: bool = False) -> list[int]:
     """The request's tokens: the chat template with the tools (and a forced tool-call start
     for tool_choice required / named), raw text or token ids."""
-    kwargs = dict(req.chat_template_kwargs or {})
-    use_tools = req.kind == "chat" and req.tools and req.tool_choice != "none"
-    if use_tools:
-        kwargs["tools"] = req.tools
+    kwargs = template_kwargs(req)
+    use_tools = "tools" in kwargs
     try:
         if req.kind == "chat" and not parse_special:
             tokens = chat_ids(pair.tokenizer, req.prompt, kwargs)
@@ -59,6 +65,29 @@ def prompt_ids(pair, req: GenRequest, parse_special: bool = False) -> list[int]:
         forced = forced_prefix(pair.tokenizer, req.tool_choice)
         tokens += pair.tokenizer.encode(forced, add_special_tokens=False)
     return tokens
+
+
+def system_end(pair, req: GenRequest, tokens: list[int]) -> int | None:
+    """Where a chat prompt's system messages and tools end in its `tokens`, as mlx-lm's
+    server finds it: the first token where the system messages alone, then an empty user
+    turn, rendered the same way, part from the prompt. None: no such part (no system message
+    or tools, a plain-text prompt, a template that will not render an empty turn)."""
+    if req.kind != "chat" or req.parse_special or not isinstance(req.prompt, list):
+        return None
+    kwargs = template_kwargs(req)
+    head = 0
+    while head < len(req.prompt) and req.prompt[head].get("role") in ("system", "developer"):
+        head += 1
+    if head == len(req.prompt) or not (head or "tools" in kwargs):
+        return None
+    try:
+        ids = chat_ids(
+            pair.tokenizer, req.prompt[:head] + [{"role": "user", "content": ""}], kwargs
+        )
+    except Exception:  # the template refuses the probe: no mark, nothing else lost
+        return None
+    end = common_prefix_len(ids, tokens)
+    return end if 0 < end < len(tokens) else None
 
 
 # ------------------------------------------------------------------ special tokens as text
@@ -256,4 +285,6 @@ async def prepare(engine, req: GenRequest, pool: ThreadPoolExecutor) -> None:
             "messages" if req.kind == "chat" else "prompt",
             "context_length_exceeded",
         )
+    if not engine.cache.freely:  # marks in the prompt only for caches that need them
+        req.prompt_system_end = await loop.run_in_executor(pool, system_end, pair, req, tokens)
     req.prompt_ids, req.prompt_pair = tokens, pair

@@ -149,6 +149,7 @@ class GenRequest:
     parse_special: bool = False  # chat text may hold special tokens (--parse-special-in-content)
     prompt_ids: list[int] | None = field(default=None, repr=False)  # tokenised off the engine
     prompt_pair: object = field(default=None, repr=False, compare=False)  # ... for this pair
+    prompt_system_end: int | None = field(default=None, repr=False)  # prompts.system_end
 
     @property
     def generation(self) -> GenerationConfig:

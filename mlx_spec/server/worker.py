@@ -45,19 +45,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.utils import common_prefix_len
 
-from ..core import caches
 from ..core.processors import make_processors
 from ..core.stats import Stats
 from ..decode.batch import into_decoder, make_batch_decoder
-from ..decode.engine import make_decoder, stream_rounds
+from ..decode.engine import stream_rounds
 from ..decode.events import EventMaker
 from ..decode.history import HistoryIndex
 from ..decode.prompts import constraint_for, prompt_tokens
 from ..errors import Aborted, SpecError
 from .output import Output, check_tool_choice, tool_grammar
-from .prompts import prompt_ids
+from .prompt_cache import PromptCache, trim
+from .prompts import prompt_ids, system_end
 from .protocol import ApiError, GenRequest, speculation, usage
 from .stops import StopText
 
@@ -95,67 +94,6 @@ class Job:
             self.loop.call_soon_threadsafe(self.items.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
-
-
-def decoder_bytes(decoder) -> int:
-    total = caches.nbytes(decoder.cache)
-    return total + (decoder.drafter.cache_bytes() if decoder.drafter is not None else 0)
-
-
-class PromptCache:
-    """Decoders (KV caches and drafter state) by the tokens they hold, least recently used
-    first, bounded in bytes. A prompt that extends a kept sequence takes its decoder, so only
-    its new tokens are prefilled; anything else gets a fresh decoder."""
-
-    def __init__(self, pair, max_bytes: int, history: HistoryIndex | None):
-        self.pair, self.max_bytes, self.history = pair, max_bytes, history
-        self.entries: list = []  # Decoder, least recently used first
-        self.bytes = 0
-
-    def take(self, tokens: list[int]):
-        """The decoder for a single stream: the best kept one (`pop`) or a new one; it stays
-        an entry (most recently used) while it generates."""
-        best = self.pop(tokens) or self.new()
-        self.put(best)
-        return best
-
-    def pop(self, tokens: list[int]):
-        """The kept decoder whose sequence the prompt mostly continues (a re-rendered reply
-        or a stop string may cut its end), out of the entries; None when none does. Rolling
-        back more would discard another conversation's cache. The longest shared prefix
-        wins, ties the most recent."""
-        best, shared = None, 0
-        for d in self.entries:
-            n = common_prefix_len(d.sequence, tokens)
-            if n and n >= shared and 2 * n >= len(d.sequence):
-                best, shared = d, n
-        if best is not None:
-            self.entries.remove(best)
-        return best
-
-    def new(self):
-        decoder = make_decoder(self.pair)
-        if self.history is not None:
-            decoder.drafter.use_history(self.history)
-        return decoder
-
-    def put(self, decoder) -> None:
-        """Keep `decoder` (most recently used); `trim` bounds the bytes afterwards."""
-        decoder.last_used = time.monotonic()
-        self.entries.append(decoder)
-
-    def trim(self) -> None:
-        """Drop least recently used decoders until the kept caches fit in max_bytes (and
-        those that hold nothing: a request that failed before its prefill)."""
-        self.entries = [d for d in self.entries if d.sequence]
-        sizes = [decoder_bytes(d) for d in self.entries]
-        while self.entries and sum(sizes) > self.max_bytes:
-            self.entries.pop(0)
-            sizes.pop(0)
-        self.bytes = sum(sizes)
-
-    def clear(self) -> None:
-        self.entries, self.bytes = [], 0
 
 
 @dataclass
@@ -309,27 +247,10 @@ class Engine:
         return sum(len(h) for h in histories if h is not None)
 
     def trim_caches(self) -> None:
-        """Keep all partitions' kept caches within --prompt-cache together, least recently
-        used first (a partition's size says how much was kept, never what)."""
-        caches = self.all_caches()
-        for c in caches:
-            c.entries = [d for d in c.entries if d.sequence]
-        kept = sorted(
-            (
-                (getattr(d, "last_used", 0.0), decoder_bytes(d), c, d)
-                for c in caches
-                for d in c.entries
-            ),
-            key=lambda t: t[0],
-        )
-        total = sum(t[1] for t in kept)
-        for _, size, c, d in kept:
-            if total <= self.prompt_cache_bytes:
-                break
-            c.entries.remove(d)
-            total -= size
-        for c in caches:
-            c.bytes = sum(decoder_bytes(d) for d in c.entries)
+        """Keep all partitions' kept caches within --prompt-cache together, in mlx-lm's
+        eviction order (prompt_cache.trim; a partition's size says how much was kept, never
+        what)."""
+        trim(self.all_caches(), self.prompt_cache_bytes)
 
     def _pair_for(self, model: str):
         if model == self.name and self.pair is not None:
@@ -617,6 +538,13 @@ class Engine:
             return list(req.prompt_ids)
         return prompt_ids(pair, req, req.parse_special)
 
+    def _system_end(self, pair, req: GenRequest, tokens: list[int]) -> int | None:
+        """Where the system prompt and tools end in `tokens` (made with the ids when the
+        HTTP side made them)."""
+        if req.prompt_ids is not None and req.prompt_pair is pair:
+            return req.prompt_system_end
+        return system_end(pair, req, tokens)
+
     def _generate(self, job: Job) -> None:
         req = job.request
         pair = self._pair_for(req.model)
@@ -643,13 +571,21 @@ class Engine:
             except SpecError as err:
                 message = f"the tools cannot constrain the call: {err}"
                 raise ApiError(400, message, "tools", "invalid_value") from None
-        decoder = cache.take(tokens)
+        decoder = cache.take(tokens)  # a copy of the best kept one: entries stay as they are
         stats = Stats()
         reply = Reply(job, pair, tokens, self.raw_reasoning)
         config = req.generation.replace(
             processors=make_processors(**req.penalties), grammar=constraint
         )
-        rounds = stream_rounds(pair, tokens, config, decoder=decoder, stats=stats, abort=abort)
+        marks = cache.marks(tokens, self._system_end(pair, req, tokens))
+
+        def keep(mark: int) -> None:  # the prefill passed a segment's end: keep a copy there
+            cache.keep_copy(decoder, "user" if mark == len(tokens) - 1 else "system")
+
+        rounds = stream_rounds(
+            pair, tokens, config, decoder=decoder, stats=stats, abort=abort, marks=marks,
+            on_mark=keep,
+        )  # fmt: skip
         try:
             for events in rounds:
                 if reply.feed(events):
@@ -658,6 +594,7 @@ class Engine:
             reply.ended = "cancelled" if job.cancelled.is_set() else "timeout"
         finally:
             rounds.close()  # between rounds: the decoder stays consistent for the next job
+            cache.save(decoder, "assistant")  # (not when a failure left it mid-round)
             self.trim_caches()
         self.metrics.add(stats)
         if history is not None:
@@ -750,7 +687,7 @@ class Engine:
                 stats.adaptive = decoder.controller is not None
             begin = time.perf_counter()
             cache, history = self._partition(req.partition)
-            kept = cache.pop(tokens)  # its own key's: no row reuses another's caches
+            kept = cache.fetch(tokens)  # its own key's: no row reuses another's caches
             rid = decoder.add(
                 tokens, config, max_tokens=max_tokens, history=history, kept=kept, keep=True
             )
@@ -796,7 +733,8 @@ class Engine:
         if state is None:
             state = self.batch.remove(rid)
         if state is not None:
-            row.prompt_cache.put(into_decoder(row.kept or row.prompt_cache.new(), state))
+            decoder = into_decoder(row.kept or row.prompt_cache.new(), state)
+            row.prompt_cache.save(decoder, "assistant")
             self.trim_caches()
         self.metrics.add(row.stats, passes=False)  # the batch counts its passes itself
         _, history = self._partition(row.job.request.partition)
@@ -823,7 +761,7 @@ class BatchRow:
     sequence: list[int]  # prompt + reply tokens (for the partition's history)
     started: float
     prompt_cache: PromptCache  # its partition's: the row's caches go back there
-    kept: object | None = None  # the kept engine.Decoder it started from (emptied)
+    kept: object | None = None  # the copy of a kept engine.Decoder it started from (emptied)
 
 
 class Reply:
