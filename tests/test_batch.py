@@ -8,6 +8,8 @@ first two tokens (sampled), as in test_greedy_equality.py and test_distribution.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tiny
@@ -25,8 +27,10 @@ from mlx_spec.core.batch_policy import (
     choose_batch_k,
     interpolate,
 )
+from mlx_spec.core.processors import make_processors
 from mlx_spec.decode.batch import BatchDecoder, BatchTiming, into_decoder, make_batch_decoder
 from mlx_spec.decode.events import RoundRecord
+from mlx_spec.decode.prompts import prompt_tokens
 from mlx_spec.drafters import prefill_cache
 
 TEXTS = [
@@ -503,11 +507,66 @@ def test_a_kept_cache_that_is_not_what_it_says_is_refused(pair):
 def test_what_is_not_batched_yet_is_refused(pair):
     with pytest.raises(SpecError, match="ngram\\+model drafter is not batched yet"):
         make_batch_decoder(pair.configured(drafter="ngram+model"))
-    decoder = make_batch_decoder(pair, 2)
-    for settings in ({"logprobs": 2}, {"regex": "[ab]+"}):
-        with pytest.raises(SpecError, match="cannot be batched yet"):
-            decoder.add([5, 6, 7], GenerationConfig(**settings))
     assert mlx_spec.batch_generate(pair, []) == []
+
+
+MIXED = {  # one row each: what a request may ask, batched beside the others
+    "schema": {"schema": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    "regex": {"regex": "(ab|cd)+e"},
+    "penalties": {"processors": make_processors(repetition_penalty=1.5, logit_bias={7: 4.0})},
+    "logprobs": {"logprobs": 3},
+    "plain": {},
+    "sampled": {
+        "temperature": 0.8,
+        "seed": 11,
+        "processors": make_processors(presence_penalty=0.7),
+    },
+}
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_a_mixed_batch_gives_each_row_what_it_gets_alone(pair, drafter):
+    """A schema, a regex, penalties and a logit bias, log-probabilities, a plain row and a
+    seeded sampled one with a penalty, in one batch: each row's tokens (and log-probabilities)
+    are what it gets alone; each grammar holds its own matcher, rolled back with its row."""
+    if drafter == "ngram":
+        pair = load_pair(target=str(pair.config.target), drafter="ngram")
+    configs = [
+        GenerationConfig(max_tokens=24, num_draft_tokens=3, **settings)
+        for settings in MIXED.values()
+    ]
+    prompts = [TEXTS[i % len(TEXTS)] for i in range(len(configs))]
+    decoder = make_batch_decoder(pair, 3)
+    rows = {
+        decoder.add(prompt_tokens(pair, p, c)[0], c): (name, p, c)
+        for name, p, c in zip(MIXED, prompts, configs, strict=True)
+    }
+    got = {rid: ([], []) for rid in rows}
+    drafted, forced = 0, dict.fromkeys(rows, 0)
+    while len(decoder):
+        for rid, u in decoder.step().items():
+            got[rid][0].extend(u.tokens)
+            got[rid][1].extend(u.round.logprobs or [])
+            drafted += u.round.drafted
+            forced[rid] += u.round.forced
+    assert drafted > 0
+    # the grammars' forced tokens (braces, a key, the b after an a) are drafted for free
+    assert [forced[rid] > 0 for rid in rows] == [
+        n in ("schema", "regex") for n, _, _ in rows.values()
+    ]
+    for rid, (name, prompt, config) in rows.items():
+        alone = list(mlx_spec.stream(pair, prompt, config))
+        tokens = [e.token for e in alone]
+        assert got[rid][0] == tokens, name
+        if name == "logprobs":
+            want = [e.logprob for e in alone]
+            assert np.allclose(got[rid][1], want, atol=1e-4), name
+        else:
+            assert got[rid][1] == []
+    # the grammars held: the regex row's text matches it
+    name_of = {v[0]: k for k, v in rows.items()}
+    text = pair.tokenizer.decode(got[name_of["regex"]][0])
+    assert re.fullmatch("(ab|cd)+e", text) or not text.endswith("e"), text
 
 
 def test_a_row_drafts_at_most_its_own_k_in_an_auto_batch(pair, monkeypatch):

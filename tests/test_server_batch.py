@@ -120,9 +120,9 @@ def wait_until(condition, what: str, seconds: float = 20) -> None:
 
 
 def test_batched_requests_equal_each_alone(server, pair):
-    """Rows of two keys join a running batch at staggered times and leave; an anchor stream is
-    then closed by its client; a logprobs and a penalty request queued behind them wait and run
-    single-stream. Every reply equals its request decoded alone."""
+    """Rows of two keys join a running batch at staggered times and leave; then a logprobs and
+    a penalty request join the anchor's batch as rows of their own (once they waited and ran
+    alone), and the anchor's client leaves. Every reply equals its request decoded alone."""
     _, url = server
     anchor = client(url).completions.create(
         model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
@@ -144,16 +144,15 @@ def test_batched_requests_equal_each_alone(server, pair):
         wait_until(lambda: metrics(url)["mlx_spec_batch_size"] >= 3, "the rows never batched")
         batched = [f.result() for f in futures]  # while the anchor still runs
         wait_until(lambda: metrics(url)["mlx_spec_batch_size"] == 1, "the anchor is not alone")
-        # not batchable: wait in the queue while the anchor's batch runs
-        alone = [
+        # logprobs and a penalty: rows beside the anchor, each with its own processors
+        featured = [
             pool.submit(streamed, url, KEY_B, "chat", PROMPTS[1], temperature=0, logprobs=True),
             pool.submit(
                 streamed, url, KEY_A, "chat", PROMPTS[2], temperature=0, frequency_penalty=0.5
             ),
         ]
-        wait_until(lambda: metrics(url)["mlx_spec_queue_waiting"] == 2, "they did not wait")
-        anchor.close()  # the client leaves: the batch ends, the waiting requests run alone
-        single = [f.result() for f in alone]
+        single = [f.result() for f in featured]
+        anchor.close()  # the client leaves: the batch ends
     for (_, kind, text, kw), got in zip(jobs, batched, strict=True):
         settings = {"max_tokens": TOKENS, **kw}
         expected = generate(pair, chat(text) if kind == "chat" else text, **settings)
@@ -171,12 +170,12 @@ def test_batched_requests_equal_each_alone(server, pair):
     assert m['mlx_spec_batch_size_passes_bucket{le="4"}'] == m["mlx_spec_batch_passes_total"]
     # the single-stream requests, beside the batch's: equal to generate with their settings
     expected = generate(pair, chat(PROMPTS[1]), max_tokens=TOKENS, temperature=0)
-    assert single[0]["text"] == expected.text and single[0]["spec"]["batched"] is False
+    assert single[0]["text"] == expected.text and single[0]["spec"]["batched"] is True
     penalty = make_processors(frequency_penalty=0.5)
     expected = generate(
         pair, chat(PROMPTS[2]), max_tokens=TOKENS, temperature=0, processors=penalty
     )
-    assert single[1]["text"] == expected.text and single[1]["spec"]["batched"] is False
+    assert single[1]["text"] == expected.text and single[1]["spec"]["batched"] is True
     # the seeded sampled row: served alone (a batch of one), it samples what it did in the batch
     key, kind, text, kw = jobs[2]
     again = streamed(url, key, kind, text, **kw)
@@ -212,9 +211,9 @@ def test_a_stop_string_ends_a_row_and_the_others_go_on(server, pair):
 
 def test_a_conversation_goes_on_from_its_kept_cache(server, pair):
     """Turn 2 of a conversation, batched, starts from the cache turn 1 left (its usage and
-    /metrics count the reused prompt tokens); turn 3, single-stream (logprobs), starts from
-    the cache the batched row handed back. Every reply equals `generate` (what the serial
-    server answers); another key sending the same conversation reuses nothing of it."""
+    /metrics count the reused prompt tokens); turn 3 (logprobs, a row too) starts from the
+    cache the batched row handed back. Every reply equals `generate` (what the serial server
+    answers); another key sending the same conversation reuses nothing of it."""
     _, url = server
     messages = chat("Tell me about a lighthouse keeper and the sea")
     expected = [generate(pair, messages, max_tokens=TOKENS, temperature=0).text]
@@ -235,7 +234,7 @@ def test_a_conversation_goes_on_from_its_kept_cache(server, pair):
             model="long", messages=messages, max_tokens=TOKENS, temperature=0, **extra
         )
         assert r.choices[0].message.content == expected[-1]
-        assert r.model_extra["speculation"]["batched"] is (turn == 2)
+        assert r.model_extra["speculation"]["batched"] is True
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
         # the previous turn's prompt at least (a random model's reply may be tokenized
         # otherwise when the template renders it back)

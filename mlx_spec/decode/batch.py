@@ -68,15 +68,19 @@ from mlx_lm.utils import common_prefix_len
 
 from ..core import caches
 from ..core.batch_policy import BatchController
+from ..core.grammar import GrammarProcessor
 from ..core.policies import Auto, DraftLength, Fixed, draft_length
+from ..core.processors import apply as apply_processors
 from ..core.sampling import SamplingParams, check_seed, probabilities, sample
 from ..core.stats import Stats
 from ..drafters import NGramDrafter, batched_kinds, prefill_cache
 from ..errors import SpecError
 from .config import GenerationConfig
 from .events import Result, RoundRecord, token_kind
-from .prompts import prompt_tokens
-from .rounds import Round, cut_at_end, verify
+from .prompts import constraint_for, prompt_tokens
+from .rounds import Round, cut_at_end, read_logprobs, target_logprobs, verify
+
+FORCED_MAX = 8  # the most forced tokens a row drafts in a round (engine.FORCED_MAX)
 
 # Tokens the draft missed (plain rounds) that ride along in a drafting round's first step; more
 # get a pass of their own, kept out of the round's timing: the controller would otherwise take
@@ -143,6 +147,11 @@ class Row:
     reused: int = 0  # prompt tokens a kept decoder's caches held
     keep: bool = False  # hand the caches back when the row leaves
     k_max: int | None = None  # the row's own num_draft_tokens: its k is at most this
+    # its logits processors (a grammar's mask first), applied to its rows of each pass as a
+    # single stream applies them; log-probabilities asked for (None: off; N: with top N)
+    processors: list = field(default_factory=list)
+    logprobs: int | None = None
+    grammar: object | None = None  # its GrammarProcessor when it drafts forced tokens
 
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -289,6 +298,7 @@ class BatchDecoder:
         self.controller = (
             BatchController(k_max, draft is not None) if self.fixed_k is None else None
         )
+        self.pair = None  # make_batch_decoder's: what a row's grammar compiles against
         self.rows: list[Row] = []
         self.cache: list | None = None
         self.draft_cache: list | None = None
@@ -315,7 +325,8 @@ class BatchDecoder:
         """Prefill `prompt` (token ids) alone and merge it into the batch; its row id.
         From `config` a row takes its sampling settings, seed, max_tokens (`max_tokens`
         overrides it, e.g. capped by the context), use_draft and num_draft_tokens, a cap on
-        the batch's k for this row (`row_k_max`).
+        the batch's k for this row (`row_k_max`), its processors, logprobs and schema /
+        grammar / regex (`row_processors`: as a single stream applies them).
         `history`: a HistoryIndex the row's lookup also searches (its own client's: the
         server passes the row's partition, so no row drafts from another's text).
         `kept`: an `engine.Decoder` of the same pair (the server's prompt cache, the row's
@@ -323,20 +334,9 @@ class BatchDecoder:
         shared prefix are prefilled (`row(id).reused` says how many were not); it gives its
         caches up (`kept_caches`). `keep`: hand the caches back when the row leaves."""
         config = GenerationConfig.of(config)
-        constrained = any(x is not None for x in (config.schema, config.grammar, config.regex))
-        unsupported = [
-            name
-            for name, asked in (
-                ("processors", bool(config.processors)),
-                ("logprobs", config.logprobs is not None),
-                ("schema / grammar / regex", constrained),
-            )
-            if asked
-        ]
-        if unsupported:
-            raise SpecError(f"{', '.join(unsupported)} cannot be batched yet: use generate")
         if not prompt:
             raise SpecError("the prompt is empty")
+        processors = row_processors(self.pair, config, len(prompt), self.vocab)
         params = config.sampling
         key = None
         if not params.greedy:
@@ -352,7 +352,12 @@ class BatchDecoder:
             prompt_tokens=len(prompt),
             keep=keep,
             k_max=row_k_max(config.num_draft_tokens),
+            processors=processors,
+            logprobs=config.logprobs,
         )
+        if processors and isinstance(processors[0], GrammarProcessor):
+            if config.use_draft and config.forced_tokens:  # as engine.stream_rounds
+                row.grammar = processors[0]
         self._ids += 1
         # a one-token prompt: the draft sees its token twice (only its guesses change); a
         # row that never drafts is not prefilled (its draft row holds only what each draft
@@ -520,6 +525,15 @@ class BatchDecoder:
         requested = [
             min(k, r.k_max or k, r.max_tokens - r.emitted - 1) if r.use_draft else 0 for r in rows
         ]
+        # where a row's grammar forces the next tokens, they are its draft this round (no
+        # model, outside the policy), as a single stream drafts them
+        forced = {}
+        for b, r in enumerate(rows):
+            if r.grammar is not None:
+                guess = r.grammar.forced(r.sequence, min(FORCED_MAX, r.max_tokens - r.emitted - 1))
+                if guess:
+                    forced[b] = guess
+                    requested[b] = len(guess)
         # keys in single-stream order: a drafting row draws the draft's key first
         draft_keys = [
             r.next_key() if req and not r.params.greedy else None
@@ -532,7 +546,7 @@ class BatchDecoder:
         qs = [None] * len(rows)
         steps = 0
         if drafting:
-            drafts, qs = self._draft(requested, draft_keys)  # (B, K), per row (k_i, V) | None
+            drafts, qs = self._draft(requested, draft_keys, forced)  # (B, K), (k_i, V) | None
             steps = drafts.shape[1]
             lengths = requested
             # a sync between draft and verify (the pass waits on the draft anyway): the
@@ -540,8 +554,12 @@ class BatchDecoder:
             mx.eval(drafts, *[q for q in qs if q is not None])
         else:
             guesses = [
-                r.lookup.lookup(req) if r.lookup is not None and req else []
-                for r, req in zip(rows, requested, strict=True)
+                forced[b]
+                if b in forced
+                else r.lookup.lookup(req)
+                if r.lookup is not None and req
+                else []
+                for b, (r, req) in enumerate(zip(rows, requested, strict=True))
             ]
             lengths = [len(g) for g in guesses]
             width = max(lengths)
@@ -551,49 +569,73 @@ class BatchDecoder:
         last = mx.array([[r.sequence[-1]] for r in rows], mx.uint32)
         inputs = mx.concatenate([last, drafts.astype(mx.uint32)], axis=1) if width else last
         logits = self.target(inputs, cache=self.cache)  # (B, K+1, vocab)
-        outs = []
+        # a processor reads the row's proposal as ids (a grammar walks it): read once
+        proposals = drafts.tolist() if any(r.processors for r in rows) else None
+        outs, lps = [], []
         for b, r in enumerate(rows):
-            outs.append(self._verify(r, requested[b], lengths[b], drafts[b], logits[b], qs[b]))
+            proposal = proposals[b][: lengths[b]] if proposals is not None else None
+            out, lp = self._verify(
+                r, requested[b], lengths[b], drafts[b], logits[b], qs[b], proposal
+            )
+            outs.append(out)
+            lps.append(lp)
         out = mx.stack(outs)  # (B, 2): accepted n, the target's token
-        mx.eval(out, drafts, *[r.key for r in rows if r.key is not None])
+        arrays = [a for lp in lps if lp is not None for a in lp if a is not None]
+        mx.eval(out, drafts, *arrays, *[r.key for r in rows if r.key is not None])
         verified_at = time.perf_counter()
-        done = self._finish_round(out.tolist(), drafts.tolist(), requested, lengths, steps)
+        done = self._finish_round(
+            out.tolist(), drafts.tolist(), requested, lengths, steps, lps, forced
+        )
         updates.update(done)
         self.timing = BatchTiming(
             len(rows) * (width + 1), steps, drafted_at - start, verified_at - drafted_at
         )
         if self.controller is not None and k:
-            outcomes = [
-                (u.round.requested, u.round.drafted, u.round.accepted) for u in done.values()
+            outcomes = [  # (a forced round is not the policy's: kept out, as alone)
+                (u.round.requested, u.round.drafted, u.round.accepted)
+                for u in done.values()
+                if not u.round.forced
             ]
             self.controller.update(len(rows), self.timing, outcomes)
         elif self.controller is not None:
             self.controller.update_plain(len(rows), self.timing)
         return updates
 
-    def _verify(self, r: Row, requested: int, k: int, drafts, logits, q) -> mx.array:
-        """(2,) int32: accepted count and the target's token, for one row (lazy)."""
+    def _verify(self, r: Row, requested: int, k: int, drafts, logits, q, proposal=None):
+        """(2,) int32: accepted count and the target's token, for one row, and its
+        log-probability arrays when it asked for them (None), all lazy. `proposal`: the
+        row's k draft ids as a list (read for its processors)."""
         logits = logits[: k + 1]  # (k+1, vocab)
         params = r.params
+        x = drafts[:k].astype(mx.uint32)  # (k,)
+        if r.processors:  # row i: after sequence + x1..xi, as the draft's path had it
+            logits = apply_processors(r.processors, r.sequence, proposal, logits)
         if requested == 0:  # a plain step, as single-stream decodes its reply's last token
             if params.greedy:
                 token = mx.argmax(logits[0], axis=-1)
             else:
                 token = sample(probabilities(logits[0], params), r.next_key())
-            return mx.stack([mx.array(0), token.astype(mx.int32)]).astype(mx.int32)
-        x = drafts[:k].astype(mx.uint32)  # (k,)
-        key = None if params.greedy else r.next_key()
-        n, token = verify(x, logits, params, q[:k] if q is not None else None, key)
-        return mx.stack([n, token]).astype(mx.int32)
+            n = mx.array(0)
+        else:
+            key = None if params.greedy else r.next_key()
+            n, token = verify(x, logits, params, q[:k] if q is not None else None, key)
+        lp = None
+        if r.logprobs is not None:  # row i emits x_(i+1) while i < n, then the target's
+            rows = mx.concatenate([x.astype(mx.int32), mx.zeros((1,), mx.int32)])
+            rows = mx.where(mx.arange(k + 1) == n, token.astype(mx.int32), rows)
+            lp = target_logprobs(logits, rows, r.logprobs)
+        return mx.stack([n.astype(mx.int32), token.astype(mx.int32)]), lp
 
-    def _draft(self, requested: list[int], keys: list) -> tuple[mx.array, list]:
+    def _draft(self, requested: list[int], keys: list, forced: dict) -> tuple[mx.array, list]:
         """max(requested) batched draft steps: (B, K) tokens and each stochastic row's q
         (requested_i, vocab) (None for greedy rows). The first step feeds every row's last
-        `lag` tokens (the draft's catch-up after plain rounds rides along in it)."""
+        `lag` tokens (the draft's catch-up after plain rounds rides along in it). A row in
+        `forced` (row -> its grammar's forced tokens) takes those instead of the draft's
+        picks (a point mass: q None), and the draft is fed them as it would be alone."""
         rows, width = self.rows, max(requested)
         sub = [
-            mx.random.split(key, req) if key is not None else None
-            for key, req in zip(keys, requested, strict=True)
+            mx.random.split(key, req) if key is not None and b not in forced else None
+            for b, (key, req) in enumerate(zip(keys, requested, strict=True))
         ]
         y = mx.array([draft_tail(r, self.lag) for r in rows], mx.uint32)  # (B, lag)
         columns, qs = [], [[] for _ in rows]
@@ -601,6 +643,19 @@ class BatchDecoder:
             logits = self.draft(y, cache=self.draft_cache)[:, -1]  # (B, vocab)
             if self.vocab is not None and logits.shape[-1] > self.vocab:
                 logits = logits[:, : self.vocab]  # padding rows the target cannot embed
+            processed = [
+                b
+                for b, r in enumerate(rows)
+                if r.processors and j < requested[b] and b not in forced
+            ]  # rows whose draft sees their processors, as a single stream's does
+            if processed:
+                rows_logits = [logits[b] for b in range(len(rows))]
+                for b in processed:
+                    so_far = mx.stack([c[b] for c in columns]) if columns else []
+                    rows_logits[b] = apply_processors(
+                        rows[b].processors, rows[b].sequence, so_far, logits[b]
+                    )
+                logits = mx.stack(rows_logits)
             picks = mx.argmax(logits, axis=-1)  # (B,)
             if any(s is not None and j < req for s, req in zip(sub, requested, strict=True)):
                 column = []
@@ -612,13 +667,22 @@ class BatchDecoder:
                     else:  # greedy, or past this row's k (its guess there is padding)
                         column.append(picks[b])
                 picks = mx.stack(column)
+            overrides = {b: guess[j] for b, guess in forced.items() if j < len(guess)}
+            if overrides:
+                picks = mx.where(
+                    mx.array([b in overrides for b in range(len(rows))]),
+                    mx.array([overrides.get(b, 0) for b in range(len(rows))], picks.dtype),
+                    picks,
+                )
             columns.append(picks)
             y = picks[:, None].astype(mx.uint32)
             mx.async_eval(y)  # the device starts while Python builds the next step
         self.lag = 2  # after the roll-back (`_finish_round`)
         return mx.stack(columns, axis=1), [mx.stack(q) if q else None for q in qs]
 
-    def _finish_round(self, out, drafted, requested, lengths, steps) -> dict[int, RowUpdate]:
+    def _finish_round(
+        self, out, drafted, requested, lengths, steps, lps, forced
+    ) -> dict[int, RowUpdate]:
         rows, updates, keep = self.rows, {}, []
         width = len(drafted[0]) if drafted else 0
         held = []  # per row, the round's draft tokens its caches keep
@@ -632,16 +696,22 @@ class BatchDecoder:
             r.sequence += kept
             emitted = kept if stop is None else kept[:-1]
             r.emitted += len(emitted)
+            logprobs = tops = None
+            if lps[b] is not None:
+                logprobs, tops = read_logprobs(lps[b], len(emitted))
             rnd = Round(
                 tokens=emitted,
                 accepted=n,
                 drafted=k,
                 finished=stop is not None,
-                draft_steps=steps if requested[b] else 0,
+                draft_steps=steps if requested[b] and b not in forced else 0,
                 requested=requested[b],
                 plain=self.drafting and requested[b] == 0,
                 proposal=proposal,
                 target_token=token,
+                logprobs=logprobs,
+                top_logprobs=tops,
+                forced=b in forced,
             )
             done = stop is not None or r.emitted >= r.max_tokens
             reason = ("stop" if stop is not None else "length") if done else None
@@ -681,13 +751,32 @@ def make_batch_decoder(pair, num_draft_tokens=None, plain: bool = False) -> Batc
             f"{', '.join(batched_kinds())}); use generate for this pair"
         )
     length = num_draft_tokens or pair.config.num_draft_tokens
-    return BatchDecoder(
+    decoder = BatchDecoder(
         pair.target,
         **drafting,
         eos_token_ids=pair.tokenizer.eos_token_ids,
         num_draft_tokens=length,
         vocab=pair.vocab_size,
     )
+    decoder.pair = pair  # a row's schema / grammar / regex compiles for its tokenizer
+    return decoder
+
+
+def row_processors(pair, config: GenerationConfig, prompt_length: int, vocab) -> list:
+    """A row's logits processors as `engine.stream_rounds` builds them for a single stream:
+    the grammar's mask (schema / grammar / regex) first, then the config's processors,
+    checked against the vocabulary (MLX does not bounds-check a gather)."""
+    processors = list(config.processors)
+    for p in processors:
+        check = getattr(p, "check_vocab", None)
+        if check is not None and vocab is not None:
+            check(vocab)
+    if any(x is not None for x in (config.schema, config.grammar, config.regex)):
+        if pair is None:
+            raise SpecError("a batch made without its pair (make_batch_decoder) takes no grammar")
+        constraint = constraint_for(pair, config.schema, config.grammar, config.regex)
+        processors.insert(0, constraint.processor(prompt_length))
+    return processors
 
 
 def batch_length(lengths: list) -> DraftLength:
@@ -717,8 +806,7 @@ def batch_generate(
     prompts, or a list of them, one per prompt (each its own k: a row drafts at most its
     num_draft_tokens, `auto` rows as the batch's controller chooses). `max_batch`: rows
     decoded together at most (None: all); the others join as rows finish. Not batched yet
-    (SpecError): processors, logprobs, constraints, drafting heads, recurrent or
-    sliding-window targets."""
+    (SpecError): drafting heads, recurrent, sliding-window or chunked targets."""
     prompts = list(prompts)
     if isinstance(config, list | tuple):
         if len(config) != len(prompts):

@@ -538,6 +538,28 @@ class Engine:
             return list(req.prompt_ids)
         return prompt_ids(pair, req, req.parse_special)
 
+    def _config(self, pair, req: GenRequest):
+        """The request's generation settings with its processors (penalties, logit_bias) and
+        grammar (response_format, or tool_choice required / named: the call follows the
+        tools' schemas), alone or in a batch; a grammar that cannot compile is a 400."""
+        if req.kind == "chat" and req.tools and req.tool_choice not in ("auto", "none"):
+            check_tool_choice(pair.tokenizer, req)
+        constraint = None
+        if req.constraint is not None:
+            try:
+                constraint = constraint_for(pair, **req.constraint)
+            except SpecError as err:
+                raise ApiError(400, str(err), "response_format", "invalid_value") from None
+        lark = tool_grammar(pair.tokenizer, pair.vocab_size, req)
+        if lark is not None:
+            try:
+                constraint = constraint_for(pair, grammar=lark)
+            except SpecError as err:
+                message = f"the tools cannot constrain the call: {err}"
+                raise ApiError(400, message, "tools", "invalid_value") from None
+        processors = make_processors(**req.penalties)
+        return req.generation.replace(processors=processors, grammar=constraint)
+
     def _system_end(self, pair, req: GenRequest, tokens: list[int]) -> int | None:
         """Where the system prompt and tools end in `tokens` (made with the ids when the
         HTTP side made them)."""
@@ -548,8 +570,6 @@ class Engine:
     def _generate(self, job: Job) -> None:
         req = job.request
         pair = self._pair_for(req.model)
-        if req.kind == "chat" and req.tools and req.tool_choice not in ("auto", "none"):
-            check_tool_choice(pair.tokenizer, req)
         cache, history = self._partition(req.partition)
         tokens = self._prompt(pair, req)
 
@@ -558,25 +578,10 @@ class Engine:
 
         if abort():  # the client left (or time ran out) while the template was rendered
             raise Aborted("stopped before the prefill")
-        constraint = None
-        if req.constraint is not None:  # before the decoder is taken: a bad schema is a 400
-            try:
-                constraint = constraint_for(pair, **req.constraint)
-            except SpecError as err:
-                raise ApiError(400, str(err), "response_format", "invalid_value") from None
-        lark = tool_grammar(pair.tokenizer, pair.vocab_size, req)
-        if lark is not None:  # tool_choice required / named: the call follows the tools' schemas
-            try:
-                constraint = constraint_for(pair, grammar=lark)
-            except SpecError as err:
-                message = f"the tools cannot constrain the call: {err}"
-                raise ApiError(400, message, "tools", "invalid_value") from None
+        config = self._config(pair, req)  # before the decoder is taken: a bad schema is a 400
         decoder = cache.take(tokens)  # a copy of the best kept one: entries stay as they are
         stats = Stats()
         reply = Reply(job, pair, tokens, self.raw_reasoning)
-        config = req.generation.replace(
-            processors=make_processors(**req.penalties), grammar=constraint
-        )
         marks = cache.marks(tokens, self._system_end(pair, req, tokens))
 
         def keep(mark: int) -> None:  # the prefill passed a segment's end: keep a copy there
@@ -614,22 +619,14 @@ class Engine:
     # ------------------------------------------------------------------ a batch of jobs
 
     def batchable(self, req: GenRequest) -> bool:
-        """Whether this request may join the batch: the resident pair batches, and it asks
-        for nothing a batch row cannot do yet (processors, logprobs, constraints, a swap). In
-        a plain batch (a head pair) a seeded sampled request is not batched: alone it drafts,
+        """Whether this request may join the batch: the resident pair batches and it needs
+        no swap (a row takes processors, logprobs and grammars as a single stream does). In a
+        plain batch (a head pair) a seeded sampled request is not batched: alone it drafts,
         and its samples are the ones it gets every time only if it always runs alone."""
         if self.batch is None or req.model != self.name:
             return False
         config = req.generation
-        if self.batch_plain and config.seed is not None and not config.sampling.greedy:
-            return False
-        forced_tool = req.kind == "chat" and req.tools and req.tool_choice not in ("auto", "none")
-        return (
-            req.logprobs is None
-            and req.constraint is None
-            and not forced_tool
-            and not req.penalties  # (penalties and logit_bias: only the ones asked for)
-        )
+        return not (self.batch_plain and config.seed is not None and not config.sampling.greedy)
 
     def _serve_batch(self, first: Job, second: Job | None = None) -> None:
         """Serve `first` (and `second`, already taken) and every batchable job queued while
@@ -671,8 +668,8 @@ class Engine:
             if self._gone(job):
                 return
             req, pair = job.request, self.pair
-            config = req.generation
             try:
+                config = self._config(pair, req)
                 tokens, max_tokens = prompt_tokens(pair, self._prompt(pair, req), config)
             except ApiError as err:
                 job.put("error", err)
