@@ -27,6 +27,7 @@ from mlx_spec.core.batch_policy import (
     choose_batch_k,
     interpolate,
 )
+from mlx_spec.core.grammar import GrammarStateError
 from mlx_spec.core.processors import make_processors
 from mlx_spec.decode.batch import BatchDecoder, BatchTiming, into_decoder, make_batch_decoder
 from mlx_spec.decode.events import RoundRecord
@@ -748,3 +749,39 @@ def test_a_short_row_alone_hands_back_its_caches(pair, max_tokens):
     assert_holds(pair.target, state.cache, state.sequence[:-1])
     if state.draft_cache is not None:
         assert_holds(pair.draft, state.draft_cache, state.draft_tokens)
+
+
+class FailsOnCall:
+    """A logits processor whose state breaks on its n-th call (as a grammar matcher that
+    cannot follow the sequence raises GrammarStateError)."""
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def __call__(self, context, proposed, logits):
+        self.calls += 1
+        if self.calls == self.n:
+            raise GrammarStateError("the grammar cannot take the emitted token 7")
+        return logits
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_a_row_whose_grammar_fails_fails_alone(pair, drafter):
+    if drafter == "ngram":
+        pair = load_pair(target=str(pair.config.target), drafter="ngram")
+    decoder = make_batch_decoder(pair, 3)
+    ok_config = GenerationConfig(max_tokens=20, num_draft_tokens=3)
+    ok = decoder.add(prompt_tokens(pair, TEXTS[0], ok_config)[0], ok_config, keep=True)
+    bad_config = GenerationConfig(max_tokens=20, num_draft_tokens=3, processors=[FailsOnCall(3)])
+    bad = decoder.add(prompt_tokens(pair, TEXTS[1], bad_config)[0], bad_config, keep=True)
+    tokens, ended = [], {}
+    while len(decoder):
+        for rid, u in decoder.step().items():
+            if rid == ok:
+                tokens += u.tokens
+            if u.done:
+                ended[rid] = u
+    assert ended[bad].finish_reason == "error" and ended[bad].tokens == []
+    assert isinstance(ended[bad].error, GrammarStateError) and ended[bad].state is None
+    assert tokens == generate(pair, TEXTS[0], ok_config).tokens  # the other row goes on
+    assert ended[ok].finish_reason == "length" and ended[ok].state is not None

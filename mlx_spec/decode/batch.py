@@ -68,7 +68,7 @@ from mlx_lm.utils import common_prefix_len
 
 from ..core import caches
 from ..core.batch_policy import BatchController
-from ..core.grammar import GrammarProcessor
+from ..core.grammar import GrammarProcessor, GrammarStateError
 from ..core.policies import Auto, DraftLength, Fixed, draft_length
 from ..core.processors import apply as apply_processors
 from ..core.sampling import SamplingParams, check_seed, probabilities, sample
@@ -193,8 +193,9 @@ class RowUpdate:
     tokens: list[int]  # emitted this round (an end-of-sequence token is not one)
     round: Round
     done: bool = False
-    finish_reason: str | None = None  # "stop", "length" or "cancelled" when done
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error" when done
     state: RowState | None = None  # a leaving row added with keep=True: its caches
+    error: Exception | None = None  # "error": why its grammar (or a processor) failed
 
 
 def _held(cache: list, tokens: int, what: str) -> None:
@@ -304,6 +305,7 @@ class BatchDecoder:
         self.draft_cache: list | None = None
         self.lag = 2
         self.cancelled: set[int] = set()
+        self.failed: dict[int, Exception] = {}  # this step's rows whose grammar failed
         self.timing = BatchTiming()
         self._ids = 0
 
@@ -506,9 +508,21 @@ class BatchDecoder:
         missed = self.lag - 2 if self.draft is not None else 0
         return self.controller.next(len(self.rows), available, missed)
 
+    def _guarded(self, row: Row, call, fallback, *args):
+        """`call(*args)` for one row's processors or grammar; when its grammar cannot go on
+        (GrammarStateError, SpecError) the row fails alone: it leaves at the end of the
+        round with its error, the others' round is unchanged (`fallback` stands in)."""
+        try:
+            return call(*args)
+        except (GrammarStateError, SpecError) as err:
+            self.failed.setdefault(row.id, err)
+            return fallback
+
     def step(self) -> dict[int, RowUpdate]:
-        """One round for every row: {row id: what it emitted}; finished rows leave."""
+        """One round for every row: {row id: what it emitted}; finished rows leave (a row
+        whose grammar failed with finish_reason "error")."""
         updates: dict[int, RowUpdate] = {}
+        self.failed = {}
         if self.cancelled:
             gone = [i for i, r in enumerate(self.rows) if r.id in self.cancelled]
             for i in gone:
@@ -530,7 +544,8 @@ class BatchDecoder:
         forced = {}
         for b, r in enumerate(rows):
             if r.grammar is not None:
-                guess = r.grammar.forced(r.sequence, min(FORCED_MAX, r.max_tokens - r.emitted - 1))
+                limit = min(FORCED_MAX, r.max_tokens - r.emitted - 1)
+                guess = self._guarded(r, r.grammar.forced, [], r.sequence, limit)
                 if guess:
                     forced[b] = guess
                     requested[b] = len(guess)
@@ -609,7 +624,9 @@ class BatchDecoder:
         params = r.params
         x = drafts[:k].astype(mx.uint32)  # (k,)
         if r.processors:  # row i: after sequence + x1..xi, as the draft's path had it
-            logits = apply_processors(r.processors, r.sequence, proposal, logits)
+            logits = self._guarded(
+                r, apply_processors, logits, r.processors, r.sequence, proposal, logits
+            )
         if requested == 0:  # a plain step, as single-stream decodes its reply's last token
             if params.greedy:
                 token = mx.argmax(logits[0], axis=-1)
@@ -652,9 +669,10 @@ class BatchDecoder:
                 rows_logits = [logits[b] for b in range(len(rows))]
                 for b in processed:
                     so_far = mx.stack([c[b] for c in columns]) if columns else []
-                    rows_logits[b] = apply_processors(
-                        rows[b].processors, rows[b].sequence, so_far, logits[b]
-                    )
+                    rows_logits[b] = self._guarded(
+                        rows[b], apply_processors, logits[b], rows[b].processors,
+                        rows[b].sequence, so_far, logits[b],
+                    )  # fmt: skip
                 logits = mx.stack(rows_logits)
             picks = mx.argmax(logits, axis=-1)  # (B,)
             if any(s is not None and j < req for s, req in zip(sub, requested, strict=True)):
@@ -687,6 +705,11 @@ class BatchDecoder:
         width = len(drafted[0]) if drafted else 0
         held = []  # per row, the round's draft tokens its caches keep
         for b, (r, (n, token)) in enumerate(zip(rows, out, strict=True)):
+            if r.id in self.failed:  # it leaves with its error; nothing of the round is its
+                held.append(0)
+                rnd = Round([], 0, 0)
+                updates[r.id] = RowUpdate([], rnd, True, "error", error=self.failed[r.id])
+                continue
             k = lengths[b]
             proposal = drafted[b][:k]
             kept, stop = cut_at_end(proposal[:n] + [token], self.eos)
@@ -726,7 +749,7 @@ class BatchDecoder:
         elif self.draft is not None:
             self.lag += 1  # a plain round: every row grew by one token the draft has not seen
         for b, r in enumerate(rows):
-            if r.keep and updates[r.id].done:
+            if r.keep and updates[r.id].done and r.id not in self.failed:
                 updates[r.id].state = self._extract(b)
         self._keep(keep)
         if self.rows:

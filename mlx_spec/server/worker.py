@@ -715,6 +715,12 @@ class Engine:
             row = live.get(rid)
             if row is None or u.finish_reason == "cancelled":  # left before this round
                 continue
+            if u.error is not None:  # its grammar failed: it fails alone, as it would alone
+                message = f"internal error: {type(u.error).__name__}: {u.error}"
+                row.job.put("error", ApiError(500, message))
+                row.reply.ended = "error"
+                self._leave(rid, live)
+                continue
             row.sequence += u.tokens
             events = row.maker.feed(u.round)
             if u.done:
@@ -811,8 +817,8 @@ class Reply:
 
     def finish(self, stats: Stats, spec: dict) -> None:
         """The rest of the text and the outcome (a 504 after a timeout; nothing once the
-        client left)."""
-        if self.ended == "cancelled":
+        client left, or after an error the job already holds)."""
+        if self.ended in ("cancelled", "error"):
             return
         if self.ended == "timeout":
             self.job.put("error", timeout_error(self.job))
