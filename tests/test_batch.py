@@ -61,8 +61,8 @@ def qwen3_dirs(tiny_models, tmp_path_factory):
 
 def pair_of(tiny_models, qwen3_dirs, family: str, drafter: str | None):
     target, draft = (tiny_models.target, tiny_models.draft) if family == "llama" else qwen3_dirs
-    if drafter == "model":
-        return load_pair(target=str(target), draft=str(draft))
+    if drafter in ("model", "ngram+model"):
+        return load_pair(target=str(target), draft=str(draft), drafter=drafter)
     pair = load_pair(target=str(target))
     return pair.configured(drafter="ngram") if drafter == "ngram" else pair
 
@@ -93,7 +93,12 @@ def run_schedule(decoder: BatchDecoder, prompts: list[list[int]], cancel_at: int
     "family,drafter,k",
     [
         (family, drafter, k)
-        for family, drafter in [("llama", "model"), ("llama", "ngram"), ("qwen3", "model")]
+        for family, drafter in [
+            ("llama", "model"),
+            ("llama", "ngram"),
+            ("llama", "ngram+model"),
+            ("qwen3", "model"),
+        ]
         for k in (3, "auto")
     ]
     + [("llama", None, 0), ("qwen3", None, 0)],
@@ -505,10 +510,40 @@ def test_a_kept_cache_that_is_not_what_it_says_is_refused(pair):
         make_batch_decoder(pair, 3).add(d.sequence + [7], kept=d)
 
 
-def test_what_is_not_batched_yet_is_refused(pair):
-    with pytest.raises(SpecError, match="ngram\\+model drafter is not batched yet"):
-        make_batch_decoder(pair.configured(drafter="ngram+model"))
+def test_what_is_not_batched_yet_is_refused(tiny_models, pair):
+    """A drafter kind that does not say how a batch drafts with it (here the example kind of
+    tests/example_kind.py) is refused by name, with the kinds that do."""
+    from example_kind import RepeatKind
+
+    from mlx_spec.drafters import KINDS, register
+
+    register(RepeatKind)
+    try:
+        repeat = load_pair(target=str(tiny_models.target), drafter="repeat")
+        with pytest.raises(SpecError, match="repeat drafter is not batched yet .*ngram\\+model"):
+            make_batch_decoder(repeat)
+    finally:
+        KINDS.pop(RepeatKind.name)
     assert mlx_spec.batch_generate(pair, []) == []
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_the_draft_confidence_stop_cuts_each_row_as_alone(pair, temperature):
+    """draft_confidence in a batch: each row's proposal stops after the first guess the
+    draft is less sure of, as ModelDrafter does alone: the same rounds, draft for draft."""
+    pair = pair.configured(draft_confidence=0.6)
+    configs = [
+        GenerationConfig(max_tokens=24, num_draft_tokens=4, temperature=temperature, seed=5)
+        for _ in range(3)
+    ]
+    results = mlx_spec.batch_generate(pair, TEXTS[:3], configs)
+    cut = 0
+    for prompt, config, res in zip(TEXTS[:3], configs, results, strict=True):
+        alone = generate(pair, prompt, config)
+        assert res.tokens == alone.tokens
+        assert [r.drafted for r in res.rounds] == [r.drafted for r in alone.rounds]
+        cut += sum(0 < len(r.drafted) < 4 for r in res.rounds)
+    assert cut > 0  # some proposals were cut short (else the test shows nothing)
 
 
 MIXED = {  # one row each: what a request may ask, batched beside the others

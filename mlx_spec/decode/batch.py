@@ -262,10 +262,11 @@ class BatchDecoder:
     """Speculative decoding over a batch of requests that join and leave between rounds.
 
     `draft`: a draft model (batched like the target); `lookup`: (ngram_max, ngram_min) for
-    prompt lookup per row; neither: plain continuous batching. `num_draft_tokens`: an int,
-    `Fixed(k)` or `Auto()` (a `BatchController`: k from measured pass costs per row count).
-    A draft model's confidence stop (draft_confidence) is not applied here: a batched draft
-    runs k steps for every row.
+    prompt lookup per row; both: lookup first, the model where it finds nothing
+    (ngram+model); neither: plain continuous batching. `num_draft_tokens`: an int, `Fixed(k)`
+    or `Auto()` (a `BatchController`: k from measured pass costs per row count).
+    `draft_confidence`: a row's proposal stops after a guess the draft is less sure of, as
+    ModelDrafter's does (the batch's draft steps run for the longest proposal).
 
     Invariants between rounds: the target cache holds each row's `sequence[:-1]`; the draft
     cache holds each row's `sequence[:-lag]` with one `lag` (>= 2) for all rows, so every
@@ -283,13 +284,14 @@ class BatchDecoder:
         eos_token_ids=(),
         num_draft_tokens: DraftLength | int | str = 4,
         vocab: int | None = None,
+        draft_confidence: float = 0.0,
     ):
-        if draft is not None and lookup is not None:
-            raise SpecError("a batch drafts with a draft model or with lookup, not both")
         check_batchable(target, "target")
         if draft is not None:
             check_batchable(draft, "draft")
         self.target, self.draft, self.lookup = target, draft, lookup
+        # a row's draft stops after a guess the draft is less sure of (ModelDrafter's rule)
+        self.confidence = draft_confidence
         self.eos = set(eos_token_ids)
         self.vocab = vocab
         length = draft_length(num_draft_tokens)
@@ -502,8 +504,8 @@ class BatchDecoder:
             return 0
         if self.fixed_k is not None:
             return self.fixed_k
-        available = None
-        if self.lookup is not None:
+        available = None  # (with a draft model too, every row can draft)
+        if self.lookup is not None and self.draft is None:
             available = [r.use_draft and r.lookup.has_proposal() for r in self.rows]
         missed = self.lag - 2 if self.draft is not None else 0
         return self.controller.next(len(self.rows), available, missed)
@@ -549,6 +551,16 @@ class BatchDecoder:
                 if guess:
                     forced[b] = guess
                     requested[b] = len(guess)
+        # lookup and a draft model (ngram+model): lookup first, the model where it finds
+        # nothing; the draft is fed a looked-up guess as it would be its own
+        overrides = dict(forced)
+        if self.lookup is not None and self.draft is not None:
+            for b, r in enumerate(rows):
+                if b not in overrides and requested[b]:
+                    guess = r.lookup.lookup(requested[b])
+                    if guess:
+                        overrides[b] = guess
+                        requested[b] = len(guess)
         # keys in single-stream order: a drafting row draws the draft's key first
         draft_keys = [
             r.next_key() if req and not r.params.greedy else None
@@ -561,9 +573,9 @@ class BatchDecoder:
         qs = [None] * len(rows)
         steps = 0
         if drafting:
-            drafts, qs = self._draft(requested, draft_keys, forced)  # (B, K), (k_i, V) | None
+            # (B, K), per row (k_i, V) | None, and k_i after a confidence stop
+            drafts, qs, lengths = self._draft(requested, draft_keys, overrides)
             steps = drafts.shape[1]
-            lengths = requested
             # a sync between draft and verify (the pass waits on the draft anyway): the
             # controller learns the two costs apart
             mx.eval(drafts, *[q for q in qs if q is not None])
@@ -599,7 +611,7 @@ class BatchDecoder:
         mx.eval(out, drafts, *arrays, *[r.key for r in rows if r.key is not None])
         verified_at = time.perf_counter()
         done = self._finish_round(
-            out.tolist(), drafts.tolist(), requested, lengths, steps, lps, forced
+            out.tolist(), drafts.tolist(), requested, lengths, steps, lps, forced, overrides
         )
         updates.update(done)
         self.timing = BatchTiming(
@@ -643,13 +655,16 @@ class BatchDecoder:
             lp = target_logprobs(logits, rows, r.logprobs)
         return mx.stack([n.astype(mx.int32), token.astype(mx.int32)]), lp
 
-    def _draft(self, requested: list[int], keys: list, forced: dict) -> tuple[mx.array, list]:
-        """max(requested) batched draft steps: (B, K) tokens and each stochastic row's q
-        (requested_i, vocab) (None for greedy rows). The first step feeds every row's last
-        `lag` tokens (the draft's catch-up after plain rounds rides along in it). A row in
-        `forced` (row -> its grammar's forced tokens) takes those instead of the draft's
-        picks (a point mass: q None), and the draft is fed them as it would be alone."""
+    def _draft(self, requested: list[int], keys: list, forced: dict) -> tuple:
+        """max(requested) batched draft steps: (B, K) tokens, each stochastic row's q
+        (requested_i, vocab) (None for greedy rows) and each row's length (requested_i, or
+        shorter where the draft_confidence stop cut it, as ModelDrafter.propose does alone).
+        The first step feeds every row's last `lag` tokens (the draft's catch-up after plain
+        rounds rides along in it). A row in `forced` (row -> tokens its grammar forces, or
+        lookup found) takes those instead of the draft's picks (a point mass: q None), and
+        the draft is fed them as it would be alone."""
         rows, width = self.rows, max(requested)
+        sure = []  # per step, each row's top draft probability (the confidence stop's)
         sub = [
             mx.random.split(key, req) if key is not None and b not in forced else None
             for b, (key, req) in enumerate(zip(keys, requested, strict=True))
@@ -675,16 +690,24 @@ class BatchDecoder:
                     )  # fmt: skip
                 logits = mx.stack(rows_logits)
             picks = mx.argmax(logits, axis=-1)  # (B,)
+            if self.confidence > 0:
+                top = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1)  # (B,)
             if any(s is not None and j < req for s, req in zip(sub, requested, strict=True)):
-                column = []
+                column, tops = [], []
                 for b, r in enumerate(rows):
                     if sub[b] is not None and j < requested[b]:
                         q = probabilities(logits[b], r.params)
                         qs[b].append(q)
                         column.append(sample(q, sub[b][j]).astype(picks.dtype))
+                        tops.append(q.max() if self.confidence > 0 else None)
                     else:  # greedy, or past this row's k (its guess there is padding)
                         column.append(picks[b])
+                        tops.append(top[b] if self.confidence > 0 else None)
                 picks = mx.stack(column)
+                if self.confidence > 0:
+                    top = mx.stack(tops)
+            if self.confidence > 0:
+                sure.append(top)
             overrides = {b: guess[j] for b, guess in forced.items() if j < len(guess)}
             if overrides:
                 picks = mx.where(
@@ -696,10 +719,17 @@ class BatchDecoder:
             y = picks[:, None].astype(mx.uint32)
             mx.async_eval(y)  # the device starts while Python builds the next step
         self.lag = 2  # after the roll-back (`_finish_round`)
-        return mx.stack(columns, axis=1), [mx.stack(q) if q else None for q in qs]
+        lengths = list(requested)
+        if sure:  # a row stops after the first guess below the confidence (then step j + 1)
+            below = (mx.stack(sure, axis=1) < self.confidence).tolist()  # (B, K)
+            for b, row_below in enumerate(below):
+                if b not in forced:
+                    cut = next((j + 1 for j in range(lengths[b] - 1) if row_below[j]), None)
+                    lengths[b] = cut if cut is not None else lengths[b]
+        return mx.stack(columns, axis=1), [mx.stack(q) if q else None for q in qs], lengths
 
     def _finish_round(
-        self, out, drafted, requested, lengths, steps, lps, forced
+        self, out, drafted, requested, lengths, steps, lps, forced, overrides
     ) -> dict[int, RowUpdate]:
         rows, updates, keep = self.rows, {}, []
         width = len(drafted[0]) if drafted else 0
@@ -727,7 +757,7 @@ class BatchDecoder:
                 accepted=n,
                 drafted=k,
                 finished=stop is not None,
-                draft_steps=steps if requested[b] and b not in forced else 0,
+                draft_steps=steps if requested[b] and b not in overrides else 0,
                 requested=requested[b],
                 plain=self.drafting and requested[b] == 0,
                 proposal=proposal,

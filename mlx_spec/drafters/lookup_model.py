@@ -67,3 +67,7 @@ class LookupThenModelKind(DrafterKind):
     @classmethod
     def build(cls, pair) -> LookupThenModel:
         return LookupThenModel(NGramKind.build(pair), ModelKind.build(pair))
+
+    @classmethod
+    def batch_drafting(cls, pair) -> dict:
+        return {**ModelKind.batch_drafting(pair), **NGramKind.batch_drafting(pair)}

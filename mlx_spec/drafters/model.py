@@ -143,4 +143,4 @@ class ModelKind(DrafterKind):
 
     @classmethod
     def batch_drafting(cls, pair) -> dict:
-        return {"draft": pair.draft}
+        return {"draft": pair.draft, "draft_confidence": pair.config.draft_confidence or 0.0}
