@@ -398,7 +398,7 @@ def pin_costs(decoder: BatchDecoder, monkeypatch, draft: float = 0.005) -> None:
     monkeypatch.setattr(decoder.controller, "calibrate", lambda p, d: calibrate(0.1, draft))
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "ngram+model"])
 def test_rows_start_from_kept_caches_and_hand_them_back(tiny_models, qwen3_dirs, drafter):
     """Turn 1 runs single-stream (a kept Decoder, as the server's prompt cache keeps it);
     turn 2 of each conversation (one greedy, one seeded) is a batch row started from that

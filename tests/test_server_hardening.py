@@ -16,8 +16,9 @@ import tiny
 from conftest import VOCAB
 from test_server import KEY, health, request, serving, slow_client, slow_server
 
+from mlx_spec.server.jobs import Job
 from mlx_spec.server.protocol import GenRequest
-from mlx_spec.server.worker import Engine, Job
+from mlx_spec.server.worker import Engine
 
 
 @pytest.fixture(scope="module")

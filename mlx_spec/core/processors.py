@@ -156,6 +156,15 @@ class LogitBias:
         return logits.at[:, ids].add(values.astype(logits.dtype))
 
 
+def check_vocab(processors, vocab: int | None) -> None:
+    """Refuse (SpecError) a processor that indexes ids past the vocabulary (LogitBias):
+    checked before anything runs, alone or as a batch row."""
+    for p in processors:
+        check = getattr(p, "check_vocab", None)
+        if check is not None and vocab is not None:
+            check(vocab)
+
+
 def make_processors(
     logit_bias: dict[int, float] | None = None,
     repetition_penalty: float = 0.0,

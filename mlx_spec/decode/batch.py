@@ -71,6 +71,7 @@ from ..core.batch_policy import BatchController
 from ..core.grammar import GrammarProcessor, GrammarStateError
 from ..core.policies import Auto, DraftLength, Fixed, draft_length
 from ..core.processors import apply as apply_processors
+from ..core.processors import check_vocab
 from ..core.sampling import SamplingParams, check_seed, probabilities, sample
 from ..core.stats import Stats
 from ..drafters import NGramDrafter, batched_kinds, prefill_cache
@@ -820,10 +821,7 @@ def row_processors(pair, config: GenerationConfig, prompt_length: int, vocab) ->
     the grammar's mask (schema / grammar / regex) first, then the config's processors,
     checked against the vocabulary (MLX does not bounds-check a gather)."""
     processors = list(config.processors)
-    for p in processors:
-        check = getattr(p, "check_vocab", None)
-        if check is not None and vocab is not None:
-            check(vocab)
+    check_vocab(processors, vocab)
     if any(x is not None for x in (config.schema, config.grammar, config.regex)):
         if pair is None:
             raise SpecError("a batch made without its pair (make_batch_decoder) takes no grammar")

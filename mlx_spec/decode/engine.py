@@ -23,7 +23,7 @@ from mlx_lm.utils import common_prefix_len
 from ..core import caches
 from ..core.hidden import capturing
 from ..core.policies import Controller, DraftLength, FixedK, Policy
-from ..core.processors import LogitsProcessor
+from ..core.processors import LogitsProcessor, check_vocab
 from ..core.processors import apply as apply_processors
 from ..core.sampling import SamplingParams, check_seed, probabilities, sample
 from ..core.stats import Stats
@@ -581,10 +581,7 @@ def stream_rounds(
     tokens, max_tokens = prompt_tokens(pair, prompt, config)
     speculative = config.use_draft and pair.speculative
     processors = list(config.processors)
-    for p in processors:  # ids a processor indexes by must lie inside the vocabulary
-        check = getattr(p, "check_vocab", None)
-        if check is not None and pair.vocab_size is not None:
-            check(pair.vocab_size)
+    check_vocab(processors, pair.vocab_size)
     forced = None
     if constraint is not None:
         grammar_state = constraint.processor(len(tokens))

@@ -37,6 +37,13 @@ class LookupThenModel(Drafter):
     def catch_up(self) -> None:
         self.model.catch_up()
 
+    def held_cache(self) -> tuple[list, list[int]]:
+        return self.model.held_cache()  # (lookup rebuilds its index from the next prompt)
+
+    def adopt(self, cache: list, cached: list[int], unfed: list[int]) -> None:
+        self.lookup.reset()
+        self.model.adopt(cache, cached, unfed)
+
     def propose(self, k, params, key, *, processors=()):
         guess = self.lookup.lookup(k)
         if guess:

@@ -14,9 +14,10 @@ import time
 
 from starlette.responses import JSONResponse, Response
 
+from .jobs import Job, timeout_error
 from .output import Delta, completion_logprobs
 from .protocol import ApiError, GenRequest, choice, envelope
-from .worker import Engine, Job, timeout_error
+from .worker import Engine
 
 log = logging.getLogger("mlx_spec.server")
 

@@ -12,7 +12,7 @@ A batched row starts from its partition's kept decoder as a single stream does (
 tokens are prefilled) and gives its caches back when it leaves; its lookup searches its own
 text and its partition's history, as a single stream does.
 
-The HTTP side (app.py) talks to the worker through `Job`: the worker puts ("delta",
+The HTTP side (app.py) talks to the worker through `Job` (jobs.py): the worker puts ("delta",
 output.Delta) items, then ("done", Outcome) or ("error", ApiError) on the job's
 asyncio queue; the HTTP side calls `Engine.withdraw` (a queued job leaves the queue at once) or
 sets `job.cancelled` when its client leaves. The worker checks that flag, the job's deadline and
@@ -24,21 +24,19 @@ its own prompt cache and history index, so no request drafts from, reuses the KV
 can time another key's text. The queue is one per partition, served round robin. Rows of
 different partitions share batched passes, but each drafts from its own text only.
 
-Over 600 lines: the `Engine` holds the queue, the resident pair with its prompt caches, and
-two paths that end a request (alone and as a batch row); the one-decoder work (issue 46) cuts
-it into a scheduler, the resident pair and one runner.
+Over 600 lines: the `Engine` holds the queue, the resident pair with its prompt caches and
+the two runners (alone and as a batch row, both ending a request through jobs.Reply); the
+prompt cache is prompt_cache.py, the job and its reply jobs.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import math
 import sys
 import threading
 import time
 import traceback
-import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -46,7 +44,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..core.processors import make_processors
+from ..core.processors import check_vocab, make_processors
 from ..core.stats import Stats
 from ..decode.batch import into_decoder, make_batch_decoder
 from ..decode.engine import stream_rounds
@@ -54,46 +52,17 @@ from ..decode.events import EventMaker
 from ..decode.history import HistoryIndex
 from ..decode.prompts import constraint_for, prompt_tokens
 from ..errors import Aborted, SpecError
-from .output import Output, check_tool_choice, tool_grammar
+from .jobs import Job, Reply, log_error, timeout_error
+from .output import check_tool_choice, tool_grammar
 from .prompt_cache import PromptCache, trim
 from .prompts import prompt_ids, system_end
-from .protocol import ApiError, GenRequest, speculation, usage
-from .stops import StopText
+from .protocol import ApiError, GenRequest, speculation
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the batch-size histogram's upper bounds
 # How long a lone request to a pair that batches only plainly waits for company before it
 # drafts alone: requests a client sends together arrive within milliseconds of each other
 # here, and 30 ms is a quarter of one token of the demo target on this CPU.
 JOIN_WAIT = 0.03
-
-
-@dataclass
-class Outcome:
-    finish_reason: str
-    usage: dict
-    speculation: dict
-    stop_sequence: str | None = None  # the stop string that ended the reply, if one did
-
-
-@dataclass
-class Job:
-    request: GenRequest
-    loop: asyncio.AbstractEventLoop
-    deadline: float  # time.monotonic() after which the job gives up
-    items: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)  # in the response and the log
-    shutdown: bool = False  # its deadline is the shutdown's grace period (SIGTERM)
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def put(self, *item) -> None:
-        """From the worker thread: hand an item to the HTTP side."""
-        try:
-            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
 
 
 @dataclass
@@ -670,6 +639,7 @@ class Engine:
             req, pair = job.request, self.pair
             try:
                 config = self._config(pair, req)
+                check_vocab(config.processors, pair.vocab_size)  # a 400, before the row joins
                 tokens, max_tokens = prompt_tokens(pair, self._prompt(pair, req), config)
             except ApiError as err:
                 job.put("error", err)
@@ -765,88 +735,3 @@ class BatchRow:
     started: float
     prompt_cache: PromptCache  # its partition's: the row's caches go back there
     kept: object | None = None  # the copy of a kept engine.Decoder it started from (emptied)
-
-
-class Reply:
-    """One job's reply as it streams: the text through its stop strings, logprobs released
-    with the text they belong to, deltas and the outcome put on the job's queue. The
-    single-stream and the batched paths both feed it events."""
-
-    def __init__(self, job: Job, pair, tokens: list[int], raw_reasoning: bool):
-        req = job.request
-        self.job, self.req = job, req
-        self.stops = StopText(req.stop)
-        self.output = Output(pair.tokenizer, req, tokens, raw_reasoning)
-        self.ended: str | None = None  # why generation stopped early: stop, cancelled, timeout
-        self.held: list = []  # (start offset in the raw text, logprob entry) not yet released
-        self.produced = self.released = 0  # characters generated / let through the stops
-
-    def check(self) -> str | None:
-        """Whether the reply must end now: a stop string, the client gone, the deadline."""
-        if self.ended is None:
-            if self.stops.stopped:
-                self.ended = "stop"
-            elif self.job.cancelled.is_set():
-                self.ended = "cancelled"
-            elif time.monotonic() > self.job.deadline:
-                self.ended = "timeout"
-        return self.ended
-
-    def feed(self, events: list) -> str | None:
-        """A round's events -> a delta for the client; why the reply ends now, if it does."""
-        text = self.stops.feed("".join(e.text for e in events))
-        entries = None
-        if self.req.logprobs is not None:
-            for e in events:
-                entry = self.output.entry(e.token, e.logprob, e.top_logprobs)
-                self.held.append((self.produced, entry))
-                self.produced += len(e.text)
-            self.released += len(text)
-            nothing_held = not self.stops.pending and not self.stops.stopped
-            ready = [
-                x
-                for x in self.held
-                if x[0] < self.released or (nothing_held and x[0] <= self.released)
-            ]
-            self.held = self.held[len(ready) :]
-            entries = [x[1] for x in ready]
-        delta = self.output.feed(text, entries)
-        if delta:
-            self.job.put("delta", delta)
-        return self.check()
-
-    def finish(self, stats: Stats, spec: dict) -> None:
-        """The rest of the text and the outcome (a 504 after a timeout; nothing once the
-        client left, or after an error the job already holds)."""
-        if self.ended in ("cancelled", "error"):
-            return
-        if self.ended == "timeout":
-            self.job.put("error", timeout_error(self.job))
-            return
-        if self.ended is None:
-            held = [x[1] for x in self.held] if self.held else None
-            tail = self.output.feed(self.stops.flush(), held)
-            if tail:
-                self.job.put("delta", tail)
-        last = self.output.finish()
-        if last:
-            self.job.put("delta", last)
-        finish = self.ended or stats.finish_reason
-        if self.output.calls and finish == "stop":
-            finish = "tool_calls"
-        matched = self.stops.matched if self.ended == "stop" else None
-        self.job.put("done", Outcome(finish, usage(stats), spec, matched))
-
-
-def log_error(err: BaseException, job: Job) -> None:
-    """A request's unexpected error: its traceback and, last, one line naming the request."""
-    traceback.print_exception(err, file=sys.stderr)
-    print(f"mlx-spec serve: request {job.id} failed: {type(err).__name__}: {err}", file=sys.stderr)
-
-
-def timeout_error(job: Job | None = None) -> ApiError:
-    """Why a job's deadline passed: its own timeout, or the server's shutdown grace."""
-    if job is not None and job.shutdown:
-        message = "the server is shutting down: the reply was cut after --shutdown-timeout"
-        return ApiError(503, message, code="shutting_down")
-    return ApiError(504, "the request timed out (--request-timeout)", code="request_timeout")
