@@ -70,8 +70,12 @@ def test_wheel_in_a_fresh_virtualenv_runs_every_command(wheel, tmp_path):
     site = run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
     deps = sysconfig.get_paths()["purelib"]
     (Path(site.stdout.strip()) / "_suite_dependencies.pth").write_text(deps + "\n")
-    r = run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)])
+    # (no PYTHONPATH: a checkout on it, with the egg-info a build leaves there, made pip
+    # think mlx-spec was installed already and install nothing)
+    clean = {**os.environ, "PYTHONPATH": ""}
+    r = run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], env=clean)
     assert r.returncode == 0, r.stderr
+    assert exe.exists(), "the wheel's entry point was not installed"
 
     away = tmp_path / "elsewhere"  # outside the source tree: nothing can come from the checkout
     away.mkdir()
