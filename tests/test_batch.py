@@ -24,9 +24,9 @@ from mlx_spec.core.batch_policy import (
     choose_batch_k,
     interpolate,
 )
+from mlx_spec.core.caches import prefill_cache
 from mlx_spec.decode.batch import BatchDecoder, BatchTiming, into_decoder, make_batch_decoder
 from mlx_spec.decode.events import RoundRecord
-from mlx_spec.drafters import prefill_cache
 
 TEXTS = [
     "The quick brown fox",

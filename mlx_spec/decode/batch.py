@@ -69,10 +69,11 @@ from mlx_lm.utils import common_prefix_len
 from ..core import caches
 from ..core.acceptance import verify_greedy, verify_stochastic
 from ..core.batch_policy import BatchController
+from ..core.caches import prefill_cache
 from ..core.policies import Auto, DraftLength, Fixed, draft_length
 from ..core.sampling import SamplingParams, check_seed, probabilities, sample
 from ..core.stats import Stats
-from ..drafters import NGramDrafter, prefill_cache
+from ..drafters.ngram import NGramDrafter
 from ..errors import SpecError
 from .config import GenerationConfig
 from .events import Result, RoundRecord, token_kind

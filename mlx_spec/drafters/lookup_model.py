@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import Drafter, DrafterKind
-from .model import ModelDrafter, ModelKind
-from .ngram import NGramDrafter, NGramKind
+from .base import Drafter
+from .model import ModelDrafter
+from .ngram import NGramDrafter
 
 
 class LookupThenModel(Drafter):
@@ -48,15 +48,3 @@ class LookupThenModel(Drafter):
     def commit(self, kept, output=None):
         self.lookup.commit(kept)
         self.model.commit(kept)
-
-
-class LookupThenModelKind(DrafterKind):
-    name = "ngram+model"
-    settings = ("draft_confidence",)
-    needs_model = True
-    uses_history = True
-    help = "lookup first, the draft model when lookup finds nothing"
-
-    @classmethod
-    def build(cls, pair) -> LookupThenModel:
-        return LookupThenModel(NGramKind.build(pair), ModelKind.build(pair))
