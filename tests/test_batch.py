@@ -27,12 +27,12 @@ from mlx_spec.core.batch_policy import (
     choose_batch_k,
     interpolate,
 )
+from mlx_spec.core.caches import prefill_cache
 from mlx_spec.core.grammar import GrammarStateError
 from mlx_spec.core.processors import make_processors
 from mlx_spec.decode.batch import BatchDecoder, BatchTiming, into_decoder, make_batch_decoder
 from mlx_spec.decode.events import RoundRecord
 from mlx_spec.decode.prompts import prompt_tokens
-from mlx_spec.drafters import prefill_cache
 
 TEXTS = [
     "The quick brown fox",

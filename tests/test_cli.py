@@ -245,6 +245,60 @@ def test_help_needs_neither_mlx_lm_nor_the_drafters():
         assert "LOADED []" in run.stdout, run.stdout[-400:]
 
 
+MODELS_PROBE = """
+import sys, runpy
+sys.argv = ["mlx-spec", "models"]
+try:
+    runpy.run_module("mlx_spec", run_name="__main__")
+except SystemExit as e:
+    print("EXIT", e.code)
+light = ("mlx_spec.drafters", "mlx_spec.drafters.base", "mlx_spec.drafters.kinds",
+         "mlx_spec.drafters.mtp_source")
+loaded = [m for m in sys.modules if m.split(".")[0] in ("mlx", "mlx_lm", "transformers", "numpy")]
+loaded += [m for m in sys.modules if m.startswith("mlx_spec.drafters.") and m not in light]
+loaded += [m for m in sys.modules if m == "mlx_spec.pairs.loading"]
+print("LOADED", sorted(loaded))
+"""
+
+
+def test_models_loads_neither_mlx_nor_mlx_lm(tmp_path):
+    """`mlx-spec models` validates every pair (PairConfig against its kind's facts) and asks
+    whether each is downloaded without importing MLX, mlx-lm (transformers behind it: ~1.2 s
+    of 1.7-1.9 s; 0.43 s without them) or a drafter's module — also for pairs whose models are
+    here, so that the kinds' own `head_downloaded` runs (an MTP head in the cache, an EAGLE-3
+    head directory)."""
+    target, head = tmp_path / "target", tmp_path / "head"
+    target.mkdir()
+    head.mkdir()
+    (target / "config.json").write_text('{"quantization": {"bits": 4, "group_size": 64}}')
+    pairs = {
+        "local-mtp": 'draft = { head = "mtp", path = "Qwen/Qwen3.5-9B" }',
+        "local-eagle": f'draft = {{ head = "eagle3", path = "{head}" }}',
+        "local-lookup": f'drafter = "ngram+model"\ndraft = "{target}"',
+        "local-self": "draft = { from_target = true, bits = 3 }",
+    }
+    user = tmp_path / "models.toml"
+    user.write_text(
+        "".join(f'[pairs.{name}]\ntarget = "{target}"\n{rest}\n\n' for name, rest in pairs.items())
+    )
+    env = {"HF_HUB_OFFLINE": "1", "MLX_SPEC_MODELS": str(user)}
+    env["MLX_SPEC_CACHE"] = str(tmp_path / "cache")
+    run = subprocess.run(
+        [sys.executable, "-c", MODELS_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+    assert "EXIT 0" in run.stdout, run.stdout[-400:] + run.stderr[-400:]
+    rows = [line.split() for line in run.stdout.splitlines()[1:] if line[:1] not in " \n"]
+    have = {row[0]: row[2] for row in rows if len(row) > 3}
+    assert have["local-eagle"] == have["local-lookup"] == have["local-self"] == "yes"
+    assert have["local-mtp"] == "no"  # its head is not extracted into the cache
+    assert have["smollm2-demo"] == "yes"  # the installed demo model and the shipped head
+    assert "LOADED []" in run.stdout, run.stdout[-400:]
+
+
 def test_the_cli_lists_every_drafter_kind_with_its_own_help():
     """--drafter's help comes from a table in commands/args.py (the kinds' modules load MLX);
     it must say what the registry says."""

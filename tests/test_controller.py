@@ -20,7 +20,9 @@ from mlx_spec.core.policies import (
     Fixed,
     draft_length,
 )
-from mlx_spec.drafters import LookupThenModel, ModelDrafter, NGramDrafter
+from mlx_spec.drafters.lookup_model import LookupThenModel
+from mlx_spec.drafters.model import ModelDrafter
+from mlx_spec.drafters.ngram import NGramDrafter
 
 # ------------------------------------------------------------- the controller on its own
 

@@ -11,7 +11,7 @@ import pytest
 import tiny
 
 from mlx_spec import SpecError, generate, load_pair, make_decoder, stream
-from mlx_spec.drafters import ModelDrafter
+from mlx_spec.drafters.model import ModelDrafter
 
 PROMPT = "Once upon a time"
 

@@ -16,7 +16,7 @@ import pytest
 import mlx_spec.decode.rounds as rounds
 from mlx_spec import Decoder, SamplingParams, load_pair
 from mlx_spec.core.sampling import probabilities
-from mlx_spec.drafters import ModelDrafter
+from mlx_spec.drafters.model import ModelDrafter
 
 PROMPT = [5, 9, 3, 12, 7]
 VOCAB = 16

@@ -17,7 +17,9 @@ from mlx_spec import Decoder, SamplingParams, generate, load_pair, make_decoder
 from mlx_spec.cli import main
 from mlx_spec.core.policies import FixedK
 from mlx_spec.core.sampling import probabilities
-from mlx_spec.drafters import LookupThenModel, ModelDrafter, NGramDrafter
+from mlx_spec.drafters.lookup_model import LookupThenModel
+from mlx_spec.drafters.model import ModelDrafter
+from mlx_spec.drafters.ngram import NGramDrafter
 
 REPEATING = "one two three four five one two three four five one two three"
 

@@ -20,7 +20,7 @@ from test_distribution import chi_square, exact_joint, first_two
 
 from mlx_spec import SamplingParams, SpecError, generate, load_pair, make_decoder
 from mlx_spec.core import caches
-from mlx_spec.drafters import ModelDrafter
+from mlx_spec.drafters.model import ModelDrafter
 
 FAMILIES = list(tiny.family_configs(320))
 SLIDING = {"gemma3_text", "gemma3", "llama_sliding"}

@@ -17,7 +17,7 @@ from test_greedy_equality import reference
 from mlx_spec import SamplingParams, generate, load_pair, make_decoder
 from mlx_spec.cli import main as cli_main
 from mlx_spec.core.hidden import FINAL_NORM, capturing
-from mlx_spec.drafters import mtp, mtp_head
+from mlx_spec.drafters import KINDS, mtp, mtp_head
 from mlx_spec.drafters.mtp_extract import locate
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of"]
@@ -353,7 +353,7 @@ def test_a_pair_names_the_original_checkpoint(checkpoint, tmp_path, monkeypatch,
     monkeypatch.setattr(heads, "extract", real)
     # a quantized target gets a head quantized like it, in a directory of its own
     q4 = {"quantization": {"group_size": 64, "bits": 4}}
-    quantized = mtp.MTPKind.resolve_head(str(target), q4)
+    quantized = KINDS["mtp"].resolve_head(str(target), q4)
     assert quantized.parent == root and quantized.name.endswith("-4bit-g64")
     assert json.loads((quantized / "config.json").read_text())["quantization"] == q4["quantization"]
     assert len(cached_heads(root)) == 2

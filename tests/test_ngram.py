@@ -11,7 +11,7 @@ from test_greedy_equality import reference
 
 from mlx_spec import SamplingParams, generate, load_pair
 from mlx_spec.cli import main
-from mlx_spec.drafters import NGramDrafter
+from mlx_spec.drafters.ngram import NGramDrafter
 
 # a prompt that repeats itself, so lookup finds continuations
 REPEATING = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("

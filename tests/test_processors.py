@@ -20,7 +20,7 @@ from test_distribution import PROMPT, VOCAB, chi_square
 from mlx_spec import Decoder, SamplingParams, generate, load_pair
 from mlx_spec.core.processors import LogitBias, Penalties, make_processors
 from mlx_spec.core.sampling import probabilities
-from mlx_spec.drafters import ModelDrafter
+from mlx_spec.drafters.model import ModelDrafter
 
 SETTINGS = dict(
     repetition_penalty=1.3,

@@ -8,7 +8,7 @@ from test_greedy_equality import reference
 
 from mlx_spec import generate, load_pair, make_decoder
 from mlx_spec.decode.history import HistoryIndex
-from mlx_spec.drafters import NGramDrafter
+from mlx_spec.drafters.ngram import NGramDrafter
 from mlx_spec.server.stops import StopText
 
 
@@ -199,10 +199,9 @@ def test_prefill_stops_between_chunks_and_the_decoder_recovers(pair):
         asked.append(1)
         return len(asked) > 1  # the first chunk runs, then stop
 
-    import mlx_spec.drafters as drafters
+    from mlx_spec.core.caches import prefill_cache as real
 
     chunks = []
-    real = drafters.prefill_cache
 
     def small_chunks(model, cache, tokens, step=2048, **kwargs):
         chunks.append(len(tokens))

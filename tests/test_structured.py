@@ -23,7 +23,8 @@ import mlx_spec.decode.rounds as rounds
 from mlx_spec import Decoder, SamplingParams, SpecError, generate, load_pair
 from mlx_spec.core.grammar import JSON_OPTIONS, Constraint
 from mlx_spec.core.sampling import probabilities
-from mlx_spec.drafters import ModelDrafter, NGramDrafter
+from mlx_spec.drafters.model import ModelDrafter
+from mlx_spec.drafters.ngram import NGramDrafter
 
 PERSON = {
     "type": "object",

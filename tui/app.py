@@ -313,8 +313,7 @@ class ChatApp(App):
     def action_pick_pair(self) -> None:
         if self.loader is None or self.reply is not None:
             return
-        from mlx_spec.pairs.loading import pair_downloaded
-        from mlx_spec.pairs.registry import load_registry
+        from mlx_spec.pairs.registry import load_registry, pair_downloaded
 
         rows = []
         for name, spec in load_registry().pairs.items():

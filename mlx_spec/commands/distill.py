@@ -281,8 +281,8 @@ def main_head(args):
 
 
 def check_target(args) -> None:
-    from ..models.hub import resolve_model
     from ..models.model_dir import json_object
+    from ..models.resolve import resolve_model
     from ..train.eagle_build import head_config
     from .args import pair_config_from_args
 

@@ -20,8 +20,7 @@ def describe_draft(spec) -> str:
 
 
 def main(args):
-    from ..pairs.loading import pair_downloaded
-    from ..pairs.registry import load_registry, user_file
+    from ..pairs.registry import load_registry, pair_downloaded, user_file
 
     registry = load_registry()
     print(f"{'pair':<20} {'k':>4}  {'downloaded':<10}  target / draft")

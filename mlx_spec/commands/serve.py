@@ -261,8 +261,8 @@ def main(args):
             f"mlx-spec serve needs {err.name}, a dependency of mlx-spec that is missing here: "
             "reinstall mlx-spec"
         ) from None
-    from ..pairs.loading import load_pair, pair_downloaded
-    from ..pairs.registry import load_registry
+    from ..pairs.loading import load_pair
+    from ..pairs.registry import load_registry, pair_downloaded
 
     max_connections = connection_cap(args.max_connections)
     limit = args.max_tokens_limit

@@ -16,7 +16,8 @@ to forget the last few tokens. mlx-lm's caches cannot always:
   very list, so saving it would save nothing).
 
 `rollback` checks that every layer forgot exactly what was asked; a cache that cannot raises
-`CacheRollbackError` — never a silently wrong state.
+`CacheRollbackError` — never a silently wrong state. `prefill_cache` fills a cache with a
+prompt in chunks (the decoders' prefill of the target, a draft model's).
 
 `copy` makes an independent copy of a whole cache (a fork of a decoder): the two may then
 continue apart, neither seeing the other's writes.
@@ -25,6 +26,7 @@ continue apart, neither seeing the other's writes.
 from __future__ import annotations
 
 import copy as _shallow
+import time
 
 import mlx.core as mx
 from mlx.utils import tree_map
@@ -40,7 +42,8 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from ..errors import SpecError
+from ..errors import Aborted, SpecError
+from .hidden import capturing
 
 # Past tokens a sliding-window layer keeps beyond its window: the longest roll-back it allows
 # (a verify pass of k+1 tokens, or the end of a previous turn that a chat template re-renders).
@@ -318,3 +321,49 @@ def nbytes(cache: list) -> int:
 def eval_state(cache: list, *also) -> None:
     """Evaluate the cache's state (and `also`, e.g. the logits of the same pass)."""
     mx.eval([c.state for c in _leaves(cache)], *also)
+
+
+def prefill_cache(
+    model,
+    cache: list,
+    tokens: list[int],
+    step: int = 2048,
+    timed: bool = False,
+    abort=None,
+    hidden: dict | None = None,
+) -> float | None:
+    """Run `tokens` through `model`, filling `cache`, in chunks that bound peak memory.
+    `abort()`, asked before each chunk, stops it with `errors.Aborted`. `hidden`: a dict
+    {layer: None} whose layers' outputs over the tokens are filled in, (len(tokens), hidden).
+
+    `timed`: the last two tokens go in one at a time, as decoding steps, and the second one's
+    wall time is returned (the first pays the one-time costs of that shape: allocation, kernel
+    compilation on Metal). None when there are too few tokens to do so."""
+    layers = tuple(hidden or ())
+    parts: dict[int, list] = {i: [] for i in layers}
+
+    def run(chunk: list[int], step: bool = False) -> None:
+        with capturing(model, layers) as got:
+            logits = model(mx.array(chunk)[None], cache=cache)
+        for i in layers:
+            parts[i].append(got[i][0])
+        # a chunk's logits are not needed (the head over 2048 rows is not free); a timed
+        # step's are, as in decoding
+        eval_state(cache, *([logits] if step else []), *(got[i] for i in layers))
+
+    timed = timed and len(tokens) >= 3
+    batched = tokens[:-2] if timed else tokens
+    for start in range(0, len(batched), step):
+        if abort is not None and abort():
+            raise Aborted("stopped during the prefill")
+        run(batched[start : start + step])
+        mx.clear_cache()  # a long prompt's activations would otherwise stay in MLX's pool
+    seconds = None
+    if timed:
+        for token in tokens[-2:]:
+            start = time.perf_counter()
+            run([token], step=True)
+            seconds = time.perf_counter() - start
+    for i in layers:
+        hidden[i] = mx.concatenate(parts[i]) if parts[i] else None
+    return seconds

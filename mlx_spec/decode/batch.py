@@ -68,13 +68,15 @@ from mlx_lm.utils import common_prefix_len
 
 from ..core import caches
 from ..core.batch_policy import BatchController
+from ..core.caches import prefill_cache
 from ..core.grammar import GrammarProcessor, GrammarStateError
 from ..core.policies import Auto, DraftLength, Fixed, draft_length
 from ..core.processors import apply as apply_processors
 from ..core.processors import check_vocab
 from ..core.sampling import SamplingParams, check_seed, probabilities, sample
 from ..core.stats import Stats
-from ..drafters import NGramDrafter, batched_kinds, prefill_cache
+from ..drafters import batched_kinds
+from ..drafters.ngram import NGramDrafter
 from ..errors import SpecError
 from .config import GenerationConfig
 from .events import Result, RoundRecord, token_kind

@@ -21,13 +21,14 @@ from mlx_lm.generate import wired_limit
 from mlx_lm.utils import common_prefix_len
 
 from ..core import caches
+from ..core.caches import prefill_cache
 from ..core.hidden import capturing
 from ..core.policies import Controller, DraftLength, FixedK, Policy
 from ..core.processors import LogitsProcessor, check_vocab
 from ..core.processors import apply as apply_processors
 from ..core.sampling import SamplingParams, check_seed, probabilities, sample
 from ..core.stats import Stats
-from ..drafters import Drafter, TargetOutput, prefill_cache
+from ..drafters import Drafter, TargetOutput
 from ..errors import Aborted, SpecError
 from ..models import distributed
 from .config import GenerationConfig

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from mlx_lm.utils import common_prefix_len
 
-from ..drafters import NGramIndex
+from ..drafters.ngram import NGramIndex
 from ..errors import SpecError
 
 # n-grams shorter than 2 tokens match almost anywhere in a long history: mostly wasted drafts

@@ -1,20 +1,19 @@
 """Drafters propose tokens for the target to verify; each kind is one module here.
 
 `KINDS` is the registry models.toml's `drafter = ...`, --drafter and the API name kinds from.
-A new kind: a module with a `Drafter` subclass and its `DrafterKind`, and one line below (or
-`register(Kind)` from outside the package).
+A new kind: a module with a `Drafter` subclass and its `DrafterKind`, and `register(Kind)`
+(the package's own kinds are declared in kinds.py and registered below).
+
+Importing the package loads no MLX: the kinds' facts are what a `PairConfig` is checked
+against, and listing pairs needs nothing more. The drafters themselves are in their modules
+(`drafters.model.ModelDrafter`, `drafters.ngram.NGramDrafter`, …), which load MLX and mlx-lm.
 """
 
 from __future__ import annotations
 
 from ..errors import SpecError
-from .base import Drafter, DrafterKind, TargetOutput, prefill_cache
-from .dflash import DFlashDrafter, DFlashKind
-from .eagle import EagleKind
-from .lookup_model import LookupThenModel, LookupThenModelKind
-from .model import ModelDrafter, ModelKind
-from .mtp import MTPKind
-from .ngram import NGramDrafter, NGramIndex, NGramKind
+from .base import Drafter, DrafterKind, TargetOutput
+from .kinds import DFlashKind, EagleKind, LookupThenModelKind, ModelKind, MTPKind, NGramKind
 
 KINDS: dict[str, type[DrafterKind]] = {}
 
@@ -47,18 +46,4 @@ register(EagleKind)
 register(MTPKind)
 register(DFlashKind)
 
-__all__ = [
-    "KINDS",
-    "DFlashDrafter",
-    "Drafter",
-    "DrafterKind",
-    "LookupThenModel",
-    "ModelDrafter",
-    "NGramDrafter",
-    "NGramIndex",
-    "TargetOutput",
-    "batched_kinds",
-    "kind",
-    "prefill_cache",
-    "register",
-]
+__all__ = ["KINDS", "Drafter", "DrafterKind", "TargetOutput", "batched_kinds", "kind", "register"]

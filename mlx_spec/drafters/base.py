@@ -8,21 +8,25 @@ what the target computed for them (`TargetOutput`).
 A `DrafterKind` is the registry's entry for one kind of drafter (drafters/__init__.py):
 how a pair configuration using it is validated, how it is built from a loaded pair, how many
 tokens it can draft a round, whether it needs a draft model and whether it uses the server's
-history. A new kind is one module (a Drafter and its kind) plus one registry line.
+history. A new kind is one module (a Drafter and its kind) plus one registry line (the
+package's own kinds are in kinds.py).
+
+Nothing here loads MLX (its names appear in annotations only): `PairConfig` validates a
+configuration against its kind, and `mlx-spec models` every curated pair, without it.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import mlx.core as mx
-
-from ..core import caches
-from ..core.hidden import capturing
-from ..core.sampling import SamplingParams
-from ..errors import Aborted, SpecError
+from ..errors import SpecError
 from ..models.hub import is_downloaded, resolve_head
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from ..core.sampling import SamplingParams
 
 
 @dataclass
@@ -158,49 +162,3 @@ class DrafterKind:
         (ngram_max, ngram_min) per row); None: not batched yet (the batch then decodes
         plainly, or the pair runs one stream at a time)."""
         return None
-
-
-def prefill_cache(
-    model,
-    cache: list,
-    tokens: list[int],
-    step: int = 2048,
-    timed: bool = False,
-    abort=None,
-    hidden: dict | None = None,
-) -> float | None:
-    """Run `tokens` through `model`, filling `cache`, in chunks that bound peak memory.
-    `abort()`, asked before each chunk, stops it with `errors.Aborted`. `hidden`: a dict
-    {layer: None} whose layers' outputs over the tokens are filled in, (len(tokens), hidden).
-
-    `timed`: the last two tokens go in one at a time, as decoding steps, and the second one's
-    wall time is returned (the first pays the one-time costs of that shape: allocation, kernel
-    compilation on Metal). None when there are too few tokens to do so."""
-    layers = tuple(hidden or ())
-    parts: dict[int, list] = {i: [] for i in layers}
-
-    def run(chunk: list[int], step: bool = False) -> None:
-        with capturing(model, layers) as got:
-            logits = model(mx.array(chunk)[None], cache=cache)
-        for i in layers:
-            parts[i].append(got[i][0])
-        # a chunk's logits are not needed (the head over 2048 rows is not free); a timed
-        # step's are, as in decoding
-        caches.eval_state(cache, *([logits] if step else []), *(got[i] for i in layers))
-
-    timed = timed and len(tokens) >= 3
-    batched = tokens[:-2] if timed else tokens
-    for start in range(0, len(batched), step):
-        if abort is not None and abort():
-            raise Aborted("stopped during the prefill")
-        run(batched[start : start + step])
-        mx.clear_cache()  # a long prompt's activations would otherwise stay in MLX's pool
-    seconds = None
-    if timed:
-        for token in tokens[-2:]:
-            start = time.perf_counter()
-            run([token], step=True)
-            seconds = time.perf_counter() - start
-    for i in layers:
-        hidden[i] = mx.concatenate(parts[i]) if parts[i] else None
-    return seconds

@@ -51,7 +51,7 @@ from ..core.processors import apply as apply_processors
 from ..core.sampling import probabilities, sample
 from ..errors import SpecError
 from ..models.model_dir import text_config
-from .base import Drafter, DrafterKind
+from .base import Drafter
 
 
 class DFlashArgs:
@@ -405,17 +405,3 @@ def load_head(path: Path, target, target_config: dict) -> DFlashHead:
     except ValueError as err:
         raise SpecError(f"the DFlash head's weights do not fit its config: {err}") from None
     return head
-
-
-class DFlashKind(DrafterKind):
-    name = "dflash"
-    needs_head = True
-    help = "a DFlash block-diffusion head (z-lab): one forward drafts a block"
-
-    @classmethod
-    def load_head(cls, path, target, target_config: dict) -> DFlashHead:
-        return load_head(path, target, target_config)
-
-    @classmethod
-    def build(cls, pair) -> DFlashDrafter:
-        return DFlashDrafter(pair.head, pair.target)

@@ -45,7 +45,7 @@ from ..core.processors import apply as apply_processors
 from ..core.sampling import probabilities, sample
 from ..errors import SpecError
 from ..models.model_dir import json_object, text_config
-from .base import Drafter, DrafterKind
+from .base import Drafter
 
 CHUNK = 2048  # rows of a prompt fed to the head at once (bounds the prefill's peak memory)
 
@@ -473,17 +473,3 @@ class EagleDrafter(Drafter):
     def cache_bytes(self) -> int:
         pending = [self.pending] if self.pending is not None else []
         return sum(a.nbytes for a in self._cache_arrays() + pending)
-
-
-class EagleKind(DrafterKind):
-    name = "eagle3"
-    needs_head = True
-    help = "an EAGLE-3 head (--head DIR): drafts from three of the target's layers"
-
-    @classmethod
-    def load_head(cls, path, target, target_config):
-        return load_head(Path(path), target, target_config)
-
-    @classmethod
-    def build(cls, pair) -> EagleDrafter:
-        return EagleDrafter(pair.head)

@@ -6,9 +6,9 @@ import copy
 
 import mlx.core as mx
 
-from .base import Drafter, DrafterKind
-from .model import ModelDrafter, ModelKind
-from .ngram import NGramDrafter, NGramKind
+from .base import Drafter
+from .model import ModelDrafter
+from .ngram import NGramDrafter
 
 
 class LookupThenModel(Drafter):
@@ -62,19 +62,3 @@ class LookupThenModel(Drafter):
     def commit(self, kept, output=None):
         self.lookup.commit(kept)
         self.model.commit(kept)
-
-
-class LookupThenModelKind(DrafterKind):
-    name = "ngram+model"
-    settings = ("draft_confidence",)
-    needs_model = True
-    uses_history = True
-    help = "lookup first, the draft model when lookup finds nothing"
-
-    @classmethod
-    def build(cls, pair) -> LookupThenModel:
-        return LookupThenModel(NGramKind.build(pair), ModelKind.build(pair))
-
-    @classmethod
-    def batch_drafting(cls, pair) -> dict:
-        return {**ModelKind.batch_drafting(pair), **NGramKind.batch_drafting(pair)}

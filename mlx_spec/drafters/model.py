@@ -8,9 +8,10 @@ import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
 from ..core import caches
+from ..core.caches import prefill_cache
 from ..core.processors import apply as apply_processors
 from ..core.sampling import probabilities, sample
-from .base import Drafter, DrafterKind, prefill_cache
+from .base import Drafter
 
 
 class ModelDrafter(Drafter):
@@ -129,18 +130,3 @@ class ModelDrafter(Drafter):
         self.cached += self.unfed + kept[:valid]
         self.unfed = kept[valid:]
         self.ran, self.fed = False, 0
-
-
-class ModelKind(DrafterKind):
-    name = "model"
-    settings = ("draft_confidence",)
-    needs_model = True
-    help = "the draft model"
-
-    @classmethod
-    def build(cls, pair) -> ModelDrafter:
-        return ModelDrafter(pair.draft, pair.vocab_size, pair.config.draft_confidence or 0.0)
-
-    @classmethod
-    def batch_drafting(cls, pair) -> dict:
-        return {"draft": pair.draft, "draft_confidence": pair.config.draft_confidence or 0.0}

@@ -1,14 +1,12 @@
 """The MTP drafter: the target's own multi-token-prediction layer (mtp_head.py) drafting k
-tokens a round from the target's hidden states, and its kind (`--drafter mtp`), which finds a
-head directory or extracts one from the original checkpoint (mtp_extract.py).
+tokens a round from the target's hidden states. Its kind (`--drafter mtp`, kinds.py) finds a
+head directory or extracts one from the original checkpoint (mtp_source.py, mtp_extract.py).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,10 +18,8 @@ from ..core.hidden import FINAL_NORM, decoder_stack
 from ..core.processors import apply as apply_processors
 from ..core.sampling import probabilities, sample
 from ..errors import SpecError
-from ..models.hub import expand_path, looks_like_path
-from .base import Drafter, DrafterKind
-from .mtp_extract import cache_name, cache_root, cached_head, is_head
-from .mtp_head import FAMILIES, MTPHead, load_head
+from .base import Drafter
+from .mtp_head import MTPHead
 
 # ------------------------------------------------------------------------------- the drafter
 
@@ -211,93 +207,3 @@ class MTPDrafter(Drafter):
     def cache_bytes(self) -> int:
         rows = self.rows.nbytes if self.rows is not None else 0
         return caches.nbytes(self.cache) + rows
-
-
-def target_quantization(config: dict | None) -> tuple[int | None, int]:
-    """(bits, group size) of a quantized target's config; (None, 64) for a float one."""
-    q = (config or {}).get("quantization")
-    bits = q.get("bits") if isinstance(q, dict) else None
-    if not isinstance(bits, int) or isinstance(bits, bool):
-        return None, 64
-    return bits, int(q.get("group_size") or 64)
-
-
-def head_source(name: str) -> tuple[Path | None, str | None]:
-    """A pair's head name -> (a head directory to read as it is, None) or (None, the original
-    checkpoint to extract it from: a directory's absolute path or a hub id). MTP heads are not
-    published as repositories: a hub id names the model's original repository."""
-    if name.startswith("package:"):
-        return Path(name), None
-    path = expand_path(name)
-    if path.is_dir() and not _is_original(path):
-        return path, None  # a head directory (or not one: read_head says what is wrong)
-    if path.exists() or looks_like_path(name):
-        if not path.is_dir():
-            raise SpecError(f"the head {name} is not a directory")
-        return None, str(path.resolve())
-    return None, name
-
-
-def _is_original(path: Path) -> bool:
-    """A model directory of a family with an MTP layout (not a head directory)."""
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False
-    return (
-        isinstance(config, dict)
-        and "head_type" not in config
-        and config.get("model_type") in FAMILIES
-    )
-
-
-def _local_config(target: str) -> dict | None:
-    """A target's config.json when it is on this machine (no network), else None."""
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        path = Path(target).expanduser() / "config.json"
-        if not path.is_file():
-            found = try_to_load_from_cache(target, "config.json")
-            path = Path(found) if isinstance(found, str) else None
-        return json.loads(path.read_text(encoding="utf-8")) if path else None
-    except Exception:  # a GGUF file, a bad id, a damaged file: treated as a float target
-        return None
-
-
-class MTPKind(DrafterKind):
-    name = "mtp"
-    needs_head = True
-    help = (
-        "the target's own multi-token-prediction layer (--head DIR from mlx-spec heads "
-        "extract, or the original checkpoint: extracted once into the cache)"
-    )
-
-    @classmethod
-    def resolve_head(cls, name: str, target_config: dict, progress=None) -> Path:
-        """A head directory as it is; an original checkpoint's head (its directory or hub id)
-        extracted once into the head cache, quantized as the target is."""
-        _, source = head_source(name)
-        if source is None:
-            return super().resolve_head(name, target_config, progress)
-        bits, group_size = target_quantization(target_config)
-        return cached_head(source, bits, group_size, report=progress)
-
-    @classmethod
-    def head_downloaded(cls, name: str, target: str) -> bool:
-        try:
-            _, source = head_source(name)
-        except SpecError:
-            return False
-        if source is None:
-            return super().head_downloaded(name, target)
-        bits, group_size = target_quantization(_local_config(target))
-        return is_head(cache_root() / cache_name(source, bits, group_size))
-
-    @classmethod
-    def load_head(cls, path, target, target_config: dict) -> nn.Module:
-        return load_head(Path(path), target_config)
-
-    @classmethod
-    def build(cls, pair) -> MTPDrafter:
-        return MTPDrafter(pair.head, pair.target, pair.vocab_size)

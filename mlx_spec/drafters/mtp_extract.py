@@ -11,10 +11,8 @@ cache beside the GGUF conversions.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -27,11 +25,9 @@ from ..errors import SpecError
 from ..models.hub import looks_like_path
 from ..models.model_dir import check_safetensors, json_object
 from . import mtp_head
+from .mtp_source import HEAD_TYPE, SINGLE, cache_name, cache_root, is_head
 
 INDEX = "model.safetensors.index.json"
-
-
-SINGLE = "model.safetensors"
 
 
 def _hub(repo_id: str, patterns: list[str]) -> Path:
@@ -151,7 +147,7 @@ def extract(source: str, out: Path, bits: int | None = None, group_size: int = 6
             f"the MTP tensors do not fit the {config.get('model_type')} layout: {err}"
         ) from None
     head_config = {
-        "head_type": mtp_head.HEAD_TYPE,
+        "head_type": HEAD_TYPE,
         "model_type": config.get("model_type"),
         "source": source,
         "text_config": mtp_head.text_config(config),
@@ -164,33 +160,6 @@ def extract(source: str, out: Path, bits: int | None = None, group_size: int = 6
     (out / "config.json").write_text(json.dumps(head_config, indent=2) + "\n")
     report(f"read {len(names)} MTP tensors from {len(shards)} of the shards")
     return head_config
-
-
-def cache_root() -> Path:
-    """Where heads extracted for a pair are kept: $MLX_SPEC_CACHE/heads, else
-    ~/.cache/mlx-spec/heads (beside the GGUF conversions)."""
-    env = os.environ.get("MLX_SPEC_CACHE")
-    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return (base if env else base / "mlx-spec") / "heads"
-
-
-def cache_name(source: str, bits: int | None, group_size: int) -> str:
-    """One directory per source (a hub id, or a directory's absolute path) and quantization."""
-
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "--", source.strip("/"))[-60:]
-    digest = hashlib.sha256(source.encode()).hexdigest()[:10]
-    return f"{slug}-{digest}-{f'{bits}bit-g{group_size}' if bits else 'float'}"
-
-
-def is_head(path: Path) -> bool:
-    """Whether a directory is a complete head directory (what extract writes)."""
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False
-
-    head = isinstance(config, dict) and config.get("head_type") == mtp_head.HEAD_TYPE
-    return head and (path / SINGLE).is_file()
 
 
 def cached_head(source: str, bits: int | None, group_size: int = 64, report=None) -> Path:

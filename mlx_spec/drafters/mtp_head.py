@@ -27,9 +27,7 @@ config.json.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,34 +37,8 @@ from mlx_lm.models.base import create_attention_mask
 
 from ..errors import SpecError
 from ..models.model_dir import text_config
+from .mtp_source import FAMILIES, HEAD_TYPE, Family
 
-HEAD_TYPE = "mtp"
-
-
-@dataclass(frozen=True)
-class Family:
-    """One architecture's MTP layer: its layout (`head`, the class that runs it and reads its
-    tensors) and the mlx-lm module, args class and decoder layer class it is built from."""
-
-    layout: str  # "qwen": mtp.* tensors; "nextn": model.layers.{num_hidden_layers}.*
-    module: str
-    args: str
-    layer: str
-
-    def classes(self):
-        module = importlib.import_module(f"mlx_lm.models.{self.module}")
-        return module, getattr(module, self.args), getattr(module, self.layer)
-
-
-# model types whose original checkpoints carry an MTP layer mlx-lm's classes can run
-FAMILIES = {
-    "qwen3_5": Family("qwen", "qwen3_5", "TextModelArgs", "DecoderLayer"),
-    "qwen3_5_moe": Family("qwen", "qwen3_5", "TextModelArgs", "DecoderLayer"),
-    "qwen3_next": Family("qwen", "qwen3_next", "ModelArgs", "Qwen3NextDecoderLayer"),
-    "deepseek_v3": Family("nextn", "deepseek_v3", "ModelArgs", "DeepseekV3DecoderLayer"),
-    "glm4_moe": Family("nextn", "glm4_moe", "ModelArgs", "DecoderLayer"),
-    "glm4_moe_lite": Family("nextn", "glm4_moe_lite", "ModelArgs", "Glm4MoeLiteDecoderLayer"),
-}
 # RMS norms stored zero-centred ((1 + w) x) in the original Qwen checkpoints; mlx-lm adds 1
 NORMS = (
     "pre_fc_norm_embedding.weight",

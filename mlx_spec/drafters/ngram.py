@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
 from ..errors import SpecError
-from .base import Drafter, DrafterKind
+from .base import Drafter
 
 
 class NGramIndex:
@@ -113,17 +113,3 @@ class NGramDrafter(Drafter):
 
     def commit(self, kept, output=None):
         self.context.extend(kept)
-
-
-class NGramKind(DrafterKind):
-    name = "ngram"
-    uses_history = True
-    help = "prompt lookup in the context, no second model"
-
-    @classmethod
-    def build(cls, pair) -> NGramDrafter:
-        return NGramDrafter(pair.config.ngram_max, pair.config.ngram_min)
-
-    @classmethod
-    def batch_drafting(cls, pair) -> dict:
-        return {"lookup": (pair.config.ngram_max, pair.config.ngram_min)}

@@ -15,8 +15,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..core import caches
+from ..core.caches import prefill_cache
 from ..core.payoff import Payoff, predicted_speedup
-from ..drafters import prefill_cache
 
 # Regimes by the extra cost of each verified token, as a fraction of a decode step (the slope
 # of T(n)/T(1)): flat is purely memory-bound, 1 is purely compute-bound.

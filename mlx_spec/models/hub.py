@@ -1,5 +1,9 @@
 """Where models and heads come from: a local path, a file inside an installed package
-(`package:MODULE/FILE`) or a Hugging Face id, downloaded with progress when missing."""
+(`package:MODULE/FILE`) or a Hugging Face id, downloaded with progress when missing.
+
+Light on purpose: no MLX, no mlx-lm at import (mlx-lm pulls in transformers, ~1 s), so that
+`mlx-spec models` and a drafter kind's `head_downloaded` can ask what is here without them.
+Turning a name into a directory mlx-lm can load, a GGUF file converted, is `resolve.py`."""
 
 from __future__ import annotations
 
@@ -8,10 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
-
 from ..errors import SpecError
-from .gguf import converted_path, default_dtype
 
 DEMO_INSTALL_HINT = (
     "install the demo model with pip install 'mlx-spec[demo]' "
@@ -50,28 +51,10 @@ def expand_path(name: str) -> Path:
         raise SpecError(f"model path does not exist: {name} (no such home directory)") from None
 
 
-def resolve_model(name: str, dtype: str | None = None, progress=None) -> Path:
-    """A local model directory for a path, a .gguf file or a Hugging Face id (downloaded if
-    needed). `dtype` dequantizes a GGUF file ("auto": float16 on Metal, float32 on CPU)."""
-    if not name:
-        raise SpecError("the model path or id is empty")
-    path = package_file(name) if name.startswith("package:") else expand_path(name)
-    if path.exists():
-        if path.is_file() and path.suffix == ".gguf":
-            return converted_path(
-                path, default_dtype() if dtype == "auto" else dtype, report=progress
-            )
-        if not (path / "config.json").is_file():
-            raise SpecError(f"{name} is not a model directory (it has no config.json)")
-        return path
-    if looks_like_path(name):
-        raise SpecError(f"model path does not exist: {name}")
-    return hub_snapshot(name, progress)
-
-
 def hub_snapshot(repo_id: str, progress=None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     try:
         return Path(
@@ -152,6 +135,7 @@ def hub_download(repo_id: str, progress=None) -> Path:
     """Download a model from the hub (huggingface_hub.snapshot_download). With `progress`, the
     bytes done and to do go there as DownloadProgress messages, not as tqdm bars."""
     from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     options = {"allow_patterns": DEFAULT_ALLOW_PATTERNS}
     if progress is not None:

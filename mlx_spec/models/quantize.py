@@ -3,15 +3,19 @@
 A real technique when a family has no small sibling: the draft reads far fewer bytes per
 token than the target and agrees with it often (measured on SmolLM2-135M: 3 bits agree with
 float32 greedy choices on roughly half the positions; 2 bits on almost none).
+
+MLX and mlx-lm are imported where a copy is made: `PairConfig` checks a pair's bits against
+the constants here, and `mlx-spec models` validates every pair without loading either.
 """
 
 from __future__ import annotations
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.utils import dequantize_model
+from typing import TYPE_CHECKING
 
 from ..errors import SpecError
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 # what MLX's affine quantization accepts (mx.quantize); anything else is refused, not skipped
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
@@ -24,6 +28,10 @@ def requantized_copy(model: nn.Module, bits: int, group_size: int = 32) -> nn.Mo
 
     Pass a freshly loaded copy of the target: the target itself must stay untouched.
     """
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import dequantize_model
+
     if bits not in SUPPORTED_BITS:
         raise SpecError(f"draft bits must be one of {SUPPORTED_BITS}, got {bits}")
     if group_size not in QUANT_GROUP_SIZES:

@@ -16,10 +16,10 @@ from ..core.policies import DraftLength
 from ..errors import SpecError, one_line
 from ..models import distributed
 from ..models.adapters import apply_draft_adapter, read_adapter_config
-from ..models.hub import is_downloaded, resolve_model
 from ..models.memory import check_memory
 from ..models.model_dir import context_length, read_config, text_config
 from ..models.quantize import requantized_copy
+from ..models.resolve import resolve_model
 from ..runtime.threads import materialize
 from .config import PairConfig
 from .registry import load_registry
@@ -65,14 +65,6 @@ class Pair:
         if config.needs_reload(self.config):
             raise SpecError("these settings need other models: load the pair again")
         return dataclasses.replace(self, config=config)
-
-
-def pair_downloaded(spec) -> bool:
-    """Whether every model of a models.toml pair is on this machine (nothing to download)."""
-    models = [spec.target] + [m for m in (spec.draft,) if m]
-    if not all(is_downloaded(m) for m in models):
-        return False
-    return spec.head is None or spec.kind.head_downloaded(spec.head, spec.target)
 
 
 def first_vocab_difference(target_vocab: dict, draft_vocab: dict) -> str | None:

@@ -1,5 +1,7 @@
 """models.toml: curated pairs shipped with the package, plus a user file that adds or
-overrides pairs (~/.config/mlx-spec/models.toml, or the path in MLX_SPEC_MODELS)."""
+overrides pairs (~/.config/mlx-spec/models.toml, or the path in MLX_SPEC_MODELS), and which of
+them are already on this machine (`pair_downloaded`). Nothing here loads MLX or mlx-lm:
+`mlx-spec models` lists the pairs in a fraction of a second."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 from ..errors import SpecError
+from ..models.hub import is_downloaded
 from .config import PairConfig
 
 PAIR_KEYS = {"target", "draft", "num_draft_tokens", "note", "dtype", "drafter", "draft_adapter"}
@@ -158,3 +161,11 @@ def load_registry() -> Registry:
     elif os.environ.get("MLX_SPEC_MODELS"):
         raise SpecError(f"MLX_SPEC_MODELS names a file that does not exist: {user}")
     return Registry(pairs)
+
+
+def pair_downloaded(spec) -> bool:
+    """Whether every model of a models.toml pair is on this machine (nothing to download)."""
+    models = [spec.target] + [m for m in (spec.draft,) if m]
+    if not all(is_downloaded(m) for m in models):
+        return False
+    return spec.head is None or spec.kind.head_downloaded(spec.head, spec.target)
