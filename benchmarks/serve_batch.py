@@ -50,14 +50,15 @@ PROMPTS = [
 ]
 
 
-def write_mlx_dirs(pair_name: str, root: Path) -> tuple[Path, Path]:
-    """The pair's target and draft as MLX model directories (config, weights, tokenizer)."""
+def write_mlx_dirs(pair_name: str, root: Path, pair=None) -> tuple[Path, Path]:
+    """The pair's target and draft as MLX model directories (config, weights, tokenizer);
+    `pair`: the pair already loaded."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     from mlx_spec import load_pair
 
-    pair = load_pair(pair_name)
+    pair = pair or load_pair(pair_name)
     out = [None, None]  # a pair that drafts with a head has no draft model to write
     for i, (role, model) in enumerate((("target", pair.target), ("draft", pair.draft))):
         if model is None:
