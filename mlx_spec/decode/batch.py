@@ -45,9 +45,10 @@ Threads: one thread owns the MLX arrays (streams are per thread, threads.py). A 
 thread calls `add`, `step` and `cancel`'s effect from that thread; `cancel` itself only marks
 the row, so another thread may call it; the row leaves at the start of the next `step`.
 
-Over 600 lines: `BatchDecoder` repeats the single stream's round for B rows (verification,
-the end-token cut, records) beside its batched cache bookkeeping; the one-decoder work
-(issue 46) writes the round once for both.
+Over 600 lines: `BatchDecoder` holds B rows' round (verification and the end-token cut are
+rounds.py's, shared with the single stream) with what each row brings: its processors and
+grammar (forced tokens), log-probabilities, a draft model's per-row confidence stop, lookup
+beside a draft model, and the batched caches' bookkeeping as rows join and leave.
 """
 
 from __future__ import annotations
