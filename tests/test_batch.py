@@ -150,7 +150,7 @@ class PlainThen:
     def update(self, *args, **kwargs) -> None:
         pass
 
-    update_plain = update
+    update_plain = consumed = update
 
     def wants_split(self) -> bool:
         return False

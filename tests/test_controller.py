@@ -320,6 +320,9 @@ class EveryFew:
     def update(self, *args, **kwargs):
         self.bursts.append(0)
 
+    def consumed(self, seconds):
+        pass
+
     def wants_split(self):
         return False
 

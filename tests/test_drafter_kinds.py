@@ -24,6 +24,7 @@ from mlx_spec import (
     make_decoder,
 )
 from mlx_spec.cli import main
+from mlx_spec.core.caches import TIMED_STEPS
 from mlx_spec.core.hidden import FINAL_NORM, capturing
 from mlx_spec.core.policies import Fixed
 from mlx_spec.drafters import KINDS, register
@@ -161,9 +162,9 @@ def test_hidden_states_come_from_the_verify_pass(family_pair, family, k, monkeyp
     sequence = decoder.sequence
     # the cache holds all but the last token; the recorder has a row for each of them
     assert sorted(recorder.states) == list(range(len(sequence) - 1))
-    if k == 3:  # prefill: one chunk, then its last two tokens one at a time (a fixed k times a
-        # target step once, for the verdict: payoff.py), then one pass per round
-        assert len(calls) == 3 + res.stats.target_passes
+    if k == 3:  # prefill: one chunk, then its last TIMED_STEPS tokens one at a time (a fixed
+        # k times a target step once, for the verdict: payoff.py), then one pass per round
+        assert len(calls) == 1 + TIMED_STEPS + res.stats.target_passes
         assert res.stats.drafted > 0
     with capturing(pair.target, recorder.hidden_layers) as full:
         pair.target(mx.array(sequence[:-1])[None])

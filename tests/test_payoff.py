@@ -5,11 +5,15 @@ deranged draft: never accepted), given the same measured costs."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
 
-from mlx_spec import GenerationConfig, Stats, generate, load_pair
+from mlx_spec import GenerationConfig, Stats, generate, load_pair, stream_rounds
 from mlx_spec.commands.generate import hint
 from mlx_spec.commands.probe import own_ks, run_probe
+from mlx_spec.core import caches
 from mlx_spec.core.payoff import PAYS, Payoff, expected_tokens, judge, predicted_speedup
 from mlx_spec.core.policies import Auto, Controller, Fixed, FixedK
 from mlx_spec.measure.verify_cost import predict, verdict
@@ -46,6 +50,7 @@ def with_costs(stats: Stats) -> Stats:
     assert policy.first_round is not None and policy.timed_rounds > 0  # the rounds were timed
     policy.plain_step, policy.first_round = 1.0, ROUND_COST
     policy.round_seconds = ROUND_COST * policy.timed_rounds
+    policy.held_seconds = 0.0  # the caller's share of a round: far under a step
     return stats
 
 
@@ -134,3 +139,66 @@ def test_auto_that_never_drafted_still_says_why():
     cheap = Controller(4)
     cheap.calibrate(1.0, 0.05)
     assert cheap.payoff() is None
+
+
+def test_a_fixed_k_plain_token_is_a_step_or_the_callers_share():
+    """A plain token costs the step timed in prefill, or the caller's share of a round when
+    that is longer (plain decoding queues the next step before handing a token over)."""
+    fixed = FixedK(2)
+    fixed.calibrate(0.05, None)
+    for seconds in (0.3, 0.2, 0.2, 0.2):  # the first round pays one-time costs: left out
+        fixed.update(2, 2, 2, seconds)
+        fixed.consumed(0.01)
+    assert fixed.plain_token() == 0.05  # a caller quicker than a step: hidden under it
+    assert fixed.payoff().round_cost == pytest.approx(4.0)
+    for _ in range(4):
+        fixed.consumed(0.19)  # now 0.1 s a round on average
+    assert fixed.plain_token() == pytest.approx(0.1)
+    assert fixed.payoff().round_cost == pytest.approx(2.0)
+    assert fixed.payoff().speedup == pytest.approx(3 / 2.0)  # E(2) = 3 at acceptance 1
+
+
+def test_the_fixed_k_verdict_agrees_with_the_clock_under_a_slow_caller(tiny_models):
+    """`generate`'s hint and the chat's verdict (FixedK.payoff) against what the clock says
+    about the same run and a plain one, for a caller that takes 30 ms a round (a slow client,
+    a program doing work per token). The verdict compared the rounds, which hold the caller's
+    time, with a bare step timed in prefill: about 0.1x, "does not pay", where speculation
+    ran 2-3x faster than plain decoding."""
+    pair = load_pair(target=str(tiny_models.target), draft=str(tiny_models.copy))
+    prompt = "Hello there, how are you"
+
+    def run(use_draft: bool) -> Stats:
+        stats = Stats()
+        config = GenerationConfig(36, seed=0, num_draft_tokens=K, use_draft=use_draft)
+        for _ in stream_rounds(pair, prompt, config, stats=stats):
+            time.sleep(0.03)
+        return stats
+
+    spec, plain = run(True), run(False)
+    measured = spec.tokens_per_second / plain.tokens_per_second
+    predicted = spec.payoff.speedup
+    assert spec.acceptance_rate == 1.0 and measured > 1.5
+    assert judge(predicted) == judge(measured) == "pays"
+    assert 0.7 < predicted / measured < 1.4, (predicted, measured)
+
+
+def test_a_timed_prefill_is_the_median_of_its_steps(tiny_models, monkeypatch):
+    """The plain step every verdict divides by is the median of the last single-token steps
+    of a timed prefill, the first left out (one step alone swung by ±25 % on a busy CPU): a
+    step stalled by a neighbour does not make the draft look free."""
+    pair = load_pair(target=str(tiny_models.target))
+    durations = iter([9.0, 5.0, 1.0, 1.2])  # one-time costs, then a stalled step, two others
+    clock = {"now": 0.0, "start": True}
+
+    def perf_counter():  # a step starts, then ends the next duration later
+        if not clock["start"]:
+            clock["now"] += next(durations)
+        clock["start"] = not clock["start"]
+        return clock["now"]
+
+    monkeypatch.setattr(caches, "time", SimpleNamespace(perf_counter=perf_counter))
+    tokens = pair.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    cache = caches.make_cache(pair.target, "target")
+    assert caches.prefill_cache(pair.target, cache, tokens, timed=True) == pytest.approx(1.2)
+    assert cache[0].offset == len(tokens)
+    assert caches.prefill_cache(pair.target, caches.make_cache(pair.target), tokens[:2]) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import mlx.core as mx
 import pytest
@@ -361,3 +362,30 @@ def test_the_demo_stats_line_quotes_no_unmeasured_acceptance(demo_pairs, name):
         assert not re.search(r"acceptance \d+%", line)
     else:
         assert f"acceptance {res.stats.acceptance_rate:.0%}" in line
+
+
+def test_the_sample_for_alpha_goes_on_to_the_next_prompt(tiny_models, monkeypatch):
+    """A reply that ends before --sample-tokens hands the sample to the next prompt (bench's
+    built-in ones, in turn): the demo answered the sample prompt in 47 tokens whatever was
+    asked, and its α was that one reply's."""
+    from mlx_spec import load_pair
+    from mlx_spec.commands.probe import sample_acceptance
+    from mlx_spec.decode import engine
+    from mlx_spec.measure.benchmark import PROMPTS
+
+    pair = load_pair(target=str(tiny_models.target), draft=str(tiny_models.noisy))
+    real, asked, longest = engine.stream_rounds, [], [5]
+
+    def short_replies(pair, prompt, config, **kwargs):  # every reply ends after 5 tokens
+        asked.append(prompt[0]["content"])
+        config = config.replace(max_tokens=min(config.max_tokens, longest[0]))
+        return real(pair, prompt, config, **kwargs)
+
+    monkeypatch.setattr(engine, "stream_rounds", short_replies)
+    stats = sample_acceptance(pair, 0.0, 12, float("inf"), time.perf_counter, k=2)
+    assert asked == [SAMPLE_PROMPT, PROMPTS["chat"], PROMPTS["code"]]
+    assert stats.generated_tokens == 12 and stats.drafted > 0
+    asked.clear()  # past the deadline, once it ran the rounds it must: no other prompt
+    longest[0] = 100
+    stats = sample_acceptance(pair, 0.0, 100, float("-inf"), time.perf_counter, k=2)
+    assert asked == [SAMPLE_PROMPT] and stats.target_passes == MIN_SAMPLE_ROUNDS

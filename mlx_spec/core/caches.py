@@ -26,6 +26,7 @@ continue apart, neither seeing the other's writes.
 from __future__ import annotations
 
 import copy as _shallow
+import statistics
 import time
 
 import mlx.core as mx
@@ -48,6 +49,9 @@ from .hidden import capturing
 # Past tokens a sliding-window layer keeps beyond its window: the longest roll-back it allows
 # (a verify pass of k+1 tokens, or the end of a previous turn that a chat template re-renders).
 WINDOW_MARGIN = 128
+# single-token steps a timed prefill ends with (prefill_cache): the first pays one-time costs,
+# the median of the others is the step's time
+TIMED_STEPS = 4
 # Tokens allowed to pile up before the buffer is compacted (one copy per SLACK tokens).
 WINDOW_SLACK = 256
 
@@ -336,9 +340,10 @@ def prefill_cache(
     `abort()`, asked before each chunk, stops it with `errors.Aborted`. `hidden`: a dict
     {layer: None} whose layers' outputs over the tokens are filled in, (len(tokens), hidden).
 
-    `timed`: the last two tokens go in one at a time, as decoding steps, and the second one's
-    wall time is returned (the first pays the one-time costs of that shape: allocation, kernel
-    compilation on Metal). None when there are too few tokens to do so."""
+    `timed`: the last TIMED_STEPS tokens (at least two; fewer if the prompt is short) go in one
+    at a time, as decoding steps, and the median wall time of all but the first is returned (the
+    first pays the one-time costs of that shape: allocation, kernel compilation on Metal; one
+    step alone swung by ±25 % on a busy 2-core CPU). None when there are too few tokens."""
     layers = tuple(hidden or ())
     parts: dict[int, list] = {i: [] for i in layers}
 
@@ -352,18 +357,18 @@ def prefill_cache(
         eval_state(cache, *([logits] if step else []), *(got[i] for i in layers))
 
     timed = timed and len(tokens) >= 3
-    batched = tokens[:-2] if timed else tokens
+    steps = min(TIMED_STEPS, len(tokens) - 1) if timed else 0
+    batched = tokens[: len(tokens) - steps]
     for start in range(0, len(batched), step):
         if abort is not None and abort():
             raise Aborted("stopped during the prefill")
         run(batched[start : start + step])
         mx.clear_cache()  # a long prompt's activations would otherwise stay in MLX's pool
-    seconds = None
-    if timed:
-        for token in tokens[-2:]:
-            start = time.perf_counter()
-            run([token], step=True)
-            seconds = time.perf_counter() - start
+    seconds = []
+    for token in tokens[len(tokens) - steps :]:
+        start = time.perf_counter()
+        run([token], step=True)
+        seconds.append(time.perf_counter() - start)
     for i in layers:
         hidden[i] = mx.concatenate(parts[i]) if parts[i] else None
-    return seconds
+    return statistics.median(seconds[1:]) if timed else None

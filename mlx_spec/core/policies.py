@@ -94,6 +94,10 @@ class Policy(Protocol):
     def update_plain(self, tokens: int, seconds: float) -> None:
         """Plain tokens were decoded in `seconds`."""
 
+    def consumed(self, seconds: float) -> None:
+        """The caller held the round just yielded for `seconds` before asking for the next
+        (that time is in the next round's wall time)."""
+
     def wants_split(self) -> bool:
         """Whether to time this round's draft apart from its verify pass (an extra sync)."""
 
@@ -112,15 +116,22 @@ class Policy(Protocol):
 
 class FixedK:
     """The same draft length every round. It decides nothing from what happens, but keeps what
-    the run measured for `payoff`: a plain step timed in prefill, the rounds' wall times and
-    the draft's acceptance."""
+    the run measured for `payoff`: a plain step timed in prefill, the rounds' wall times, the
+    caller's share of a round and the draft's acceptance.
+
+    A round's wall time runs from its start to the next one's, so it holds the time the caller
+    kept the round (printing it, drawing it, sending it). Plain decoding hands over every token
+    as a round of its own, but queues the next step first: a plain token costs the longer of a
+    step and the caller's share (`plain_token`). `auto` needs no such model: it times its plain
+    tokens in the loop."""
 
     def __init__(self, k: int):
         self.k = self.k_max = k
-        self.plain_step: float | None = None  # seconds of a target step (prefill times one)
+        self.plain_step: float | None = None  # seconds of a target step (prefill times it)
         self.first_round: float | None = None  # the first round's seconds: it pays one-time costs
         self.timed_rounds, self.round_seconds = 0, 0.0  # k-draft rounds after the first, their time
         self.accepted = self.rejections = 0  # draft tokens accepted; rounds that rejected one
+        self.held_rounds, self.held_seconds = 0, 0.0  # rounds the caller held, for how long
 
     def next(self, available: bool | None = None) -> int:
         return self.k
@@ -144,13 +155,26 @@ class FixedK:
         if plain is not None:
             self.plain_step = plain
 
+    def consumed(self, seconds: float) -> None:
+        self.held_rounds += 1
+        self.held_seconds += seconds
+
+    def plain_token(self) -> float | None:
+        """Seconds of a plain token here: the step timed in prefill, or the caller's mean share
+        of a round if that is longer (the step queued meanwhile runs under it)."""
+        if not self.plain_step:
+            return None
+        held = self.held_seconds / self.held_rounds if self.held_rounds else 0.0
+        return max(self.plain_step, held)
+
     def payoff(self) -> Payoff | None:
-        """What this run measured: a round of k drafts against the plain step."""
-        if not self.plain_step or self.first_round is None:
+        """What this run measured: a round of k drafts against a plain token."""
+        plain = self.plain_token()
+        if not plain or self.first_round is None:
             return None
         mean = self.round_seconds / self.timed_rounds if self.timed_rounds else self.first_round
         alpha = estimate_alpha(self.accepted, 0, 0, self.rejections)
-        return Payoff.of(alpha, self.k, mean / self.plain_step)
+        return Payoff.of(alpha, self.k, mean / plain)
 
     def update_plain(self, tokens: int, seconds: float) -> None:
         pass
@@ -495,6 +519,11 @@ class Controller:
         if tokens:
             self.plain.add(seconds / tokens)
             self.plain_since_probe += tokens
+
+    def consumed(self, seconds: float) -> None:
+        """Nothing: it times its plain tokens in the loop, as its rounds, with the caller's
+        share (only the step timed in prefill that seeds them cannot see a caller slower than
+        a step: until it decodes plainly, it undervalues drafting for such a caller)."""
 
     def view(self) -> dict:
         """The controller's state for stats: measured costs relative to a plain step."""

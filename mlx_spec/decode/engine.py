@@ -339,6 +339,7 @@ class Decoder:
                     policy.update_plain(1, now - last)
                     last = now
                     yield r
+                    policy.consumed(time.perf_counter() - now)
                     if r.finished:
                         return
                 continue
@@ -355,6 +356,9 @@ class Decoder:
             policy.update(k_round, r.drafted, r.accepted, now - last, r.split, r.replayed)
             last = now
             yield r
+            # the caller's share of the round (detokenizing, printing, sending): it is in the
+            # next round's wall time, and plain decoding pays it too (FixedK.plain_token)
+            policy.consumed(time.perf_counter() - now)
             if r.finished:
                 return
 
