@@ -351,20 +351,21 @@ def main(args):
         os._exit(2 if isinstance(err, SpecError) else 130)
     host, bound = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{bound}/v1"
-    history = "on" if engine.history is not None else "off"
-    batch = f"batch {args.max_batch}" if engine.batch is not None else "not batched"
-    if engine.batch_plain:
+    resident = engine.resident
+    history = "on" if resident.history is not None else "off"
+    batch = f"batch {args.max_batch}" if resident.batch is not None else "not batched"
+    if resident.batch_plain:
         batch += ", plain: a request alone drafts"
     print(
-        f"mlx-spec serve: {name} (drafter {engine.drafter}, history lookup {history}, {batch})"
+        f"mlx-spec serve: {name} (drafter {resident.drafter}, history lookup {history}, {batch})"
         f" on {url}"
     )
-    if engine.batch is None and args.max_batch > 1:
-        print(f"mlx-spec serve: not batched: {one_line(engine.batch_refusal)}", file=sys.stderr)
-    elif engine.batch_plain:  # why concurrent requests decode without drafts
+    if resident.batch is None and args.max_batch > 1:
+        print(f"mlx-spec serve: not batched: {one_line(resident.batch_refusal)}", file=sys.stderr)
+    elif resident.batch_plain:  # why concurrent requests decode without drafts
         print(
             f"mlx-spec serve: requests that queue together batch without drafts: "
-            f"{one_line(engine.batch_refusal)}",
+            f"{one_line(resident.batch_refusal)}",
             file=sys.stderr,
         )
     sys.stdout.flush()

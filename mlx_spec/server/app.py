@@ -294,17 +294,18 @@ def metrics_text(engine: Engine) -> str:
     rate = m.accepted / m.drafted if m.drafted else 0.0
     gauges = [
         ("acceptance_rate", "Accepted / drafted draft tokens since start.", round(rate, 4)),
-        ("queue_waiting", "Requests waiting for the engine.", engine.waiting),
-        ("busy", "1 while a request is being generated.", int(engine.busy)),
+        ("queue_waiting", "Requests waiting for the engine.", engine.scheduler.waiting),
+        ("busy", "1 while a request is being generated.", int(engine.scheduler.busy)),
         ("prompt_cache_entries", "Token sequences whose caches are kept (prompt_cache.py).",
-         sum(c.trie.size for c in engine.all_caches())),
+         sum(c.trie.size for c in engine.resident.all_caches())),
         ("prompt_cache_bytes", "Bytes of the kept KV caches.",
-         sum(c.bytes for c in engine.all_caches())),
+         sum(c.bytes for c in engine.resident.all_caches())),
         ("history_tokens", "Tokens in the history lookup indexes (all partitions).",
-         engine.history_size()),
-        ("running", "Requests being generated (several when batched).", len(engine.running)),
+         engine.resident.history_size()),
+        ("running", "Requests being generated (several when batched).",
+         len(engine.scheduler.running)),
         ("max_batch", "Requests one batch may hold (1: not batched, or the pair cannot be).",
-         engine.max_batch if engine.batch is not None else 1),
+         engine.resident.max_batch if engine.resident.batch is not None else 1),
         ("batch_size", "Requests in the last batched pass (0: no batch running).", m.batch_size),
         ("batch_size_max", "Most requests in one batched pass since start.", m.batch_size_max),
         ("batch_rows_per_pass", "Mean requests per batched pass since start.",
@@ -411,15 +412,15 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
             check_json_type(request)
             data = await read_json(request, settings.max_body_bytes, settings.body_timeout)
             req = anthropic.parse_messages(data, settings.limits, counting=True)
-            if req.model != engine.name:
-                names = [engine.name, *engine.models]
+            if req.model != engine.resident.name:
+                names = [engine.resident.name, *engine.resident.models]
                 if req.model not in names:
                     message = f"The model {req.model!r} does not exist; see /v1/models"
                     raise ApiError(404, message, "model", "model_not_found")
-                message = f"tokens are counted for the resident pair ({engine.name}) only"
+                message = f"tokens are counted for the resident pair ({engine.resident.name}) only"
                 raise ApiError(400, message, "model")
             req.parse_special = settings.parse_special
-            if engine.pair is None:  # loading or swapping: nothing to count with
+            if engine.resident.pair is None:  # loading or swapping: nothing to count with
                 raise ApiError(503, "the pair is loading; retry", code="loading")
             # as a generation's: one request of a key at a time in the pool, within the timeout
             async with preparing.setdefault(partition, asyncio.Semaphore(1)):
@@ -456,8 +457,8 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         authorize(request, settings)
         # the served pair, and the pairs requests may swap in (--allow-swap)
         created = int(time.time())
-        names = [engine.name] if engine.name else []
-        names += [n for n in engine.models if n != engine.name]
+        names = [engine.resident.name] if engine.resident.name else []
+        names += [n for n in engine.resident.models if n != engine.resident.name]
         data = [
             {"id": n, "object": "model", "created": created, "owned_by": "mlx-spec"} for n in names
         ]
@@ -469,7 +470,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
             return JSONResponse({"status": "dead", "error": reason}, status_code=503)
         # nothing of the traffic (busy, queue): /health needs no key, and a key must not be
         # able to follow another's requests (that is /metrics', behind the keys)
-        return JSONResponse({"status": "ok", "model": engine.name})
+        return JSONResponse({"status": "ok", "model": engine.resident.name})
 
     async def metrics(request: Request) -> Response:
         """The whole server's figures for an admin key, or for the only user (no keys, one
@@ -483,7 +484,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         partition = authorize(request, settings)
         if len(settings.keys()) <= 1 or settings.shared_history:  # one user: all is theirs
             return PlainTextResponse(metrics_text(engine), media_type=kind)
-        waiting = len(engine.queues.get(partition, ()))
+        waiting = len(engine.scheduler.queues.get(partition, ()))
         text = key_metrics_text(keyed.of(partition), waiting)
         return PlainTextResponse(text, media_type=kind)
 

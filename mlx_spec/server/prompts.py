@@ -262,8 +262,9 @@ async def prepare(engine, req: GenRequest, pool: ThreadPoolExecutor) -> None:
     its length: a 400 here for a prompt too long. The ids go to the engine with the pair they
     were made for (a request for another pair, which the engine must load first, is
     tokenised there after the swap)."""
-    pair = engine.pair
-    if pair is None or req.model != engine.name:
+    resident = engine.resident
+    pair = resident.pair
+    if pair is None or req.model != resident.name:
         return
     check_size(pair, req)
     loop = asyncio.get_running_loop()
@@ -285,6 +286,6 @@ async def prepare(engine, req: GenRequest, pool: ThreadPoolExecutor) -> None:
             "messages" if req.kind == "chat" else "prompt",
             "context_length_exceeded",
         )
-    if not engine.cache.freely:  # marks in the prompt only for caches that need them
+    if not resident.cache.freely:  # marks in the prompt only for caches that need them
         req.prompt_system_end = await loop.run_in_executor(pool, system_end, pair, req, tokens)
     req.prompt_ids, req.prompt_pair = tokens, pair

@@ -1,5 +1,10 @@
-"""One generation worker: queued jobs, one stream or one batch at a time, caches kept across
-requests.
+"""The engine: one thread that runs queued jobs, one stream or one batch at a time.
+
+Three parts: the queue (`scheduler.Scheduler`: partitions, round robin, capacity, deadlines),
+the resident pair (`resident.Resident`: loading and swapping, the prompt caches and histories,
+the batch decoder) and this runner, which takes jobs from the one and decodes them on the
+other; every request, alone or a batch row, ends through `Engine._finish` (its decoder to the
+prompt cache, its text to the history, its counters, its reply).
 
 Requests queue and one thread decodes: one stream at a time (single-stream decoding is the
 memory-bound regime speculation is for), or, with --max-batch N and a pair that batches, up to N
@@ -24,45 +29,35 @@ its own prompt cache and history index, so no request drafts from, reuses the KV
 can time another key's text. The queue is one per partition, served round robin. Rows of
 different partitions share batched passes, but each drafts from its own text only.
 
-Over 600 lines: the `Engine` holds the queue, the resident pair with its prompt caches and
-the two runners (alone and as a batch row, both ending a request through jobs.Reply); the
-prompt cache is prompt_cache.py, the job and its reply jobs.py.
+The prompt cache is prompt_cache.py, the job and its reply jobs.py.
 """
 
 from __future__ import annotations
 
-import gc
-import math
 import sys
 import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-
-import mlx.core as mx
 
 from ..core.processors import check_vocab, make_processors
 from ..core.stats import Stats
 from ..decode.batch import into_decoder, make_batch_decoder
 from ..decode.engine import stream_rounds
 from ..decode.events import EventMaker
-from ..decode.history import HistoryIndex
 from ..decode.prompts import constraint_for, prompt_tokens
 from ..errors import Aborted, SpecError
 from .jobs import Job, Reply, log_error, timeout_error
 from .output import check_tool_choice, tool_grammar
-from .prompt_cache import PromptCache, trim
+from .prompt_cache import PromptCache
 from .prompts import prompt_ids, system_end
 from .protocol import ApiError, GenRequest, speculation
+from .resident import Resident
+from .scheduler import Scheduler
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the batch-size histogram's upper bounds
-# How long a lone request to a pair that batches only plainly waits for company before it
-# drafts alone: requests a client sends together arrive within milliseconds of each other
-# here, and 30 ms is a quarter of one token of the demo target on this CPU.
-JOIN_WAIT = 0.03
 
 
 @dataclass
@@ -113,7 +108,8 @@ class Metrics:
 
 
 class Engine:
-    """Holds the resident pair and serves jobs on its own thread, one at a time or batched.
+    """Serves jobs on its own thread, one at a time or batched: the runner over a `Scheduler`
+    (the queue, scheduler.py) and a `Resident` pair (its caches and batch, resident.py).
 
     `loader(name)` loads a pair by name (the startup pair or one from models.toml): a request
     for another model than the resident one swaps it (one pair resident at a time). Pairs are
@@ -135,113 +131,43 @@ class Engine:
         raw_reasoning: bool = False,
         max_batch: int = 1,
     ):
-        self.loader, self.models = loader, models
-        self.max_queue, self.prompt_cache_bytes = max_queue, prompt_cache_bytes
-        self.history_tokens = history_tokens  # 0: no history lookup
-        self.max_queue_per_key = max_queue_per_key  # None: the whole queue
-        self.raw_reasoning = raw_reasoning  # think text stays in content
-        self.max_batch = max_batch  # 1: one stream at a time
-        self.batch = None  # the resident pair's BatchDecoder, when it batches
-        self.batch_plain = False  # it batches without drafts (the pair's drafter cannot)
-        self.batch_refusal = "--max-batch 1"  # why the pair is not batched (or not drafted)
         self.metrics = Metrics()
-        self.queues: dict[str, deque] = {}  # partition -> its waiting jobs
-        self.turns: deque = deque()  # partitions with waiting jobs, next to serve first
-        self.partitions: dict[str, tuple] = {}  # key -> (PromptCache, HistoryIndex | None)
-        self.lock = threading.RLock()  # begin_shutdown may run in a signal handler
-        self.ready = threading.Condition(self.lock)
-        self.waiting = 0  # jobs queued, not yet taken
-        self.busy = False
-        self.closing = False
-        self.running: list[Job] = []  # the jobs being generated (several when batched)
-        # durations of each partition's last jobs (its Retry-After: never another key's)
-        self.recent_seconds: dict[str, list[float]] = {}
+        self.scheduler = Scheduler(self.metrics, max_queue, max_queue_per_key)
+        self.resident = Resident(
+            loader,
+            models,
+            prompt_cache_bytes=prompt_cache_bytes,
+            history_tokens=history_tokens,
+            max_batch=max_batch,
+        )
+        self.raw_reasoning = raw_reasoning  # think text stays in content
         self.thread = threading.Thread(target=self._run, name="mlx-spec-engine", daemon=True)
-        self.failure: BaseException | None = None  # why the engine thread ended, if it broke
-        self.on_death: Callable[[], None] | None = None  # called on that thread when it does
+        self.on_death: Callable[[], None] | None = None  # called on that thread when it dies
         self.loaded: Future = Future()  # the start-up pair is resident (or failed to load)
-        self._install(pair, name)
+        self.resident.install(pair, name)
 
-    # ------------------------------------------------------------------ pair and caches
+    # the HTTP side's calls, answered by the queue
+    def check_capacity(self, partition: str = "") -> None:
+        self.scheduler.check_capacity(partition)
 
-    def _install(self, pair, name: str) -> None:
-        self.pair, self.name = pair, name
-        self.history = self._new_history()
-        self.cache = PromptCache(pair, self.prompt_cache_bytes, self.history)
-        self.batch, self.batch_plain = None, False
-        if pair is not None and self.max_batch > 1:
-            try:  # checked once: the caches' kinds and the drafter's (batch_drafting)
-                self.batch = make_batch_decoder(pair)
-            except SpecError as err:
-                self.batch_refusal = str(err)
-            unbatched = pair.speculative and pair.config.kind.batch_drafting(pair) is None
-            if self.batch is None and unbatched:
-                try:  # a drafter a batch cannot take: its target may still batch plainly
-                    self.batch, self.batch_plain = make_batch_decoder(pair, plain=True), True
-                    self.batch_refusal = f"the {pair.config.drafter} drafter is not batched yet"
-                except SpecError as err:
-                    self.batch_refusal = str(err)
+    def submit(self, job: Job) -> None:
+        self.scheduler.submit(job)
 
-    def _new_history(self) -> HistoryIndex | None:
-        """A history for lookup across requests, when the drafter kind uses one."""
-        kind = self.pair.config.kind if self.pair is not None else None
-        uses = kind is not None and kind.uses_history
-        return HistoryIndex(self.history_tokens) if uses and self.history_tokens else None
+    def withdraw(self, job: Job) -> bool:
+        return self.scheduler.withdraw(job)
+
+    def begin_shutdown(self, grace: float) -> None:
+        self.scheduler.begin_shutdown(grace)
 
     @property
-    def drafter(self) -> str:
-        if self.pair is None or not self.pair.speculative:
-            return "none"
-        return self.pair.config.drafter
+    def failure(self) -> BaseException | None:
+        """Why the engine thread ended, if it broke."""
+        return self.scheduler.failure
 
-    def _partition(self, key: str) -> tuple:
-        """The prompt cache and history of one partition (the default one is `cache` and
-        `history`, made by `_install`); made again after a swap."""
-        if key == "":
-            return self.cache, self.history
-        entry = self.partitions.get(key)
-        if entry is None or entry[0].pair is not self.pair:
-            history = self._new_history()
-            entry = (PromptCache(self.pair, self.prompt_cache_bytes, history), history)
-            self.partitions[key] = entry
-        return entry
+    def batchable(self, req: GenRequest) -> bool:
+        return self.resident.batchable(req)
 
-    def all_caches(self) -> list:
-        caches = [self.cache]
-        caches += [c for c, _ in self.partitions.values() if c.pair is self.pair]
-        return caches
-
-    def history_size(self) -> int:
-        histories = [self.history] + [h for c, h in self.partitions.values() if c.pair is self.pair]
-        return sum(len(h) for h in histories if h is not None)
-
-    def trim_caches(self) -> None:
-        """Keep all partitions' kept caches within --prompt-cache together, in mlx-lm's
-        eviction order (prompt_cache.trim; a partition's size says how much was kept, never
-        what)."""
-        trim(self.all_caches(), self.prompt_cache_bytes)
-
-    def _pair_for(self, model: str):
-        if model == self.name and self.pair is not None:
-            return self.pair
-        if model not in self.models:
-            message = f"The model {model!r} does not exist; see /v1/models"
-            raise ApiError(404, message, "model", "model_not_found")
-        # one pair resident: free the old one before loading the next
-        self._install(None, "")
-        gc.collect()
-        mx.clear_cache()
-        try:
-            pair = self.loader(model)
-        except SpecError as err:
-            raise ApiError(404, f"the pair {model!r} cannot be loaded: {err}", "model") from None
-        except Exception as err:  # a broken file, out of memory, ...: the next request retries
-            message = f"the pair {model!r} failed to load: {type(err).__name__}: {err}"
-            raise ApiError(503, message, "model") from None
-        self._install(pair, model)
-        return pair
-
-    # ------------------------------------------------------------------ queue
+    # ------------------------------------------------------------------ the thread
 
     def start(self) -> None:
         self.thread.start()
@@ -251,149 +177,16 @@ class Engine:
             self.thread.join()  # it ends right after a failed load
             raise
 
-    def timed(self, partition: str, seconds: float) -> None:
-        recent = self.recent_seconds.get(partition, [])
-        self.recent_seconds[partition] = [*recent[-7:], seconds]
-
-    def retry_after(self, partition: str = "") -> int:
-        """Seconds until a queue slot is likely free: the mean recent job time, at least 1."""
-        recent = self.recent_seconds.get(partition)
-        mean = sum(recent) / len(recent) if recent else 1
-        return max(1, min(60, math.ceil(mean)))
-
-    def check_capacity(self, partition: str = "") -> None:
-        """A 503 or 429 now, before a request's body is read, when it could not be queued."""
-        with self.lock:
-            if self.failure is not None:
-                raise ApiError(503, "the engine stopped; the server is exiting", code="engine_dead")
-            if self.closing:
-                raise ApiError(503, "the server is shutting down", code="shutting_down")
-            # --max-queue 0: a request is taken only when the engine is idle
-            if self.waiting >= self.max_queue and (self.busy or self.waiting):
-                raise ApiError(
-                    429,
-                    f"the server's queue is full (--max-queue {self.max_queue}); retry later",
-                    code="rate_limit_exceeded",
-                    headers={"Retry-After": str(self.retry_after(partition))},
-                )
-            mine = len(self.queues.get(partition, ()))
-            if self.max_queue_per_key is not None and mine >= max(self.max_queue_per_key, 1):
-                raise ApiError(
-                    429,
-                    f"this API key already has {mine} requests queued"
-                    f" (--max-queue-per-key {self.max_queue_per_key}); retry later",
-                    code="rate_limit_exceeded",
-                    headers={"Retry-After": str(self.retry_after(partition))},
-                )
-
-    def submit(self, job: Job) -> None:
-        key = job.request.partition
-        with self.lock:
-            self.check_capacity(key)
-            self.waiting += 1
-            if key not in self.queues or not self.queues[key]:
-                self.queues[key] = deque()
-                self.turns.append(key)
-            self.queues[key].append(job)
-            self.ready.notify()
-
-    def withdraw(self, job: Job) -> bool:
-        """A queued job whose client left: out of the queue now (True), not when its turn
-        would have come. False when the worker already took it."""
-        key = job.request.partition
-        with self.lock:
-            waiting = self.queues.get(key)
-            if not waiting or job not in waiting:
-                return False
-            waiting.remove(job)
-            self.waiting -= 1
-            if not waiting:
-                self.turns.remove(key)
-                del self.queues[key]
-            self.metrics.cancelled += 1
-            return True
-
-    def _next_job(self) -> Job | None:
-        """The next job, round robin over partitions; None once shutting down and empty."""
-        with self.ready:
-            while not self.turns:
-                if self.closing:
-                    return None
-                self.ready.wait()
-            job = self._pop()
-            self.busy, self.running = True, [job]
-            return job
-
-    def _pop(self) -> Job:
-        """(With the lock.) The first job of the partition whose turn it is."""
-        key = self.turns.popleft()
-        waiting = self.queues[key]
-        job = waiting.popleft()
-        if waiting:
-            self.turns.append(key)  # its next job after the other partitions' next ones
-        else:
-            del self.queues[key]
-        self.waiting -= 1
-        return job
-
-    def _take_batchable(self) -> Job | None:
-        """The next job if it can join the running batch (None: none waits, or the next in
-        turn cannot be batched, so it waits for the batch to finish). Never blocks."""
-        with self.lock:
-            if self.closing or not self.turns:
-                return None
-            try:  # a request that breaks the check waits, and fails alone when its turn comes
-                if not self.batchable(self.queues[self.turns[0]][0].request):
-                    return None
-            except Exception:
-                return None
-            job = self._pop()
-            self.running.append(job)
-            return job
-
-    def _companion(self) -> Job | None:
-        """A batchable job waiting beside the one just taken, or coming within JOIN_WAIT
-        (clients that start together), taken from the queue: a plain batch then serves them
-        at once, where alone the first would draft and the others wait for its whole reply.
-        With --max-queue 0 nothing can wait beside a running job: no wait."""
-        deadline = time.monotonic() + (JOIN_WAIT if self.max_queue else 0.0)
-        with self.ready:
-            while not self.turns and not self.closing:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self.ready.wait(left)
-            return self._take_batchable()  # (the lock is reentrant)
-
-    def _done(self, job: Job) -> None:
-        with self.lock:
-            if job in self.running:
-                self.running.remove(job)
-
-    def begin_shutdown(self, grace: float) -> None:
-        """Refuse new jobs, answer queued ones 503, give the running one `grace` seconds."""
-        with self.lock:
-            self.closing = True
-            for waiting in self.queues.values():
-                for job in waiting:
-                    job.put("error", ApiError(503, "the server is shutting down"))
-            self.queues.clear()
-            self.turns.clear()
-            self.waiting = 0
-            for job in self.running:
-                if time.monotonic() + grace < job.deadline:  # cut by the shutdown: say so
-                    job.deadline, job.shutdown = time.monotonic() + grace, True
-            self.ready.notify_all()
-
     def stop(self, grace: float = 0.0, timeout: float | None = None) -> None:
         self.begin_shutdown(grace)
         if self.thread.is_alive():
             self.thread.join(timeout)
 
     def _run(self) -> None:
+        resident = self.resident
         try:
-            if self.pair is None and self.name:
-                self._install(self.loader(self.name), self.name)
+            if resident.pair is None and resident.name:  # the start-up pair, loaded here
+                resident.install(resident.loader(resident.name), resident.name)
         except BaseException as err:
             self.loaded.set_exception(err)
             return
@@ -401,7 +194,7 @@ class Engine:
         job = None
         try:
             while True:
-                job = self._next_job()
+                job = self.scheduler.next_job()
                 if job is None:
                     return
                 self._take(job)
@@ -420,8 +213,8 @@ class Engine:
         try:
             batched = self.batchable(job.request)
             companion = None
-            if batched and self.batch_plain:  # alone, the request drafts
-                companion = self._companion()
+            if batched and self.resident.batch_plain:  # alone, the request drafts
+                companion = self.scheduler.companion(self.batchable)
                 batched = companion is not None
             if batched:
                 self._serve_batch(job, companion)
@@ -434,26 +227,14 @@ class Engine:
             self._die(err, job)
             raise
         finally:
-            with self.lock:
-                self.busy, self.running = False, []
+            self.scheduler.idle()
             if not batched:  # (batched jobs are timed as each leaves)
-                self.timed(job.request.partition, time.monotonic() - start)
+                self.scheduler.timed(job.request.partition, time.monotonic() - start)
 
     def _die(self, err: BaseException, job: Job | None) -> None:
         """The engine thread is ending on an error: refuse new jobs, fail the queued and
         running ones (503), and tell the server (`on_death`) so that it exits non-zero."""
-        with self.lock:
-            self.failure = err
-            self.closing = True
-            error = ApiError(503, f"the engine stopped: {type(err).__name__}: {err}")
-            jobs = [job] if job is not None else []
-            jobs += [j for j in self.running if j is not job]
-            for j in [*jobs, *(j for q in self.queues.values() for j in q)]:
-                j.put("error", error)
-            self.queues.clear()
-            self.turns.clear()
-            self.waiting = 0
-            self.running = []
+        self.scheduler.fail(err, job)
         print(
             f"mlx-spec serve: the engine thread died: {type(err).__name__}: {err}", file=sys.stderr
         )
@@ -465,24 +246,36 @@ class Engine:
         """False once the engine thread has ended on an error (or ended at all, not closing)."""
         if self.failure is not None:
             return False
-        return self.closing or not self.thread.ident or self.thread.is_alive()
+        return self.scheduler.closing or not self.thread.ident or self.thread.is_alive()
 
-    # ------------------------------------------------------------------ one job
+    # ------------------------------------------------------------------ the end of a request
 
-    def _gone(self, job: Job) -> bool:
-        """Whether a job just taken from the queue is over already: its client left (counted)
-        or its deadline passed (answered 504)."""
-        if job.cancelled.is_set():
+    def _finish(
+        self, reply: Reply, stats: Stats, partition: str, decoder, sequence, drafter: str,
+        batched: bool,
+    ) -> None:  # fmt: skip
+        """The one end of every request, alone or a batch row: its decoder (None: none to
+        keep) to its partition's prompt cache, its text to the partition's history, its
+        counters, and its last items to its client (nothing when the client left)."""
+        cache, history = self.resident.partition(partition)
+        if decoder is not None:
+            cache.save(decoder, "assistant")  # (not when a failure left it mid-round)
+            self.resident.trim_caches()
+        self.metrics.add(stats, passes=not batched)  # a batch counts its passes itself
+        if history is not None:  # later requests may draft from it
+            history.add(sequence)
+        spec = speculation(stats, drafter, history is not None and drafter != "none")
+        spec["batched"] = batched
+        if reply.ended == "cancelled":
             self.metrics.cancelled += 1
-            return True
-        if time.monotonic() > job.deadline:
+        elif reply.ended == "timeout":
             self.metrics.timeouts += 1
-            job.put("error", timeout_error(job))
-            return True
-        return False
+        reply.finish(stats, spec)
+
+    # ------------------------------------------------------------------ one job alone
 
     def _serve(self, job: Job) -> None:
-        if self._gone(job):
+        if self.scheduler.expired(job):
             return
         try:
             self._generate(job)
@@ -538,8 +331,8 @@ class Engine:
 
     def _generate(self, job: Job) -> None:
         req = job.request
-        pair = self._pair_for(req.model)
-        cache, history = self._partition(req.partition)
+        pair = self.resident.pair_for(req.model)
+        cache, _ = self.resident.partition(req.partition)
         tokens = self._prompt(pair, req)
 
         def abort() -> bool:  # asked between prefill chunks
@@ -568,46 +361,23 @@ class Engine:
             reply.ended = "cancelled" if job.cancelled.is_set() else "timeout"
         finally:
             rounds.close()  # between rounds: the decoder stays consistent for the next job
-            cache.save(decoder, "assistant")  # (not when a failure left it mid-round)
-            self.trim_caches()
-        self.metrics.add(stats)
-        if history is not None:
-            history.add(decoder.sequence)
-        spec = speculation(stats, self.drafter, history is not None)
-        spec["batched"] = False
-        self._conclude(reply, stats, spec)
-
-    def _conclude(self, reply: Reply, stats: Stats, spec: dict) -> None:
-        """The job's last items (or nothing, when its client left) and its counters."""
-        if reply.ended == "cancelled":
-            self.metrics.cancelled += 1
-        elif reply.ended == "timeout":
-            self.metrics.timeouts += 1
-        reply.finish(stats, spec)
+        drafter = self.resident.drafter
+        self._finish(reply, stats, req.partition, decoder, decoder.sequence, drafter, False)
 
     # ------------------------------------------------------------------ a batch of jobs
 
-    def batchable(self, req: GenRequest) -> bool:
-        """Whether this request may join the batch: the resident pair batches and it needs
-        no swap (a row takes processors, logprobs and grammars as a single stream does). In a
-        plain batch (a head pair) a seeded sampled request is not batched: alone it drafts,
-        and its samples are the ones it gets every time only if it always runs alone."""
-        if self.batch is None or req.model != self.name:
-            return False
-        config = req.generation
-        return not (self.batch_plain and config.seed is not None and not config.sampling.greedy)
-
     def _serve_batch(self, first: Job, second: Job | None = None) -> None:
         """Serve `first` (and `second`, already taken) and every batchable job queued while
-        they run in one BatchDecoder, up to max_batch rows, until no row is left. The queue is
-        served in its order: when the next job cannot be batched, no more rows join; it runs
-        alone once these finish."""
+        they run in the resident BatchDecoder, up to max_batch rows, until no row is left.
+        The queue is served in its order: when the next job cannot be batched, no more rows
+        join; it runs alone once these finish."""
+        resident, scheduler = self.resident, self.scheduler
         live: dict[int, BatchRow] = {}
         pending = [second, first] if second is not None else [first]
         try:
             while True:
-                while len(live) < self.max_batch:
-                    job = pending.pop() if pending else self._take_batchable()
+                while len(live) < resident.max_batch:
+                    job = pending.pop() if pending else scheduler.take_batchable(self.batchable)
                     if job is None:
                         break
                     self._admit(job, live)
@@ -615,8 +385,8 @@ class Engine:
                     if row.reply.check():
                         self._leave(rid, live)
                 if not live:
-                    if len(self.batch):
-                        self.batch.step()  # drops the rows cancelled above
+                    if len(resident.batch):
+                        resident.batch.step()  # drops the rows cancelled above
                     self.metrics.batch_size = 0
                     return
                 self._round(live)
@@ -625,18 +395,18 @@ class Engine:
             error = ApiError(500, f"internal error: {type(err).__name__}: {err}")
             for job in [row.job for row in live.values()] + pending:  # (taken, not admitted)
                 job.put("error", error)
-                self._done(job)
+                scheduler.done(job)
             self.metrics.batch_size = 0
-            self.batch = make_batch_decoder(self.pair, plain=self.batch_plain)
+            resident.batch = make_batch_decoder(resident.pair, plain=resident.batch_plain)
 
     def _admit(self, job: Job, live: dict) -> None:
         """Prefill a job's prompt and add it to the batch (or answer it: left, late, bad).
         The row starts from its partition's best kept decoder, as a single stream would
         (only the new tokens are prefilled), and gives its caches back when it leaves."""
         try:
-            if self._gone(job):
+            if self.scheduler.expired(job):
                 return
-            req, pair = job.request, self.pair
+            req, pair = job.request, self.resident.pair
             try:
                 config = self._config(pair, req)
                 check_vocab(config.processors, pair.vocab_size)  # a 400, before the row joins
@@ -647,13 +417,13 @@ class Engine:
             except SpecError as err:  # a prompt too long, a token id out of range, ...
                 job.put("error", ApiError(400, str(err), code="invalid_value"))
                 return
-            decoder = self.batch
+            decoder = self.resident.batch
             stats = Stats(prompt_tokens=len(tokens))
             if decoder.drafting:
                 stats.num_draft_tokens = decoder.fixed_k or decoder.controller.k_max
                 stats.adaptive = decoder.controller is not None
             begin = time.perf_counter()
-            cache, history = self._partition(req.partition)
+            cache, history = self.resident.partition(req.partition)
             kept = cache.fetch(tokens)  # its own key's: no row reuses another's caches
             rid = decoder.add(
                 tokens, config, max_tokens=max_tokens, history=history, kept=kept, keep=True
@@ -672,11 +442,11 @@ class Engine:
             raise
         finally:
             if job is not None:
-                self._done(job)
+                self.scheduler.done(job)
 
     def _round(self, live: dict) -> None:
         """One batch step: every row's tokens through its own reply; finished rows leave."""
-        decoder = self.batch
+        decoder = self.resident.batch
         updates = decoder.step()
         stepped = sum(u.finish_reason != "cancelled" for u in updates.values())
         if stepped:  # (a step that only dropped cancelled rows ran no pass)
@@ -700,27 +470,22 @@ class Engine:
                 self._leave(rid, live, u.state if u.done else None)
 
     def _leave(self, rid: int, live: dict, state=None) -> None:
-        """A row's reply ends: its caches go back to its partition's prompt cache (`state`,
-        or taken out of the batch now when it is still there), its outcome to its client."""
+        """A row's reply ends: its caches (`state`, or taken out of the batch now when it is
+        still there) become a decoder for its partition's prompt cache, and it ends as a
+        request alone does (`_finish`)."""
         row = live.pop(rid)
+        resident = self.resident
         if state is None:
-            state = self.batch.remove(rid)
+            state = resident.batch.remove(rid)
+        decoder = None
         if state is not None:
             decoder = into_decoder(row.kept or row.prompt_cache.new(), state)
-            row.prompt_cache.save(decoder, "assistant")
-            self.trim_caches()
-        self.metrics.add(row.stats, passes=False)  # the batch counts its passes itself
-        _, history = self._partition(row.job.request.partition)
-        if history is not None:  # later single-stream requests may draft from it
-            history.add(row.sequence)
-        if self.batch_plain:  # the row could not draft: the pair's drafter is not batched
-            spec = speculation(row.stats, "none", False)
-        else:
-            spec = speculation(row.stats, self.drafter, history is not None)
-        spec["batched"] = True
-        self._conclude(row.reply, row.stats, spec)
-        self.timed(row.job.request.partition, time.monotonic() - row.started)
-        self._done(row.job)
+        # a plain batch's row could not draft: the pair's drafter is not batched
+        drafter = "none" if resident.batch_plain else resident.drafter
+        partition = row.job.request.partition
+        self._finish(row.reply, row.stats, partition, decoder, row.sequence, drafter, True)
+        self.scheduler.timed(partition, time.monotonic() - row.started)
+        self.scheduler.done(row.job)
 
 
 @dataclass
