@@ -791,3 +791,30 @@ async def test_the_docs_screenshot_is_made_as_the_docs_say(tmp_path):
     await screenshot(out, ["What is the capital of France?"])
     svg = out.read_text()
     assert svg.startswith("<svg") and "smollm2-demo" in svg and "accepted" in svg
+
+
+async def test_views_draw_before_and_after_the_stylesheet_reaches_them(chat_pair):
+    """A refresh tick on a view the stylesheet has not reached (or has left: unmounting
+    clears its component styles) once raised KeyError and ended the chat, found running
+    benchmarks/chat_verdict.py on a loaded machine. Such a view draws in the kinds' own
+    styles, as the app's CSS (made from them) does."""
+    from mlx_spec.core.provenance import KINDS
+    from tui.widgets import ReplyView, StatsPanel
+
+    loose = StatsPanel()
+    legend = loose.assemble().spans
+    for kind in KINDS.values():  # the legend names each kind in its own style
+        assert any(str(span.style) == kind.style for span in legend), kind.name
+    reply = ReplyView()
+    reply.pieces = [("Hi", "accepted"), (" there", "target")]
+    assert "Hi there" in reply.assemble().plain
+    app = ChatApp(chat_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=4))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        panel = app.query_one(StatsPanel)
+        mounted = {str(span.style) for span in panel.assemble().spans}
+        assert mounted == {kind.style for kind in KINDS.values()}  # the CSS made from KINDS
+        panel._component_styles.clear()  # what unmounting does
+        panel.dirty = True
+        panel.refresh_if_dirty()
+        await pilot.pause()

@@ -15,6 +15,21 @@ BAR_WIDTH = 16
 CONTROL_CHARS = {c: "\ufffd" for c in [*range(0x20), *range(0x7F, 0xA0)] if c not in (9, 10)}
 
 
+def kind_style(widget, kind: str) -> str:
+    """The style `widget` draws pieces of `kind` in: its `reply--<kind>` component style (the
+    app's CSS may change it), or the kind's own before the stylesheet reached the widget or
+    after it left the screen — a refresh tick there once raised KeyError and ended the chat
+    (the app's timer fired on a panel being unmounted, on a loaded 2-core machine)."""
+    try:
+        styles = widget.get_component_styles(f"reply--{kind}")
+    except KeyError:
+        return KINDS[kind].style
+    style = styles.color.hex
+    if styles.text_style.strike:  # rejected: "the draft said blue", then "the target said red"
+        style = f"strike {style}"
+    return style
+
+
 class ReplyView(Vertical):
     """One assistant reply: (text, kind) pieces, re-assembled at most ~30 times a second.
 
@@ -106,11 +121,7 @@ class ReplyView(Vertical):
         self.pieces, self.dirty, self.relayout = kept, True, True
 
     def _style(self, name: str) -> str:
-        styles = self.get_component_styles(name)
-        style = styles.color.hex
-        if styles.text_style.strike:  # rejected: "the draft said blue", then "the target said red"
-            style = f"strike {style}"
-        return style
+        return kind_style(self, name.removeprefix("reply--"))
 
     def shows(self, kind: str) -> bool:
         """Whether pieces of this kind are on screen (rejected guesses: only with f8)."""
@@ -357,9 +368,7 @@ class StatsPanel(Static):
         """The numbers, then the legend: each kind's name in its colour and what it means."""
         legend = []
         for kind in KINDS.values():
-            styles = self.get_component_styles(f"reply--{kind.name}")
-            style = f"strike {styles.color.hex}" if styles.text_style.strike else styles.color.hex
-            legend += ["\n", (kind.name, style), f" {kind.meaning}"]
+            legend += ["\n", (kind.name, kind_style(self, kind.name)), f" {kind.meaning}"]
         return Content.assemble(self.render_text(), "\n", *legend)
 
     def refresh_if_dirty(self) -> None:
