@@ -1,7 +1,13 @@
 """Continuous batching that still speculates: B requests advance together, one target pass a round.
 
 `BatchDecoder` keeps one batched KV cache (mlx-lm's left-padded `BatchKVCache`) for the target
-and, with a draft model, one for the draft. Each round (`step`):
+and, with a draft model, one for the draft. What batches: plain KV layers (`BatchKVCache`) and
+sliding-window layers (mlx-lm's `RotatingKVCache` without attention sinks: Gemma 2/3/4,
+GPT-OSS, Mistral-style `sliding_window`), whose rows `caches.BatchWindowedKVCache` holds as
+`WindowedKVCache` holds one stream's (a window mask, absolute offsets, old tokens dropped; a
+roll-back that would cut into a row's window raises). Refused with a one-line reason
+(`check_batchable`): recurrent layers (ArraysCache), chunked attention, attention sinks.
+Each round (`step`):
 
 1. every row proposes up to k tokens: the draft model batched the same way (one forward over the
    B rows per draft step), or prompt lookup in the row's own context;
@@ -892,7 +898,7 @@ def batch_generate(
     prompts, or a list of them, one per prompt (each its own k: a row drafts at most its
     num_draft_tokens, `auto` rows as the batch's controller chooses). `max_batch`: rows
     decoded together at most (None: all); the others join as rows finish. Not batched yet
-    (SpecError): drafting heads, recurrent, sliding-window or chunked targets."""
+    (SpecError): drafting heads, recurrent or chunked targets (sliding windows batch)."""
     prompts = list(prompts)
     if isinstance(config, list | tuple):
         if len(config) != len(prompts):
