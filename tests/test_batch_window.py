@@ -82,7 +82,7 @@ def test_the_mask_is_causal_within_each_rows_window_after_its_left_padding():
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_greedy_rows_equal_each_alone(window_dirs, small_window, family, drafter):
-    """A 40+-token prompt (far past its window: its oldest tokens dropped) beside 3- and
+    """An 82-token prompt (far past its window: its oldest tokens dropped) beside 3- and
     5-token ones (inside it at first), replies that cross the window, rows that join between
     rounds and leave at different rounds: each row's tokens are the target's alone (mlx-lm's
     own RotatingKVCache), and some rounds reject different numbers per row."""
@@ -203,14 +203,19 @@ def test_the_plain_batch_of_eagle_training_still_refuses_windows(window_dirs):
 
 
 def test_batch_generate_on_a_windowed_pair_equals_generate(window_dirs):
-    """The default margin and slack, `batch_generate`'s rows in and out (max_batch 2)."""
+    """The default margin and slack, `batch_generate`'s rows in and out (max_batch 2): greedy
+    rows give the target's plain decoding, a seeded sampled row the samples it draws alone."""
     pair = pair_of(window_dirs, "gemma3_text", "model")
     long = pair.tokenizer.encode(LONG)
-    prompts = [long, long[:4], long[8:20]]
-    configs = [GenerationConfig(max_tokens=m, num_draft_tokens=3) for m in (30, 20, 25)]
+    prompts = [long, long[:4], long[8:20], long[2:6]]
+    settings = [{}, {}, {}, {"temperature": 0.8, "seed": 3}]
+    configs = [
+        GenerationConfig(max_tokens=m, num_draft_tokens=3, **kw)
+        for m, kw in zip((30, 20, 25, 24), settings, strict=True)
+    ]
     results = mlx_spec.batch_generate(pair, prompts, configs, max_batch=2)
-    for p, c, res in zip(prompts, configs, results, strict=True):
-        alone = generate(pair, p, c.replace(use_draft=False))
-        assert res.tokens == alone.tokens
+    for p, c, res in zip(prompts[:3], configs[:3], results[:3], strict=True):
+        assert res.tokens == generate(pair, p, c.replace(use_draft=False)).tokens
+    assert results[3].tokens == generate(pair, prompts[3], configs[3]).tokens
     assert any(r.stats.drafted > 0 for r in results)
     mx.clear_cache()
