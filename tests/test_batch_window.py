@@ -219,3 +219,26 @@ def test_batch_generate_on_a_windowed_pair_equals_generate(window_dirs):
     assert results[3].tokens == generate(pair, prompts[3], configs[3]).tokens
     assert any(r.stats.drafted > 0 for r in results)
     mx.clear_cache()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt-oss"])
+def test_real_sliding_configs_batch_losslessly(tiny_models, small_window, tmp_path, family):
+    """Shrunk published configs (tests/real_configs.py): Gemma 3's multimodal checkpoint (5
+    sliding layers to 1 global, a local rope base) and GPT-OSS (sliding and full layers, learned
+    attention sinks, MoE, YaRN). Rows of different lengths, each the target's alone."""
+    import real_configs
+
+    cfg = real_configs.real_configs(320)[family]
+    weights = real_configs.real_weights(cfg, seed=0)
+    target = tiny.write_model(tmp_path / "t", cfg, weights, tiny_models.tokenizer)
+    noisy = tiny.noisy(weights, 0.01 if family == "gemma3" else 0.03)
+    draft = tiny.write_model(tmp_path / "d", cfg, noisy, tiny_models.tokenizer)
+    pair = load_pair(target=str(target), draft=str(draft))
+    assert any(isinstance(c, WindowedKVCache) for c in caches.make_cache(pair.target))
+    long = pair.tokenizer.encode(LONG)
+    prompts = [long, long[:3], long[20:32]]
+    configs = [GenerationConfig(max_tokens=m, num_draft_tokens=3) for m in (24, 30, 20)]
+    results = mlx_spec.batch_generate(pair, prompts, configs)
+    for p, c, res in zip(prompts, configs, results, strict=True):
+        assert res.tokens == reference(pair, p, c.max_tokens)
+    assert any(0 < r.stats.accepted < r.stats.drafted for r in results)
