@@ -242,3 +242,28 @@ def test_real_sliding_configs_batch_losslessly(tiny_models, small_window, tmp_pa
     for p, c, res in zip(prompts, configs, results, strict=True):
         assert res.tokens == reference(pair, p, c.max_tokens)
     assert any(0 < r.stats.accepted < r.stats.drafted for r in results)
+
+
+@pytest.mark.parametrize("back", [3, 12])
+def test_a_row_starts_from_a_kept_windowed_decoder(window_dirs, small_window, back):
+    """Turn 1 single-stream (a kept Decoder, as the server's prompt cache keeps it, its
+    windows past their front); turn 2 re-renders the last `back` tokens: within the margin
+    the row starts from its caches (rolled back, only the rest prefilled), beyond it a window
+    cannot forget that much and the row starts afresh. Either way a fresh run's tokens."""
+    pair = pair_of(window_dirs, "llama_sliding", "model")
+    config = GenerationConfig(max_tokens=20, num_draft_tokens=3)
+    d = mlx_spec.make_decoder(pair)
+    generate(pair, LONG, config, decoder=d)
+    assert all(c.dropped > 0 for c in d.cache if isinstance(c, WindowedKVCache))
+    more = pair.tokenizer.encode(" and then", add_special_tokens=False)
+    prompt = d.sequence[:-back] + more
+    held = len(d.sequence) - 1
+    decoder = make_batch_decoder(pair, 3)
+    other = decoder.add(pair.tokenizer.encode("Once upon"), GenerationConfig(max_tokens=8))
+    rid = decoder.add(prompt, config, kept=d)
+    assert decoder.row(rid).reused == (held - back + 1 if back <= MARGIN else 0)
+    out = []
+    while len(decoder):
+        for r, u in decoder.step().items():
+            out += u.tokens if r == rid else []
+    assert other != rid and out == generate(pair, prompt, config).tokens
