@@ -332,15 +332,12 @@ def test_a_sampled_row_in_a_mixed_batch_follows_the_target(tiny_models, monkeypa
     assert stat > threshold
 
 
-def test_caches_a_batch_cannot_roll_back_are_refused(tiny_models, tmp_path):
-    """Recurrent, sliding-window and chunked targets are refused by name; single-stream
-    decoding of the same pair still works (speculating, where its caches roll back)."""
-    cfg = tiny.family_configs(320)["llama_sliding"]
-    weights = tiny.family_weights(cfg, 0)
-    sliding = tiny.write_model(tmp_path / "sliding", cfg, weights, tiny_models.tokenizer)
+def test_caches_a_batch_cannot_roll_back_are_refused(tiny_models):
+    """Recurrent and chunked targets are refused by name (sliding windows batch:
+    test_batch_window.py); single-stream decoding of the same pair still works (speculating,
+    where its caches roll back)."""
     cases = [
         (tiny_models.mamba, "recurrent state", True),
-        (sliding, "sliding-window", True),
         (tiny_models.chunked, "chunked attention", False),
     ]
     for target, why, speculates in cases:

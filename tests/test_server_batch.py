@@ -357,6 +357,64 @@ def test_a_head_pair_drafts_alone_and_batches_plainly_when_requests_queue(head_s
     assert again["spec"]["prompt_tokens_reused"] == 0
 
 
+def test_a_sliding_window_pair_batches(tiny_models, tmp_path):
+    """A Mistral-style sliding-window target (8-token window) and its noisy copy as the
+    draft: concurrent requests share one drafting batch (before, such a pair was served one
+    request at a time), a conversation's turn 2 joins the batch from the windowed caches its
+    turn 1 left, and every reply (each crosses the window) equals `generate` alone."""
+    cfg = tiny.family_configs(VOCAB)["llama_sliding"]
+    weights = tiny.family_weights(cfg, seed=0)
+    target = tiny.write_model(tmp_path / "long", cfg, weights, tiny_models.tokenizer)
+    noisy = tiny.noisy(weights, 0.05)
+    draft = tiny.write_model(tmp_path / "long-draft", cfg, noisy, tiny_models.tokenizer)
+    sliding = load_pair(target=str(target), draft=str(draft))
+    args = ["--target", str(target), "--draft", str(draft), "--drafter", "model",
+            "--num-draft-tokens", str(K), "--max-batch", "4", "--api-key", KEY_A,
+            "--admin-key", KEY_A]  # fmt: skip
+    with serving(args, tmp_path) as (_, url):
+        messages = chat(PROMPTS[2])
+        first = client(url).chat.completions.create(
+            model="long", messages=messages, max_tokens=TOKENS, temperature=0
+        )
+        turn1 = generate(sliding, messages, max_tokens=TOKENS, temperature=0).text
+        assert first.choices[0].message.content == turn1
+        assert first.model_extra["speculation"]["batched"] is True  # a batch of one
+        messages = messages + [
+            {"role": "assistant", "content": turn1},
+            {"role": "user", "content": "And then?"},
+        ]
+        anchor = client(url).completions.create(
+            model="long", prompt=PROMPTS[0], max_tokens=400, stream=True, temperature=0
+        )
+        next(iter(anchor))  # a row runs; the next ones join it
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            turn2 = pool.submit(
+                lambda: client(url).chat.completions.create(
+                    model="long", messages=messages, max_tokens=TOKENS, temperature=0
+                )
+            )
+            others = [
+                pool.submit(streamed, url, KEY_A, kind, text, 0.05 * i, temperature=0)
+                for i, (kind, text) in enumerate([("completion", PROMPTS[1]), ("chat", PROMPTS[3])])
+            ]
+            wait_until(lambda: metrics(url)["mlx_spec_batch_size"] >= 2, "the rows never batched")
+            got = [f.result() for f in others]
+            r = turn2.result()
+        anchor.close()
+        assert metrics(url)["mlx_spec_batch_size_max"] >= 2
+    for (kind, text), g in zip(
+        [("completion", PROMPTS[1]), ("chat", PROMPTS[3])], got, strict=True
+    ):
+        prompt = chat(text) if kind == "chat" else text
+        assert g["text"] == generate(sliding, prompt, max_tokens=TOKENS, temperature=0).text
+        assert g["spec"]["batched"] is True and g["spec"]["drafted"] > 0
+    expected = generate(sliding, messages, max_tokens=TOKENS, temperature=0).text
+    assert r.choices[0].message.content == expected
+    assert r.model_extra["speculation"]["batched"] is True
+    # turn 1's prompt at least, from the windowed caches its row handed back
+    assert r.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_max_batch_must_be_positive(value, tiny_models):
     r = subprocess.run(

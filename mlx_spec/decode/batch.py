@@ -1,7 +1,13 @@
 """Continuous batching that still speculates: B requests advance together, one target pass a round.
 
 `BatchDecoder` keeps one batched KV cache (mlx-lm's left-padded `BatchKVCache`) for the target
-and, with a draft model, one for the draft. Each round (`step`):
+and, with a draft model, one for the draft. What batches: plain KV layers (`BatchKVCache`) and
+sliding-window layers (mlx-lm's `RotatingKVCache` without attention sinks: Gemma 2/3/4,
+GPT-OSS, Mistral-style `sliding_window`), whose rows `caches.BatchWindowedKVCache` holds as
+`WindowedKVCache` holds one stream's (a window mask, absolute offsets, old tokens dropped; a
+roll-back that would cut into a row's window raises). Refused with a one-line reason
+(`check_batchable`): recurrent layers (ArraysCache), chunked attention, attention sinks.
+Each round (`step`):
 
 1. every row proposes up to k tokens: the draft model batched the same way (one forward over the
    B rows per draft step), or prompt lookup in the row's own context;
@@ -69,7 +75,12 @@ from mlx_lm.utils import common_prefix_len
 
 from ..core import caches
 from ..core.batch_policy import BatchController
-from ..core.caches import prefill_cache
+from ..core.caches import (
+    BatchWindowedKVCache,
+    CacheRollbackError,
+    WindowedKVCache,
+    prefill_cache,
+)
 from ..core.grammar import GrammarProcessor, GrammarStateError
 from ..core.policies import Auto, DraftLength, Fixed, draft_length
 from ..core.processors import apply as apply_processors
@@ -92,44 +103,65 @@ FORCED_MAX = 8  # the most forced tokens a row drafts in a round (engine.FORCED_
 CATCH_UP_RIDES = 4
 
 
-def _why_not(c) -> str:
+def _why_not(c, windows: bool = True) -> str:
     if isinstance(c, ArraysCache):
         return (
             "keeps a recurrent state (ArraysCache: Qwen3.5, Mamba), which a batch cannot "
             "roll back per row"
         )
-    if isinstance(c, RotatingKVCache):
+    if isinstance(c, RotatingKVCache) and c.keep:
         return (
-            "has sliding-window layers (RotatingKVCache): mlx-lm's BatchRotatingKVCache cannot "
-            "forget tokens once a row has passed its window"
+            f"has sliding-window layers that keep {c.keep} attention-sink tokens "
+            "(RotatingKVCache keep > 0), which cannot roll back"
         )
+    if isinstance(c, RotatingKVCache):
+        return "has sliding-window layers (RotatingKVCache), which this batch holds unwindowed"
     if isinstance(c, ChunkedKVCache):
         return "uses chunked attention (ChunkedKVCache), which mlx-lm cannot batch"
     return f"uses {type(c).__name__} layers, which cannot be batched with a roll-back per row"
 
 
-def check_batchable(model, role: str = "target") -> None:
-    """Refuse a model whose cache the batch cannot roll back per row: only plain KVCache
-    layers merge into a BatchKVCache that forgets per row."""
+def check_batchable(model, role: str = "target", windows: bool = True) -> None:
+    """Refuse a model whose cache the batch cannot roll back per row: plain KVCache layers
+    merge into a BatchKVCache, sliding-window layers (RotatingKVCache without attention
+    sinks, `caches.make_cache`'s WindowedKVCache) into a BatchWindowedKVCache, both forget
+    per row. `windows=False`: plain KVCache layers only (a caller that batches with
+    BatchKVCache alone, as eagle_head's replies)."""
     for c in caches._leaves(make_prompt_cache(model)):
-        if type(c) is not KVCache:
+        window = windows and type(c) is RotatingKVCache and not c.keep
+        if type(c) is not KVCache and not window:
             raise SpecError(
-                f"the {role} model {_why_not(c)}; decode it one request at a time (generate)"
+                f"the {role} model {_why_not(c, windows)}; decode it one request at a time "
+                "(generate)"
             )
 
 
 def merge_rows(row_caches: list[list]) -> list:
-    """Single-row KVCaches (one list per row) -> one BatchKVCache per layer, left-padded."""
-    return [BatchKVCache.merge([c[i] for c in row_caches]) for i in range(len(row_caches[0]))]
+    """Single-row caches (one list per row) -> one batched cache per layer, left-padded:
+    KVCache -> BatchKVCache, WindowedKVCache -> BatchWindowedKVCache."""
+    merged = []
+    for i in range(len(row_caches[0])):
+        layer = [c[i] for c in row_caches]
+        kind = BatchWindowedKVCache if isinstance(layer[0], WindowedKVCache) else BatchKVCache
+        merged.append(kind.merge(layer))
+    return merged
 
 
 def rollback_rows(cache: list, rejected: list[int]) -> None:
-    """Forget the last `rejected[i]` entries of row i in every layer (see the module's note)."""
+    """Forget the last `rejected[i]` entries of row i in every layer (see the module's note),
+    or raise CacheRollbackError before any layer changed (a sliding-window row that would
+    lose part of its window)."""
+    # the windowed layers of one window hold the same rows (one check each: it reads them)
+    windows = {c.window: c for c in cache if isinstance(c, BatchWindowedKVCache)}
+    for c in windows.values():
+        why = c.refusal(rejected)
+        if why is not None:
+            raise CacheRollbackError(why)
     low = min(rejected)
     rest = [r - low for r in rejected]
     for c in cache:
         if low:
-            c.trim(low)
+            BatchKVCache.trim(c, low)  # (a windowed layer's own trim would check again)
         if max(rest):
             c.prepare(right_padding=rest)
             c.finalize()
@@ -203,15 +235,16 @@ class RowUpdate:
 
 
 def _held(cache: list, tokens: int, what: str) -> None:
-    """Every layer holds `tokens` entries, or SpecError (a cache that is not what it says)."""
-    sizes = {c.size() for c in cache}
+    """Every layer holds `tokens` entries (a sliding-window layer: has taken them in, its
+    oldest maybe dropped), or SpecError (a cache that is not what it says)."""
+    sizes = {c.offset if isinstance(c, WindowedKVCache) else c.size() for c in cache}
     if sizes != {tokens}:
         raise SpecError(f"the {what} cache holds {sorted(sizes)} tokens, not {tokens}")
 
 
 def _plain(cache: list, what: str) -> None:
-    if any(type(c) is not KVCache for c in cache):
-        raise SpecError(f"the kept {what} cache is not made of plain KV caches")
+    if any(type(c) not in (KVCache, WindowedKVCache) for c in cache):
+        raise SpecError(f"the kept {what} cache is not made of plain or windowed KV caches")
 
 
 def kept_caches(kept, prompt: list[int], draft_held: list[int] | None):
@@ -227,6 +260,8 @@ def kept_caches(kept, prompt: list[int], draft_held: list[int] | None):
     _plain(cache, "target")
     _held(cache, len(held), "kept target")
     reuse = min(common_prefix_len(held, prompt), len(prompt) - 1)
+    if not caches.can_rollback(cache, len(held) - reuse):
+        return None, 0, None, 0  # a window cannot forget that much: the row starts afresh
     caches.rollback(cache, len(held) - reuse)
     _held(cache, reuse, "kept target")
     if draft_held is None or draft is None:
@@ -235,6 +270,8 @@ def kept_caches(kept, prompt: list[int], draft_held: list[int] | None):
     _plain(draft_cache, "draft")
     _held(draft_cache, len(cached), "kept draft")
     draft_reuse = common_prefix_len(cached, draft_held)
+    if not caches.can_rollback(draft_cache, len(cached) - draft_reuse):
+        return cache, reuse, None, 0  # the draft's window cannot: its row starts afresh
     caches.rollback(draft_cache, len(cached) - draft_reuse)
     return cache, reuse, draft_cache, draft_reuse
 
@@ -383,7 +420,7 @@ class BatchDecoder:
             cache, row.reused, draft_cache, draft_reuse = kept_caches(
                 kept, prompt, context[:end] if drafts else None
             )
-        cache = cache if cache is not None else make_prompt_cache(self.target)
+        cache = cache if cache is not None else caches.make_cache(self.target)
         # until the controller knows a lone row's step costs, the prefill times them
         timed = self.controller is not None and self.controller.wants_timing()
         plain = prefill_cache(self.target, cache, prompt[row.reused : -1], timed=timed)
@@ -393,14 +430,15 @@ class BatchDecoder:
             # compute-bound 4-bit draft: ~0.1 s a prompt token, most of a first token's wait)
             step = None
             if drafts:
-                scratch = make_prompt_cache(self.draft)
+                scratch = caches.make_cache(self.draft, "draft")
                 step = prefill_cache(self.draft, scratch, context[-3:], timed=True)
             self.controller.calibrate(plain, step)
             if drafts and self._draft_cannot_pay():
                 row.use_draft = drafts = False
                 end, draft_cache, draft_reuse = 0, None, 0  # a kept draft cache is dropped
         if self.draft is not None:
-            draft_cache = draft_cache if draft_cache is not None else make_prompt_cache(self.draft)
+            if draft_cache is None:
+                draft_cache = caches.make_cache(self.draft, "draft")
             begin, fed = time.perf_counter(), context[draft_reuse:end]
             prefill_cache(self.draft, draft_cache, fed)
             if self.controller is not None and len(fed) >= CATCH_UP_RIDES:
@@ -860,7 +898,7 @@ def batch_generate(
     prompts, or a list of them, one per prompt (each its own k: a row drafts at most its
     num_draft_tokens, `auto` rows as the batch's controller chooses). `max_batch`: rows
     decoded together at most (None: all); the others join as rows finish. Not batched yet
-    (SpecError): drafting heads, recurrent, sliding-window or chunked targets."""
+    (SpecError): drafting heads, recurrent or chunked targets (sliding windows batch)."""
     prompts = list(prompts)
     if isinstance(config, list | tuple):
         if len(config) != len(prompts):

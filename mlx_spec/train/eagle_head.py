@@ -192,7 +192,7 @@ def prepare(pair, prompts, settings, out: Path, progress, layers: tuple) -> dict
     train_ids, held_ids = [prompt_ids(tok, p) for p in train], [prompt_ids(tok, p) for p in held]
     data = {"measured_prompts": held_ids[: settings.eval_prompts]}
     try:
-        check_batchable(pair.target)
+        check_batchable(pair.target, windows=False)
     except SpecError:  # a recurrent or sliding-window target: replies, then a features pass
         data["train"] = batch_replies(
             pair, train_ids, settings, settings.seed, progress, "training"
