@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 import mlx_spec  # noqa: F401  (first: it loads OpenBLAS before mlx)
@@ -81,4 +82,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # the chat's threads have run MLX: leave through os._exit, as `mlx-spec chat` does (a
+    # normal interpreter exit aborted here: "terminate called without an active exception")
+    sys.stdout.flush()
+    os._exit(status)
