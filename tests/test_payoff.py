@@ -202,3 +202,36 @@ def test_a_timed_prefill_is_the_median_of_its_steps(tiny_models, monkeypatch):
     assert caches.prefill_cache(pair.target, cache, tokens, timed=True) == pytest.approx(1.2)
     assert cache[0].offset == len(tokens)
     assert caches.prefill_cache(pair.target, caches.make_cache(pair.target), tokens[:2]) is None
+
+
+def test_a_retimed_fixed_k_divides_by_plain_steps_timed_in_the_loop():
+    """`Fixed(k, retime=n)` (the chat's): after every n k-rounds one plain step, timed as a
+    round is; the verdict divides by their median, not by the step timed in prefill (which
+    the chat's drawing does not slow: 0.58-0.77x said where its race measured 1.04-1.70x)."""
+    fixed = Fixed(2, retime=3).policy()
+    fixed.calibrate(0.05, None)  # a quiet prefill
+    asked = []
+    for seconds in (0.3, 0.3, 0.3):
+        asked.append(fixed.next())
+        fixed.update(2, 2, 2, seconds)
+    asked.append(fixed.next())
+    fixed.update_plain(1, 0.2)  # the plain step it asked for, under the caller's load
+    asked.append(fixed.next())
+    assert asked == [2, 2, 2, 0, 2]
+    fixed.update_plain(1, 9.0)  # the reply's last token, not asked for: not a timing
+    assert fixed.loop_plain == [0.2] and fixed.plain_token() == 0.2
+    assert fixed.payoff().round_cost == pytest.approx(0.3 / 0.2)
+    assert FixedK(2).next() == 2 and Fixed(2).policy().retime == 0  # not asked: every round
+
+
+def test_a_retimed_run_stays_the_targets_with_a_plain_step_every_n_rounds(tiny_models):
+    pair = load_pair(target=str(tiny_models.target), draft=str(tiny_models.noisy))
+    prompt = "Hello there, how are you"
+    alone = generate(pair, prompt, max_tokens=48, use_draft=False)
+    stats = Stats()
+    config = GenerationConfig(48, num_draft_tokens=Fixed(2, retime=3))
+    text = "".join(e.text for r in stream_rounds(pair, prompt, config, stats=stats) for e in r)
+    assert text == alone.text
+    drafted = [len(r.drafted) for r in stats.records]
+    assert drafted[:8] == [2, 2, 2, 0, 2, 2, 2, 0]
+    assert stats.payoff is not None and stats.policy.loop_plain

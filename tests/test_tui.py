@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from mlx_spec import GenerationConfig, generate, load_pair, make_decoder
-from tui.app import ChatApp
+from mlx_spec.core.policies import Fixed
+from tui.app import ChatApp, retimed
 from tui.widgets import CONTROL_CHARS, ReplyView, StatsPanel, round_strip, sparkline
 
 PROMPT = "Tell me a story"
@@ -68,14 +69,20 @@ def check_spans(reply: ReplyView) -> None:
         offset += len(text)
 
 
-async def test_reply_colours_follow_the_engine(chat_pair):
+async def test_reply_colours_follow_the_engine(chat_pair, monkeypatch):
+    import tui.app
+
+    # a fixed k in the chat times a plain step every RETIME rounds (its verdict divides by them)
+    monkeypatch.setattr(tui.app, "RETIME", 3)
     expected = generate(
         chat_pair,
         [{"role": "user", "content": PROMPT}],
         max_tokens=40,
         decoder=make_decoder(chat_pair),
+        num_draft_tokens=Fixed(4, retime=3),
     )
     assert 0 < expected.stats.acceptance_rate < 1  # mixed rounds: both colours appear
+    assert [len(r.drafted) for r in expected.rounds][3] == 0  # the first retimed plain step
     app = ChatApp(chat_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=40))
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, PROMPT)
@@ -448,7 +455,10 @@ async def test_a_long_reply_moves_finished_paragraphs_into_their_own_widgets(
     from textual.widgets import Static
 
     pair = cycle_pair(tiny_models, tmp_path)
-    expected = generate(pair, [{"role": "user", "content": PROMPT}], max_tokens=300)
+    k = retimed(pair.config.num_draft_tokens)  # as the chat runs a fixed k
+    expected = generate(
+        pair, [{"role": "user", "content": PROMPT}], max_tokens=300, num_draft_tokens=k
+    )
     assert expected.text.count("\n") > 10 and {"accepted", "regenerated"} <= set(expected.kinds)
     monkeypatch.setattr(ReplyView, "TAIL_LINES", 3)  # blocks of a few lines: several of them
     app = ChatApp(pair, pair_name="cycle", generation=GenerationConfig(max_tokens=300))

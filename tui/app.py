@@ -47,6 +47,9 @@ def chats_dir() -> Path:
 
 REFRESH_HZ = 30
 FIXED_K_MAX = 16  # f4 steps a fixed k up to here (`auto` keeps to policies.K_MAX)
+# With a fixed k, a plain step every RETIME rounds, timed while the app draws: the verdict row
+# divides by those (a prefill-timed step made it 0.58-0.77x where the race measured 1.04-1.70x)
+RETIME = 16
 
 
 class RoundMessage(Message):
@@ -139,6 +142,12 @@ class PairPicker(ModalScreen[str | None]):
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(event.option.id)
+
+
+def retimed(k):
+    """A fixed k as the chat runs it: a plain step timed every RETIME rounds, so the verdict
+    row compares with plain tokens taken while the app draws (policies.FixedK)."""
+    return Fixed(k.k, RETIME) if isinstance(k, Fixed) else k
 
 
 class ChatApp(App):
@@ -373,7 +382,7 @@ class ChatApp(App):
                 self.decoder = make_decoder(self.pair, self.generation.seed)
             config = self.generation.replace(
                 temperature=self.temperature,
-                num_draft_tokens=self.k,
+                num_draft_tokens=retimed(self.k),
                 chat_template_kwargs={"enable_thinking": self.thinking},
                 use_draft=self.speculation and not race,
                 system=None,  # the conversation carries it (self.system)
