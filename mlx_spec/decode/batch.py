@@ -1,7 +1,8 @@
 """Continuous batching that still speculates: B requests advance together, one target pass a round.
 
 `BatchDecoder` keeps one batched KV cache (mlx-lm's left-padded `BatchKVCache`) for the target
-and, with a draft model, one for the draft. What batches: plain KV layers (`BatchKVCache`) and
+and, with a draft model, one for the draft; with an EAGLE-3 head, the head's (batch_head.py).
+What batches: plain KV layers (`BatchKVCache`) and
 sliding-window layers (mlx-lm's `RotatingKVCache` without attention sinks: Gemma 2/3/4,
 GPT-OSS, Mistral-style `sliding_window`), whose rows `caches.BatchWindowedKVCache` holds as
 `WindowedKVCache` holds one stream's (a window mask, absolute offsets, old tokens dropped; a
@@ -10,7 +11,9 @@ roll-back that would cut into a row's window raises). Refused with a one-line re
 Each round (`step`):
 
 1. every row proposes up to k tokens: the draft model batched the same way (one forward over the
-   B rows per draft step), or prompt lookup in the row's own context;
+   B rows per draft step), an EAGLE-3 head (one head pass over the rows per step, from the
+   target layers the last verify pass captured: batch_head.py), or prompt lookup in the row's
+   own context;
 2. ONE target pass over (B, K+1) tokens, K the longest proposal: `[last, x1..xk, pad..]` a row;
 3. each row is verified on its own rows of logits by the function the single stream uses
    (`rounds.verify`) under its own sampling settings and random key, which
@@ -306,7 +309,8 @@ class BatchTiming:
 class BatchDecoder:
     """Speculative decoding over a batch of requests that join and leave between rounds.
 
-    `draft`: a draft model (batched like the target); `lookup`: (ngram_max, ngram_min) for
+    `draft`: a draft model (batched like the target); `head`: an EAGLE-3 head (alone, no
+    draft or lookup beside it: batch_head.py); `lookup`: (ngram_max, ngram_min) for
     prompt lookup per row; both: lookup first, the model where it finds nothing
     (ngram+model); neither: plain continuous batching. `num_draft_tokens`: an int, `Fixed(k)`
     or `Auto()` (a `BatchController`: k from measured pass costs per row count).
@@ -894,7 +898,7 @@ class BatchDecoder:
 def make_batch_decoder(pair, num_draft_tokens=None, plain: bool = False) -> BatchDecoder:
     """A BatchDecoder over a loaded pair; refuses (SpecError) what cannot be batched yet.
     `plain`: no drafts at all (continuous batching of the target), as the server batches a
-    pair whose drafter a batch cannot take (a head)."""
+    pair whose drafter a batch cannot take (an MTP or DFlash head)."""
     if getattr(pair, "link", None) is not None:
         raise SpecError("a target sharded over several machines cannot be batched yet")
     kind = None if plain else pair.config.kind
@@ -957,7 +961,8 @@ def batch_generate(
     prompts, or a list of them, one per prompt (each its own k: a row drafts at most its
     num_draft_tokens, `auto` rows as the batch's controller chooses). `max_batch`: rows
     decoded together at most (None: all); the others join as rows finish. Not batched yet
-    (SpecError): drafting heads, recurrent or chunked targets (sliding windows batch)."""
+    (SpecError): MTP and DFlash heads (EAGLE-3 heads batch), recurrent or chunked targets
+    (sliding windows batch)."""
     prompts = list(prompts)
     if isinstance(config, list | tuple):
         if len(config) != len(prompts):
