@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from test_batch import CANCELLED, SCHEDULE, TEXTS, pin_costs, records, run_rows
+from test_batch import CANCELLED, MIXED, SCHEDULE, TEXTS, pin_costs, records, run_rows
 from test_eagle import head_weights, write_head
 from test_greedy_equality import reference
 
@@ -28,6 +28,7 @@ from mlx_spec import GenerationConfig, SamplingParams, generate, load_pair
 from mlx_spec.core.caches import prefill_cache
 from mlx_spec.decode.batch import BatchDecoder, into_decoder, make_batch_decoder
 from mlx_spec.decode.batch_head import PENDING_MAX
+from mlx_spec.decode.prompts import prompt_tokens
 from mlx_spec.drafters import batched_kinds
 from mlx_spec.drafters.base import TargetOutput
 from mlx_spec.drafters.eagle import EagleDrafter
@@ -273,3 +274,45 @@ def test_each_rows_head_holds_its_sequence_after_rejections(eagle):
             rejections.add(u.round.drafted - u.round.accepted)
     assert len(rejections) > 1
     assert_head_holds(eagle, decoder)
+
+
+def test_a_mixed_batch_gives_each_row_what_it_gets_alone(eagle):
+    """A schema, a regex, penalties and a logit bias, log-probabilities, a plain row and a
+    seeded sampled one with a penalty (test_batch's MIXED), the head drafting for all: each
+    row's tokens and log-probabilities are what it gets alone with the head."""
+    configs = [
+        GenerationConfig(max_tokens=24, num_draft_tokens=3, **settings)
+        for settings in MIXED.values()
+    ]
+    prompts = [TEXTS[i % len(TEXTS)] for i in range(len(configs))]
+    decoder = make_batch_decoder(eagle, 3)
+    rows = {
+        decoder.add(prompt_tokens(eagle, p, c)[0], c): (name, p, c)
+        for name, p, c in zip(MIXED, prompts, configs, strict=True)
+    }
+    got = {rid: ([], []) for rid in rows}
+    drafted = 0
+    while len(decoder):
+        for rid, u in decoder.step().items():
+            got[rid][0].extend(u.tokens)
+            got[rid][1].extend(u.round.logprobs or [])
+            drafted += u.round.drafted
+    assert drafted > 0
+    for rid, (name, prompt, config) in rows.items():
+        alone = list(mlx_spec.stream(eagle, prompt, config))
+        assert got[rid][0] == [e.token for e in alone], name
+        if name == "logprobs":
+            assert np.allclose(got[rid][1], [e.logprob for e in alone], atol=1e-4), name
+
+
+def test_a_one_token_row_with_forced_tokens_drafts_them_before_the_head_can(eagle):
+    """A one-token prompt gives the head no entry before its first pass; a schema forces the
+    first tokens all the same (drafted without the head), and the row is what it is alone."""
+    config = GenerationConfig(max_tokens=12, num_draft_tokens=3, **MIXED["schema"])
+    prompt = eagle.tokenizer.encode(TEXTS[3])[:1]
+    decoder = make_batch_decoder(eagle, 3)
+    rid = decoder.add(prompt, config)
+    assert not decoder.heads.can_draft(0)
+    out, _ = run_rows(decoder, {rid: None})
+    assert out[rid][1][0]["kind"] != "plain" and len(out[rid][1][0]["drafted"]) > 0
+    assert out[rid][0] == [e.token for e in mlx_spec.stream(eagle, prompt, config)]

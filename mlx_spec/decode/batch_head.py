@@ -121,9 +121,10 @@ class BatchHead:
         self.pending = [None] * len(counts)
 
     def first(self) -> mx.array:
-        """Each row's last output (B, H), zeros for a row that cannot draft yet."""
-        some = next(g for g in self.last if g is not None)
-        return mx.stack([g if g is not None else mx.zeros_like(some) for g in self.last])
+        """Each row's last output (B, H), zeros for a row that cannot draft yet (its guesses
+        are never used; a round may draft for others, or take a grammar's forced tokens)."""
+        zeros = mx.zeros((self.head.hidden_size,), self.head.fc.weight.dtype)
+        return mx.stack([g if g is not None else zeros for g in self.last])
 
     def chain(self, g: mx.array, picks: mx.array) -> mx.array:
         """A chained step for all rows: the head's output stands in for the features of the
