@@ -101,7 +101,7 @@ class BatchController:
     (`catch_up_seconds`, from the measured prefills and catch-ups)."""
 
     k_max: int = K_MAX
-    draft_model: bool = True  # a draft step costs time (lookup: none)
+    draft_model: bool = True  # a draft step costs time (a draft model, a head; lookup: none)
     passes: dict = field(default_factory=dict)  # rows -> Estimate of a verify pass's seconds
     draft_steps: dict = field(default_factory=dict)  # B -> Estimate of one draft step's
     accept: list = field(default_factory=list)

@@ -1,7 +1,8 @@
 """Continuous batching that still speculates: B requests advance together, one target pass a round.
 
 `BatchDecoder` keeps one batched KV cache (mlx-lm's left-padded `BatchKVCache`) for the target
-and, with a draft model, one for the draft. What batches: plain KV layers (`BatchKVCache`) and
+and, with a draft model, one for the draft; with an EAGLE-3 head, the head's (batch_head.py).
+What batches: plain KV layers (`BatchKVCache`) and
 sliding-window layers (mlx-lm's `RotatingKVCache` without attention sinks: Gemma 2/3/4,
 GPT-OSS, Mistral-style `sliding_window`), whose rows `caches.BatchWindowedKVCache` holds as
 `WindowedKVCache` holds one stream's (a window mask, absolute offsets, old tokens dropped; a
@@ -10,7 +11,9 @@ roll-back that would cut into a row's window raises). Refused with a one-line re
 Each round (`step`):
 
 1. every row proposes up to k tokens: the draft model batched the same way (one forward over the
-   B rows per draft step), or prompt lookup in the row's own context;
+   B rows per draft step), an EAGLE-3 head (one head pass over the rows per step, from the
+   target layers the last verify pass captured: batch_head.py), or prompt lookup in the row's
+   own context;
 2. ONE target pass over (B, K+1) tokens, K the longest proposal: `[last, x1..xk, pad..]` a row;
 3. each row is verified on its own rows of logits by the function the single stream uses
    (`rounds.verify`) under its own sampling settings and random key, which
@@ -59,6 +62,7 @@ beside a draft model, and the batched caches' bookkeeping as rows join and leave
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -82,14 +86,17 @@ from ..core.caches import (
     prefill_cache,
 )
 from ..core.grammar import GrammarProcessor, GrammarStateError
+from ..core.hidden import capturing
 from ..core.policies import Auto, DraftLength, Fixed, draft_length
 from ..core.processors import apply as apply_processors
 from ..core.processors import check_vocab
 from ..core.sampling import SamplingParams, check_seed, probabilities, sample
 from ..core.stats import Stats
 from ..drafters import batched_kinds
+from ..drafters.eagle import EagleDrafter
 from ..drafters.ngram import NGramDrafter
 from ..errors import SpecError
+from .batch_head import BatchHead
 from .config import GenerationConfig
 from .events import Result, RoundRecord, token_kind
 from .prompts import constraint_for, prompt_tokens
@@ -302,7 +309,8 @@ class BatchTiming:
 class BatchDecoder:
     """Speculative decoding over a batch of requests that join and leave between rounds.
 
-    `draft`: a draft model (batched like the target); `lookup`: (ngram_max, ngram_min) for
+    `draft`: a draft model (batched like the target); `head`: an EAGLE-3 head (alone, no
+    draft or lookup beside it: batch_head.py); `lookup`: (ngram_max, ngram_min) for
     prompt lookup per row; both: lookup first, the model where it finds nothing
     (ngram+model); neither: plain continuous batching. `num_draft_tokens`: an int, `Fixed(k)`
     or `Auto()` (a `BatchController`: k from measured pass costs per row count).
@@ -326,21 +334,29 @@ class BatchDecoder:
         num_draft_tokens: DraftLength | int | str = 4,
         vocab: int | None = None,
         draft_confidence: float = 0.0,
+        head=None,
     ):
         check_batchable(target, "target")
         if draft is not None:
             check_batchable(draft, "draft")
+        if head is not None and (draft is not None or lookup is not None):
+            raise SpecError("a batch drafts with an EAGLE-3 head alone, not beside another")
         self.target, self.draft, self.lookup = target, draft, lookup
+        # an EAGLE-3 head (batch_head.py): it reads the target's layers in each pass
+        self.heads = BatchHead(head) if head is not None else None
+        self.hidden_layers = self.heads.hidden_layers if self.heads is not None else ()
         # a row's draft stops after a guess the draft is less sure of (ModelDrafter's rule)
         self.confidence = draft_confidence
         self.eos = set(eos_token_ids)
         self.vocab = vocab
         length = draft_length(num_draft_tokens)
-        self.drafting = draft is not None or lookup is not None
+        self.drafting = draft is not None or lookup is not None or head is not None
         self.fixed_k = length.k if isinstance(length, Fixed) else None
         k_max = length.k_max if isinstance(length, Auto) else length.k
         self.controller = (
-            BatchController(k_max, draft is not None) if self.fixed_k is None else None
+            BatchController(k_max, draft is not None or head is not None)
+            if self.fixed_k is None
+            else None
         )
         self.pair = None  # make_batch_decoder's: what a row's grammar compiles against
         self.rows: list[Row] = []
@@ -416,15 +432,34 @@ class BatchDecoder:
         end = len(context) - self.lag if drafts else 0
         cache = draft_cache = None
         draft_reuse = 0
+        eagle, gap = None, None  # a head: the kept decoder's drafter, where it stops holding
+        if kept is not None and self.heads is not None:
+            gap = kept.hidden_gap
+            if isinstance(kept.drafter, EagleDrafter) and kept.drafter.head is self.heads.head:
+                eagle = copy.copy(kept.drafter)  # its state (give_up gives the decoder new)
         if kept is not None:
             cache, row.reused, draft_cache, draft_reuse = kept_caches(
                 kept, prompt, context[:end] if drafts else None
             )
+        if gap is not None and row.reused > gap and caches.can_rollback(cache, row.reused - gap):
+            # the head never got the target's layers past the gap (a row handed back, a reply
+            # without drafts): compute them again from there, as a single stream does
+            caches.rollback(cache, row.reused - gap)
+            row.reused = gap
+        if not row.reused:
+            eagle = None
         cache = cache if cache is not None else caches.make_cache(self.target)
         # until the controller knows a lone row's step costs, the prefill times them
         timed = self.controller is not None and self.controller.wants_timing()
-        plain = prefill_cache(self.target, cache, prompt[row.reused : -1], timed=timed)
-        if timed:
+        new = prompt[row.reused : -1]
+        hidden = dict.fromkeys(self.hidden_layers) if self.heads is not None else None
+        plain = prefill_cache(self.target, cache, new, timed=timed, hidden=hidden)
+        if self.heads is not None:  # the head: every row's, whether it drafts or not
+            eagle, step = self.heads.prefill(prompt, hidden, len(new), eagle, timed)
+            if timed:
+                self.controller.calibrate(plain, step)
+                row.use_draft = row.use_draft and not self._draft_cannot_pay()
+        elif timed:
             # a draft step is timed on a scratch cache of the context's last tokens, before
             # the draft's prefill: a draft that cannot pay is then never prefilled (the demo's
             # compute-bound 4-bit draft: ~0.1 s a prompt token, most of a first token's wait)
@@ -457,6 +492,8 @@ class BatchDecoder:
             if merged_draft is not None:
                 for c, m in zip(self.draft_cache, merged_draft, strict=True):
                     c.extend(m)
+        if self.heads is not None:
+            self.heads.join(eagle)
         self.rows.append(row)
         self._settle()
         return row.id
@@ -466,7 +503,7 @@ class BatchDecoder:
         measured (`auto`): a row that joins then decodes plainly and is not prefilled
         through the draft (a compute-bound draft's prefill costs as much as its decoding)."""
         c = self.controller
-        if c is None or self.draft is None or 1 not in c.passes or 1 not in c.draft_steps:
+        if c is None or not c.draft_model or 1 not in c.passes or 1 not in c.draft_steps:
             return False
         return c.hopeless(1, c.draft_seconds(1))
 
@@ -525,6 +562,8 @@ class BatchDecoder:
         if len(keep) == len(self.rows):
             return
         self.rows = [self.rows[i] for i in keep]
+        if self.heads is not None:
+            self.heads.keep(keep)
         if not keep:
             self.cache = self.draft_cache = None
             self.lag = 2
@@ -537,7 +576,8 @@ class BatchDecoder:
         """Queue the evaluation of what is kept between rounds, so no graph grows across them
         (queued, not waited for: the next pass needs it first anyway)."""
         keys = [r.key for r in self.rows if r.key is not None]
-        mx.async_eval([c.state for c in self.cache + (self.draft_cache or [])], *keys)
+        heads = self.heads.arrays() if self.heads is not None else []
+        mx.async_eval([c.state for c in self.cache + (self.draft_cache or [])], *keys, *heads)
 
     # ------------------------------------------------------------------------------ a round
 
@@ -581,7 +621,10 @@ class BatchDecoder:
         k = self._choose_k()
         # the round adds at most k+1 tokens to a row: never draft past its max_tokens
         requested = [
-            min(k, r.k_max or k, r.max_tokens - r.emitted - 1) if r.use_draft else 0 for r in rows
+            min(k, r.k_max or k, r.max_tokens - r.emitted - 1)
+            if r.use_draft and (self.heads is None or self.heads.can_draft(b))
+            else 0
+            for b, r in enumerate(rows)
         ]
         # where a row's grammar forces the next tokens, they are its draft this round (no
         # model, outside the policy), as a single stream drafts them
@@ -608,8 +651,9 @@ class BatchDecoder:
             r.next_key() if req and not r.params.greedy else None
             for r, req in zip(rows, requested, strict=True)
         ]
-        drafting = self.draft is not None and max(requested) > 0
-        if drafting and self.lag > 2 + CATCH_UP_RIDES:
+        models = self.draft is not None or self.heads is not None
+        drafting = models and max(requested) > 0
+        if drafting and self.draft is not None and self.lag > 2 + CATCH_UP_RIDES:
             self._catch_up()
         start = time.perf_counter()
         qs = [None] * len(rows)
@@ -637,7 +681,8 @@ class BatchDecoder:
         width = drafts.shape[1]  # K: the widest proposal; the rest of a row is padding
         last = mx.array([[r.sequence[-1]] for r in rows], mx.uint32)
         inputs = mx.concatenate([last, drafts.astype(mx.uint32)], axis=1) if width else last
-        logits = self.target(inputs, cache=self.cache)  # (B, K+1, vocab)
+        with capturing(self.target, self.hidden_layers) as hidden:  # (a head's layers)
+            logits = self.target(inputs, cache=self.cache)  # (B, K+1, vocab)
         # a processor reads the row's proposal as ids (a grammar walks it): read once
         proposals = drafts.tolist() if any(r.processors for r in rows) else None
         outs, lps = [], []
@@ -653,8 +698,9 @@ class BatchDecoder:
         mx.eval(out, drafts, *arrays, *[r.key for r in rows if r.key is not None])
         verified_at = time.perf_counter()
         done = self._finish_round(
-            out.tolist(), drafts.tolist(), requested, lengths, steps, lps, forced, overrides
-        )
+            out.tolist(), drafts.tolist(), requested, lengths, steps, lps, forced, overrides,
+            hidden,
+        )  # fmt: skip
         updates.update(done)
         self.timing = BatchTiming(
             len(rows) * (width + 1), steps, drafted_at - start, verified_at - drafted_at
@@ -711,10 +757,20 @@ class BatchDecoder:
             mx.random.split(key, req) if key is not None and b not in forced else None
             for b, (key, req) in enumerate(zip(keys, requested, strict=True))
         ]
-        y = mx.array([draft_tail(r, self.lag) for r in rows], mx.uint32)  # (B, lag)
+        heads = self.heads
+        if heads is not None:  # the pending features first, then each row's last output
+            heads.feed([r.sequence for r in rows])
+            g = heads.first()  # (B, H)
+        else:
+            y = mx.array([draft_tail(r, self.lag) for r in rows], mx.uint32)  # (B, lag)
         columns, qs = [], [[] for _ in rows]
         for j in range(width):
-            logits = self.draft(y, cache=self.draft_cache)[:, -1]  # (B, vocab)
+            if heads is not None:
+                if j:  # chained: the head's output stands in for the drafted token's features
+                    g = heads.chain(g, columns[-1])
+                logits = heads.logits(g)  # (B, vocab)
+            else:
+                logits = self.draft(y, cache=self.draft_cache)[:, -1]  # (B, vocab)
             if self.vocab is not None and logits.shape[-1] > self.vocab:
                 logits = logits[:, : self.vocab]  # padding rows the target cannot embed
             processed = [
@@ -760,7 +816,8 @@ class BatchDecoder:
             columns.append(picks)
             y = picks[:, None].astype(mx.uint32)
             mx.async_eval(y)  # the device starts while Python builds the next step
-        self.lag = 2  # after the roll-back (`_finish_round`)
+        if heads is None:
+            self.lag = 2  # after the roll-back (`_finish_round`)
         lengths = list(requested)
         if sure:  # a row stops after the first guess below the confidence (then step j + 1)
             below = (mx.stack(sure, axis=1) < self.confidence).tolist()  # (B, K)
@@ -771,7 +828,7 @@ class BatchDecoder:
         return mx.stack(columns, axis=1), [mx.stack(q) if q else None for q in qs], lengths
 
     def _finish_round(
-        self, out, drafted, requested, lengths, steps, lps, forced, overrides
+        self, out, drafted, requested, lengths, steps, lps, forced, overrides, hidden=None
     ) -> dict[int, RowUpdate]:
         rows, updates, keep = self.rows, {}, []
         width = len(drafted[0]) if drafted else 0
@@ -816,7 +873,13 @@ class BatchDecoder:
         # each row fed its last token + K (padded) guesses and keeps the last and its held
         # drafts (n of them, fewer when an end token cut the round): its sequence but the last
         rollback_rows(self.cache, [width - h for h in held])
-        if steps:  # the draft fed lag + K - 1 tokens; it keeps up to sequence[:-2]
+        if self.heads is not None:  # chained entries go, kept positions' features come
+            self.heads.forget(max(steps - 1, 0))
+            positions = [
+                0 if r.id in self.failed else h + 1 for r, h in zip(rows, held, strict=True)
+            ]
+            self.heads.take(hidden, positions, [r.sequence for r in rows])
+        elif steps:  # the draft fed lag + K - 1 tokens; it keeps up to sequence[:-2]
             rollback_rows(self.draft_cache, [steps - h for h in held])
         elif self.draft is not None:
             self.lag += 1  # a plain round: every row grew by one token the draft has not seen
@@ -835,7 +898,7 @@ class BatchDecoder:
 def make_batch_decoder(pair, num_draft_tokens=None, plain: bool = False) -> BatchDecoder:
     """A BatchDecoder over a loaded pair; refuses (SpecError) what cannot be batched yet.
     `plain`: no drafts at all (continuous batching of the target), as the server batches a
-    pair whose drafter a batch cannot take (a head)."""
+    pair whose drafter a batch cannot take (an MTP or DFlash head)."""
     if getattr(pair, "link", None) is not None:
         raise SpecError("a target sharded over several machines cannot be batched yet")
     kind = None if plain else pair.config.kind
@@ -898,7 +961,8 @@ def batch_generate(
     prompts, or a list of them, one per prompt (each its own k: a row drafts at most its
     num_draft_tokens, `auto` rows as the batch's controller chooses). `max_batch`: rows
     decoded together at most (None: all); the others join as rows finish. Not batched yet
-    (SpecError): drafting heads, recurrent or chunked targets (sliding windows batch)."""
+    (SpecError): MTP and DFlash heads (EAGLE-3 heads batch), recurrent or chunked targets
+    (sliding windows batch)."""
     prompts = list(prompts)
     if isinstance(config, list | tuple):
         if len(config) != len(prompts):

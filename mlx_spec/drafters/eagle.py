@@ -180,6 +180,23 @@ class Eagle3Head(nn.Module):
             x = layer(x, mask, c)
         return x[0]
 
+    def rows(self, h: mx.array, tokens: mx.array, cache: list) -> mx.array:
+        """Batched entries (a batch's rows, batch.py): features h (B, N, H), the next tokens
+        (B, N) -> the head's output (B, N, H), extending `cache` (mlx-lm's BatchKVCache: its
+        mask hides each row's left padding)."""
+        embeds = self.embed(tokens).astype(h.dtype)
+        mask = create_attention_mask(h, cache[0])
+        x = self.midlayer(embeds, h, mask, cache[0])
+        for layer, c in zip(self.layers, cache[1:], strict=True):
+            x = layer(x, mask, c)
+        return x
+
+    def rows_logits(self, g: mx.array) -> mx.array:
+        """`logits` over a batch's rows: (B, H) -> (B, target vocab)."""
+        draft = self.lm_head(self.norm(g)).astype(mx.float32)
+        none = mx.full((*draft.shape[:-1], 1), -mx.inf, mx.float32)
+        return mx.take(mx.concatenate([draft, none], axis=-1), self._gather, axis=-1)
+
     def logits(self, g: mx.array) -> mx.array:
         """The head's output (H,) -> logits over the target's vocabulary: the draft
         vocabulary's logits scattered through d2t, -inf for every token it cannot propose."""

@@ -87,6 +87,10 @@ class EagleKind(DrafterKind):
 
         return EagleDrafter(pair.head)
 
+    @classmethod
+    def batch_drafting(cls, pair) -> dict:
+        return {"head": pair.head}
+
 
 class MTPKind(DrafterKind):
     name = "mtp"
