@@ -234,6 +234,26 @@ class BatchWindowedKVCache(BatchKVCache):
         return merged
 
 
+def rollback_rows(cache: list, rejected: list[int]) -> None:
+    """Forget the last `rejected[i]` entries of row i in every layer (see decode/batch.py's note),
+    or raise CacheRollbackError before any layer changed (a sliding-window row that would
+    lose part of its window)."""
+    # the windowed layers of one window hold the same rows (one check each: it reads them)
+    windows = {c.window: c for c in cache if isinstance(c, BatchWindowedKVCache)}
+    for c in windows.values():
+        why = c.refusal(rejected)
+        if why is not None:
+            raise CacheRollbackError(why)
+    low = min(rejected)
+    rest = [r - low for r in rejected]
+    for c in cache:
+        if low:
+            BatchKVCache.trim(c, low)  # (a windowed layer's own trim would check again)
+        if max(rest):
+            c.prepare(right_padding=rest)
+            c.finalize()
+
+
 def _leaves(cache: list) -> list:
     out = []
     for c in cache:

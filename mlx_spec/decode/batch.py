@@ -81,9 +81,9 @@ from ..core import caches
 from ..core.batch_policy import BatchController
 from ..core.caches import (
     BatchWindowedKVCache,
-    CacheRollbackError,
     WindowedKVCache,
     prefill_cache,
+    rollback_rows,
 )
 from ..core.grammar import GrammarProcessor, GrammarStateError
 from ..core.hidden import capturing
@@ -152,26 +152,6 @@ def merge_rows(row_caches: list[list]) -> list:
         kind = BatchWindowedKVCache if isinstance(layer[0], WindowedKVCache) else BatchKVCache
         merged.append(kind.merge(layer))
     return merged
-
-
-def rollback_rows(cache: list, rejected: list[int]) -> None:
-    """Forget the last `rejected[i]` entries of row i in every layer (see the module's note),
-    or raise CacheRollbackError before any layer changed (a sliding-window row that would
-    lose part of its window)."""
-    # the windowed layers of one window hold the same rows (one check each: it reads them)
-    windows = {c.window: c for c in cache if isinstance(c, BatchWindowedKVCache)}
-    for c in windows.values():
-        why = c.refusal(rejected)
-        if why is not None:
-            raise CacheRollbackError(why)
-    low = min(rejected)
-    rest = [r - low for r in rejected]
-    for c in cache:
-        if low:
-            BatchKVCache.trim(c, low)  # (a windowed layer's own trim would check again)
-        if max(rest):
-            c.prepare(right_padding=rest)
-            c.finalize()
 
 
 @dataclass

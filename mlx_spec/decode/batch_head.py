@@ -30,23 +30,12 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from ..core import caches
 from ..drafters.base import TargetOutput
 from ..drafters.eagle import EagleDrafter
 from ..errors import SpecError
 
 PENDING_MAX = 16  # features a row piles up in plain rounds before a head pass takes them in
-
-
-def _roll(cache: list, rejected: list[int]) -> None:
-    """Forget the last `rejected[i]` entries of row i (batch.rollback_rows for plain KV)."""
-    low = min(rejected)
-    rest = [r - low for r in rejected]
-    for c in cache:
-        if low:
-            c.trim(low)
-        if max(rest):
-            c.prepare(right_padding=rest)
-            c.finalize()
 
 
 class BatchHead:
@@ -117,7 +106,7 @@ class BatchHead:
         for b, m in enumerate(counts):
             if m:
                 self.last[b] = out[b, m - 1]
-        _roll(self.cache, [width - m for m in counts])
+        caches.rollback_rows(self.cache, [width - m for m in counts])
         self.pending = [None] * len(counts)
 
     def first(self) -> mx.array:
