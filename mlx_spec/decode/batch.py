@@ -62,7 +62,6 @@ beside a draft model, and the batched caches' bookkeeping as rows join and leave
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 
@@ -93,7 +92,6 @@ from ..core.processors import check_vocab
 from ..core.sampling import SamplingParams, check_seed, probabilities, sample
 from ..core.stats import Stats
 from ..drafters import batched_kinds
-from ..drafters.eagle import EagleDrafter
 from ..drafters.ngram import NGramDrafter
 from ..errors import SpecError
 from .batch_head import BatchHead
@@ -320,10 +318,11 @@ class BatchDecoder:
         if draft is not None:
             check_batchable(draft, "draft")
         if head is not None and (draft is not None or lookup is not None):
-            raise SpecError("a batch drafts with an EAGLE-3 head alone, not beside another")
+            raise SpecError("a batch drafts with a head alone, not beside another drafter")
         self.target, self.draft, self.lookup = target, draft, lookup
-        # an EAGLE-3 head (batch_head.py): it reads the target's layers in each pass
-        self.heads = BatchHead(head) if head is not None else None
+        # an EAGLE-3 head or an MTP layer (batch_head.py): it reads the target's layers in
+        # each pass
+        self.heads = BatchHead(head, target) if head is not None else None
         self.hidden_layers = self.heads.hidden_layers if self.heads is not None else ()
         # a row's draft stops after a guess the draft is less sure of (ModelDrafter's rule)
         self.confidence = draft_confidence
@@ -412,11 +411,10 @@ class BatchDecoder:
         end = len(context) - self.lag if drafts else 0
         cache = draft_cache = None
         draft_reuse = 0
-        eagle, gap = None, None  # a head: the kept decoder's drafter, where it stops holding
+        held, gap = None, None  # a head: the kept decoder's drafter, where it stops holding
         if kept is not None and self.heads is not None:
             gap = kept.hidden_gap
-            if isinstance(kept.drafter, EagleDrafter) and kept.drafter.head is self.heads.head:
-                eagle = copy.copy(kept.drafter)  # its state (give_up gives the decoder new)
+            held = self.heads.kept_drafter(kept)  # its state (give_up gives the decoder new)
         if kept is not None:
             cache, row.reused, draft_cache, draft_reuse = kept_caches(
                 kept, prompt, context[:end] if drafts else None
@@ -427,7 +425,7 @@ class BatchDecoder:
             caches.rollback(cache, row.reused - gap)
             row.reused = gap
         if not row.reused:
-            eagle = None
+            held = None
         cache = cache if cache is not None else caches.make_cache(self.target)
         # until the controller knows a lone row's step costs, the prefill times them
         timed = self.controller is not None and self.controller.wants_timing()
@@ -435,7 +433,7 @@ class BatchDecoder:
         hidden = dict.fromkeys(self.hidden_layers) if self.heads is not None else None
         plain = prefill_cache(self.target, cache, new, timed=timed, hidden=hidden)
         if self.heads is not None:  # the head: every row's, whether it drafts or not
-            eagle, step = self.heads.prefill(prompt, hidden, len(new), eagle, timed)
+            joining, step = self.heads.prefill(prompt, hidden, len(new), held, timed)
             if timed:
                 self.controller.calibrate(plain, step)
                 row.use_draft = row.use_draft and not self._draft_cannot_pay()
@@ -473,7 +471,7 @@ class BatchDecoder:
                 for c, m in zip(self.draft_cache, merged_draft, strict=True):
                     c.extend(m)
         if self.heads is not None:
-            self.heads.join(eagle)
+            self.heads.join(joining)
         self.rows.append(row)
         self._settle()
         return row.id

@@ -27,51 +27,138 @@ single-stream decoder it continues in recomputes the features (`Decoder.adopt`).
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from ..core import caches
 from ..drafters.base import TargetOutput
-from ..drafters.eagle import EagleDrafter
+from ..drafters.eagle import Eagle3Head, EagleDrafter
+from ..drafters.mtp import MTPDrafter, target_parts
 from ..errors import SpecError
 
 PENDING_MAX = 16  # features a row piles up in plain rounds before a head pass takes them in
 
 
+class EagleRows:
+    """What BatchHead asks of an EAGLE-3 head: its features are the three target layers it
+    reads, fused; its entries pair them with the next token (Eagle3Head.rows)."""
+
+    def __init__(self, head: Eagle3Head, target=None):
+        self.head = head
+        self.hidden_layers = tuple(head.layers_read)
+        self.size, self.dtype = head.hidden_size, head.fc.weight.dtype
+
+    def drafter(self, kept):
+        """A kept decoder's drafter of this head (a copy of its state), or None."""
+        d = getattr(kept, "drafter", None)
+        ok = isinstance(d, EagleDrafter) and d.head is self.head
+        return copy.copy(d) if ok else None
+
+    def prefill(self, prompt, output, kept, timed):
+        """The single stream's prefill: (its cache, its last output, the entries it holds,
+        one step's seconds or None)."""
+        drafter = kept if kept is not None else EagleDrafter(self.head)
+        seconds = drafter.prefill(prompt, timed, output)
+        if drafter.pending is not None:
+            raise SpecError("the head kept features without entries after its prefill")
+        return drafter.cache, drafter.last, drafter.entries, seconds
+
+    def features(self, hidden: dict) -> mx.array:
+        return self.head.fuse(hidden)
+
+    def run(self, h, tokens, cache, first=None) -> mx.array:
+        return self.head.rows(h, tokens, cache)
+
+    def logits(self, g: mx.array) -> mx.array:
+        return self.head.rows_logits(g)
+
+
+class MTPRows:
+    """What BatchHead asks of the target's MTP layer (mtp_head.py): its features are the
+    target's post-final-norm states, its entries the pairs (h[t], s[t+1]) (the token through
+    the target's embedding), its logits the target's head over `final(g)`. DeepSeek's layout
+    zeroes the embedding of the pair at position 0 (`zero_first`)."""
+
+    def __init__(self, head, target):
+        self.head, self.target = head, target
+        self.embed, self.lm_head = target_parts(target)
+        self.hidden_layers = MTPDrafter.hidden_layers
+        self.size = head.hidden_size
+        self.dtype = mx.float32  # (a row's zeros, while no row has an output to take after)
+
+    def drafter(self, kept):
+        d = getattr(kept, "drafter", None)
+        ok = isinstance(d, MTPDrafter) and d.head is self.head
+        return copy.copy(d) if ok else None
+
+    def prefill(self, prompt, output, kept, timed):
+        drafter = kept if kept is not None else MTPDrafter(self.head, self.target)
+        seconds = drafter.prefill(prompt, timed, output)
+        last = None
+        if drafter.rows is not None and drafter.rows.shape[0]:  # every pair, the last too
+            known = drafter._known()
+            out = drafter._run(prompt[drafter.end + 1 : known + 1], drafter.rows, drafter.end)
+            drafter.end, drafter.rows, last = known, None, out[-1]
+        return drafter.cache, last, drafter.end, seconds
+
+    def features(self, hidden: dict) -> mx.array:
+        return hidden[self.hidden_layers[0]]
+
+    def run(self, h, tokens, cache, first=None) -> mx.array:
+        embeddings = self.embed(tokens)  # (B, N, H)
+        if first is not None and self.head.zero_first and any(first):  # a row's pair at 0
+            at0 = mx.array(first)[:, None] & (mx.arange(tokens.shape[1]) == 0)[None]
+            embeddings = embeddings * (~at0)[..., None]
+        return self.head(embeddings, h.astype(embeddings.dtype), cache)
+
+    def logits(self, g: mx.array) -> mx.array:
+        return self.lm_head(self.head.final(g))
+
+
+def head_rows(head, target):
+    """The batch's view of a head: an EAGLE-3 head's or an MTP layer's."""
+    return EagleRows(head) if isinstance(head, Eagle3Head) else MTPRows(head, target)
+
+
 class BatchHead:
     """The head's batched cache and each row's pending features and last output."""
 
-    def __init__(self, head):
+    def __init__(self, head, target=None):
         self.head = head
-        self.hidden_layers = tuple(head.layers_read)
+        self.kind = head_rows(head, target)
+        self.hidden_layers = self.kind.hidden_layers
         self.cache: list | None = None  # one BatchKVCache per head layer
-        self.pending: list = []  # per row: (m, H) fused features without entries, or None
+        self.pending: list = []  # per row: (m, H) features without entries, or None
         self.last: list = []  # per row: (H,) the head's output at its last entry, or None
+
+    def kept_drafter(self, kept):
+        """A kept decoder's drafter of this head, its state taken along (or None)."""
+        return self.kind.drafter(kept)
 
     def prefill(self, prompt: list[int], hidden: dict, fed: int, kept=None, timed=False):
         """A joining row's head, prefilled alone as a single stream's: `hidden` the target's
         captured layers over the prompt's last `fed` positions but its last token; `kept`: a
-        kept decoder's EagleDrafter (what of it still holds is kept, the positions whose
-        features are gone are zeros: the head drafts worse there, never wrongly). Returns
-        the drafter and, `timed`, one head step's seconds (None when it cannot draft yet)."""
-        drafter = kept if kept is not None else EagleDrafter(self.head)
+        kept decoder's drafter (`kept_drafter`: what of it still holds is kept; where the
+        features are gone the single stream's drafter does as it does alone). Returns what
+        `join` takes and, `timed`, one head step's seconds (None when it cannot draft yet)."""
         output = TargetOutput(None, hidden, fed, fed) if fed else None
-        seconds = drafter.prefill(prompt, timed, output)
-        if drafter.cache[0].offset != len(prompt) - 1 or drafter.pending is not None:
-            raise SpecError(
-                f"the head holds {drafter.cache[0].offset} entries, not {len(prompt) - 1}"
-            )
-        return drafter, (seconds if timed and drafter.last is not None else None)
+        cache, last, entries, seconds = self.kind.prefill(prompt, output, kept, timed)
+        if entries != len(prompt) - 1:
+            raise SpecError(f"the head holds {entries} entries, not {len(prompt) - 1}")
+        return (cache, last), (seconds if timed and last is not None else None)
 
-    def join(self, drafter: EagleDrafter) -> None:
-        merged = [BatchKVCache.merge([c]) for c in drafter.cache]
+    def join(self, state) -> None:
+        cache, last = state
+        merged = [BatchKVCache.merge([c]) for c in cache]
         if self.cache is None:
             self.cache = merged
         else:
             for c, m in zip(self.cache, merged, strict=True):
                 c.extend(m)
         self.pending.append(None)
-        self.last.append(drafter.last)
+        self.last.append(last)
 
     def keep(self, keep: list[int]) -> None:
         """Only these rows (indices) stay."""
@@ -96,13 +183,14 @@ class BatchHead:
         if width == 0:
             return
         some = next(p for p in self.pending if p is not None)
-        rows, tokens = [], []
+        rows, tokens, first = [], [], []
         for p, m, seq in zip(self.pending, counts, sequences, strict=True):
             held = len(seq) - 1 - m  # entries the row holds: features m more, tokens after
             tokens.append(seq[held + 1 : held + 1 + m] + [0] * (width - m))
             pad = mx.zeros((width - m, some.shape[-1]), some.dtype)
             rows.append(pad if p is None else mx.concatenate([p, pad]) if m < width else p)
-        out = self.head.rows(mx.stack(rows), mx.array(tokens, mx.uint32), self.cache)
+            first.append(m > 0 and held == 0)  # its first entry: position 0's
+        out = self.kind.run(mx.stack(rows), mx.array(tokens, mx.uint32), self.cache, first)
         for b, m in enumerate(counts):
             if m:
                 self.last[b] = out[b, m - 1]
@@ -112,16 +200,18 @@ class BatchHead:
     def first(self) -> mx.array:
         """Each row's last output (B, H), zeros for a row that cannot draft yet (its guesses
         are never used; a round may draft for others, or take a grammar's forced tokens)."""
-        zeros = mx.zeros((self.head.hidden_size,), self.head.fc.weight.dtype)
+        some = next((g for g in self.last if g is not None), None)
+        dtype = some.dtype if some is not None else self.kind.dtype
+        zeros = mx.zeros((self.kind.size,), dtype)
         return mx.stack([g if g is not None else zeros for g in self.last])
 
     def chain(self, g: mx.array, picks: mx.array) -> mx.array:
         """A chained step for all rows: the head's output stands in for the features of the
         token it just drafted (`picks`, (B,)); one entry more in every row."""
-        return self.head.rows(g[:, None], picks[:, None].astype(mx.uint32), self.cache)[:, 0]
+        return self.kind.run(g[:, None], picks[:, None].astype(mx.uint32), self.cache)[:, 0]
 
     def logits(self, g: mx.array) -> mx.array:
-        return self.head.rows_logits(g)
+        return self.kind.logits(g)
 
     def forget(self, chained: int) -> None:
         """Drop a round's chained entries (as many in every row)."""
@@ -132,7 +222,7 @@ class BatchHead:
     def take(self, hidden: dict, kept: list[int], sequences: list[list[int]]) -> None:
         """The verify pass's captured layers (layer -> (B, K+1, hidden)): row b's first
         `kept[b]` positions are now in its sequence; their features become pending."""
-        fused = self.head.fuse(hidden)  # (B, K+1, H)
+        fused = self.kind.features(hidden)  # (B, K+1, H)
         for b, n in enumerate(kept):
             if n:
                 f = fused[b, :n]

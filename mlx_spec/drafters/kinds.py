@@ -137,6 +137,10 @@ class MTPKind(DrafterKind):
 
         return MTPDrafter(pair.head, pair.target, pair.vocab_size)
 
+    @classmethod
+    def batch_drafting(cls, pair) -> dict:
+        return {"head": pair.head}
+
 
 class DFlashKind(DrafterKind):
     name = "dflash"
