@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import mlx.core as mx
 import openai
 import pytest
 import tiny
@@ -445,3 +446,58 @@ def test_sigterm_lets_the_running_rows_finish(server, pair):
         out = first.choices[0].text + "".join(c.choices[0].text for c in rest)
         assert out == generate(pair, text, max_tokens=LONG, temperature=0).text
     assert proc.wait(20) == 0
+
+
+@pytest.fixture(scope="module")
+def mtp_server(tiny_models, tmp_path_factory):
+    """A tiny GLM-4.5 target with its own MTP layer (tests/test_batch_mtp.py's, its end rows
+    muted so replies run long), k fixed at 3, --max-batch 4: the layer drafts inside the
+    batch (decode/batch_head.py's MTPRows)."""
+    from test_mtp_nextn import build
+
+    root = tmp_path_factory.mktemp("mtp_server")
+    original, _, head, _ = build(root, "glm-4.5", tiny_models.tokenizer, agree=0.3)
+    index = json.loads((original / "model.safetensors.index.json").read_text())
+    shard = original / index["weight_map"]["lm_head.weight"]
+    tensors = dict(mx.load(str(shard)))
+    for eos in (2, *load_pair(target=str(original)).tokenizer.eos_token_ids):
+        tensors["lm_head.weight"][eos] = 0  # never the argmax of a peaked head
+    mx.save_safetensors(str(shard), tensors, metadata={"format": "pt"})
+    target = root / "long"  # the name the requests ask for
+    target.symlink_to(original)
+    args = ["--target", str(target), "--drafter", "mtp", "--head", str(head),
+            "--num-draft-tokens", str(K), "--max-batch", "4", "--api-key", KEY_A,
+            "--admin-key", KEY_A]  # fmt: skip
+    with serving(args, root) as (_, url):
+        yield (
+            url,
+            load_pair(target=str(target), drafter="mtp", head=str(head), num_draft_tokens=K),
+            root,
+        )
+
+
+def test_an_mtp_pair_batches_with_drafts(mtp_server):
+    """The target's own MTP layer drafts for every row of the batch (greedy and seeded
+    sampled alike): each greedy reply is the target's, the seeded one samples what it does
+    alone with the layer."""
+    url, mtp, root = mtp_server
+    assert "batch without drafts" not in (root / "stderr.log").read_text()
+    anchor = client(url).completions.create(
+        model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
+    )
+    chunks = iter(anchor)
+    next(chunks)  # generating now: the others join its batch
+    seeded = {"temperature": 0.8, "seed": 7}
+    jobs = [(text, {"temperature": 0}) for text in PROMPTS[1:3]] + [(PROMPTS[0], seeded)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [
+            pool.submit(streamed, url, KEY_A, "chat", text, 0.05 * i, **kw)
+            for i, (text, kw) in enumerate(jobs)
+        ]
+        wait_until(lambda: metrics(url)["mlx_spec_batch_size"] >= 3, "the rows never batched")
+        got = [f.result() for f in futures]  # while the anchor still runs
+        anchor.close()
+    for (text, kw), reply in zip(jobs, got, strict=True):
+        assert reply["text"] == generate(mtp, chat(text), max_tokens=TOKENS, **kw).text
+        assert reply["spec"]["batched"] is True and reply["spec"]["drafted"] > 0
+        assert reply["spec"]["drafter"] == "mtp"  # the layer drafted in the batch
