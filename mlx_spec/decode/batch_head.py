@@ -1,4 +1,5 @@
-"""An EAGLE-3 head drafting for a batch's rows (batch.py), each row as it drafts alone.
+"""A head drafting for a batch's rows (batch.py), each row as it drafts alone: an EAGLE-3 head
+or the target's own MTP layer, one bookkeeping for both (what differs: `EagleRows`, `MTPRows`).
 
 A single stream's `EagleDrafter` keeps, between rounds, the head's KV cache of entries
 0..c-1 (entry j pairs the target's fused features at position j with token j+1), the fused
@@ -19,6 +20,13 @@ row, the head's cache batched as the target's is (mlx-lm's left-padded `BatchKVC
   row's kept positions (its last token and accepted drafts) become its pending features
   (`take`); a plain round (k = 0) adds one per row, made entries at the next drafting round
   or once PENDING_MAX have piled up.
+
+The MTP layer (drafters/mtp.py) is the same machine: its pairs (h[t], s[t+1]) are the
+entries, h the target's post-final-norm state where EAGLE fuses three layers, its output
+chained with the token it drafted as EAGLE's is; a joining row is prefilled by an
+`MTPDrafter`, which then runs its pending pairs (the single stream re-runs its last pair at
+each proposal instead of keeping `last`). DeepSeek's layout zeroes the embedding of the pair
+at position 0 (`MTPRows.run`'s `first`: a one-token prompt's first entry).
 
 Rows that do not draft are fed all the same (their features come with the pass for free), so
 every row's head holds its own context. A row that leaves hands no head state back: the
