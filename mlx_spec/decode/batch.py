@@ -599,8 +599,9 @@ class BatchDecoder:
         rows = self.rows
         k = self._choose_k()
         # the round adds at most k+1 tokens to a row: never draft past its max_tokens
+        most = self.heads.kind.max_draft if self.heads is not None else None  # a block's
         requested = [
-            min(k, r.k_max or k, r.max_tokens - r.emitted - 1)
+            min(k, r.k_max or k, most or k, r.max_tokens - r.emitted - 1)
             if r.use_draft and (self.heads is None or self.heads.can_draft(b))
             else 0
             for b, r in enumerate(rows)
@@ -640,7 +641,8 @@ class BatchDecoder:
         if drafting:
             # (B, K), per row (k_i, V) | None, and k_i after a confidence stop
             drafts, qs, lengths = self._draft(requested, draft_keys, overrides)
-            steps = drafts.shape[1]
+            block = self.heads is not None and self.heads.kind.block
+            steps = 1 if block else drafts.shape[1]  # a block head: one forward
             # a sync between draft and verify (the pass waits on the draft anyway): the
             # controller learns the two costs apart
             mx.eval(drafts, *[q for q in qs if q is not None])
@@ -737,17 +739,20 @@ class BatchDecoder:
             for b, (key, req) in enumerate(zip(keys, requested, strict=True))
         ]
         heads = self.heads
-        if heads is not None:  # the pending features first, then each row's last output
-            heads.feed([r.sequence for r in rows])
-            g = heads.first()  # (B, H)
+        whole = {}  # a block head's sampled rows: drawn at once, as DFlashDrafter draws them
+        if heads is not None:  # the pending features first
+            sequences = [r.sequence for r in rows]
+            heads.feed(sequences)
+            if heads.kind.block:
+                for b, r in enumerate(rows):
+                    if sub[b] is not None and not r.processors:
+                        whole[b], sub[b] = keys[b], None
         else:
             y = mx.array([draft_tail(r, self.lag) for r in rows], mx.uint32)  # (B, lag)
         columns, qs = [], [[] for _ in rows]
         for j in range(width):
-            if heads is not None:
-                if j:  # chained: the head's output stands in for the drafted token's features
-                    g = heads.chain(g, columns[-1])
-                logits = heads.logits(g)  # (B, vocab)
+            if heads is not None:  # (B, vocab)
+                logits = heads.draft_logits(j, columns[-1] if j else None, sequences, width)
             else:
                 logits = self.draft(y, cache=self.draft_cache)[:, -1]  # (B, vocab)
             if self.vocab is not None and logits.shape[-1] > self.vocab:
@@ -769,10 +774,22 @@ class BatchDecoder:
             picks = mx.argmax(logits, axis=-1)  # (B,)
             if self.confidence > 0:
                 top = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1)  # (B,)
-            if any(s is not None and j < req for s, req in zip(sub, requested, strict=True)):
+            if j == 0 and whole:
+                block = heads.block(self.vocab)  # (B, K, vocab)
+                for b, key in whole.items():  # every guess of the row's block, one key
+                    q = probabilities(block[b, : requested[b]], rows[b].params)
+                    whole[b] = (sample(q, key), q)
+            if any(
+                (s is not None or b in whole) and j < req
+                for b, (s, req) in enumerate(zip(sub, requested, strict=True))
+            ):
                 column, tops = [], []
                 for b, r in enumerate(rows):
-                    if sub[b] is not None and j < requested[b]:
+                    if b in whole and j < requested[b]:
+                        column.append(whole[b][0][j].astype(picks.dtype))
+                        qs[b].append(whole[b][1][j])
+                        tops.append(None)
+                    elif sub[b] is not None and j < requested[b]:
                         q = probabilities(logits[b], r.params)
                         qs[b].append(q)
                         column.append(sample(q, sub[b][j]).astype(picks.dtype))

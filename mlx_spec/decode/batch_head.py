@@ -42,6 +42,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from ..core import caches
 from ..drafters.base import TargetOutput
+from ..drafters.dflash import DFlashDrafter, DFlashHead, target_io
 from ..drafters.eagle import Eagle3Head, EagleDrafter
 from ..drafters.mtp import MTPDrafter, target_parts
 from ..errors import SpecError
@@ -49,7 +50,21 @@ from ..errors import SpecError
 PENDING_MAX = 16  # features a row piles up in plain rounds before a head pass takes them in
 
 
-class EagleRows:
+class ChainRows:
+    """A head that drafts one token a step, chained on its own output (EAGLE-3, MTP); its
+    entries pair a position's features with the next token."""
+
+    block = False  # one step a token (DFlashRows: one forward a block)
+    max_draft = None
+
+    def enter(self, h, tokens, cache, starts: list[int], counts: list[int]):
+        """Entries of the rows' pending features (B, W, H), row b's first at position
+        starts[b], counts[b] of them real: the head's outputs (B, W, H)."""
+        first = [m > 0 and s == 0 for s, m in zip(starts, counts, strict=True)]
+        return self.run(h, tokens, cache, first)
+
+
+class EagleRows(ChainRows):
     """What BatchHead asks of an EAGLE-3 head: its features are the three target layers it
     reads, fused; its entries pair them with the next token (Eagle3Head.rows)."""
 
@@ -83,7 +98,7 @@ class EagleRows:
         return self.head.rows_logits(g)
 
 
-class MTPRows:
+class MTPRows(ChainRows):
     """What BatchHead asks of the target's MTP layer (mtp_head.py): its features are the
     target's post-final-norm states, its entries the pairs (h[t], s[t+1]) (the token through
     the target's embedding), its logits the target's head over `final(g)`. DeepSeek's layout
@@ -125,9 +140,81 @@ class MTPRows:
         return self.lm_head(self.head.final(g))
 
 
+class DFlashRows:
+    """What BatchHead asks of a DFlash head (drafters/dflash.py): its features are the target
+    layers it reads, side by side; an entry is the context keys and values its layers project
+    from them (rotated at the row's own positions, no token, no output: `last` stays None); it
+    drafts a whole block in one forward for all rows (`block_logits`), each row's block
+    `[last token, mask...]` at its own position attending, unmasked, to its own context and
+    block (its left padding masked out)."""
+
+    block = True
+
+    def __init__(self, head: DFlashHead, target):
+        self.head, self.target = head, target
+        self.embed, self.lm_head = target_io(target)
+        self.hidden_layers = tuple(head.args.target_layer_ids)
+        self.block_size = head.args.block_size
+        self.max_draft = self.block_size - 1
+        self.mask = head.args.mask_token_id
+        self.dtype = mx.float32
+
+    def drafter(self, kept):
+        d = getattr(kept, "drafter", None)
+        ok = isinstance(d, DFlashDrafter) and d.head is self.head
+        return copy.copy(d) if ok else None
+
+    def prefill(self, prompt, output, kept, timed):
+        """The single stream's prefill, its context projected (entries: None, the context
+        may have gaps where the target ran without it, as alone)."""
+        drafter = kept if kept is not None else DFlashDrafter(self.head, self.target)
+        seconds = drafter.prefill(prompt, timed, output)
+        drafter._flush()
+        return drafter.cache, None, None, seconds
+
+    def features(self, hidden: dict) -> mx.array:
+        return mx.concatenate([hidden[i] for i in self.hidden_layers], axis=-1)
+
+    def enter(self, h, tokens, cache, starts: list[int], counts: list[int]):
+        head = self.head
+        ctx = head.hidden_norm(head.fc(h))
+        offset = mx.array(starts)
+        for layer, c in zip(head.layers, cache, strict=True):
+            c.update_and_fetch(*layer.self_attn.keys_values(ctx, head._rope, offset))
+
+    def block_logits(self, last: list[int], cache: list, positions: list[int], k: int):
+        """Every row's guesses for its next k tokens (B, k, vocab), one forward."""
+        head = self.head
+        block = mx.array([[t] + [self.mask] * (self.block_size - 1) for t in last], mx.uint32)
+        x, offset = self.embed(block), mx.array(positions)
+        for layer, c in zip(head.layers, cache, strict=True):
+            x = x + self._attend(layer.self_attn, layer.input_layernorm(x), offset, c)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(head.norm(x)[:, 1 : k + 1])
+
+    def _attend(self, attn, x, offset, cache):
+        """DFlashAttention over a batch: the block (B, L, dim) at each row's position."""
+        B, L, _ = x.shape
+        rope = self.head._rope
+        q = attn.q_norm(attn.q_proj(x).reshape(B, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = rope(q, offset=offset)
+        keys, values = attn.keys_values(x, rope, offset)
+        mask = None
+        if cache.keys is not None and cache._idx:
+            held = cache._idx
+            keys = mx.concatenate([cache.keys[..., :held, :], keys], axis=2)
+            values = mx.concatenate([cache.values[..., :held, :], values], axis=2)
+            real = mx.arange(held)[None] >= cache.left_padding[:, None]  # (B, held)
+            mask = mx.concatenate([real, mx.ones((B, L), mx.bool_)], axis=1)[:, None, None]
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
+        return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
 def head_rows(head, target):
-    """The batch's view of a head: an EAGLE-3 head's or an MTP layer's."""
-    return EagleRows(head) if isinstance(head, Eagle3Head) else MTPRows(head, target)
+    """The batch's view of a head: an EAGLE-3 head's, a DFlash head's or an MTP layer's."""
+    if isinstance(head, Eagle3Head):
+        return EagleRows(head)
+    return DFlashRows(head, target) if isinstance(head, DFlashHead) else MTPRows(head, target)
 
 
 class BatchHead:
@@ -153,9 +240,10 @@ class BatchHead:
         `join` takes and, `timed`, one head step's seconds (None when it cannot draft yet)."""
         output = TargetOutput(None, hidden, fed, fed) if fed else None
         cache, last, entries, seconds = self.kind.prefill(prompt, output, kept, timed)
-        if entries != len(prompt) - 1:
+        if entries is not None and entries != len(prompt) - 1:
             raise SpecError(f"the head holds {entries} entries, not {len(prompt) - 1}")
-        return (cache, last), (seconds if timed and last is not None else None)
+        drafts = self.kind.block or last is not None
+        return (cache, last), (seconds if timed and drafts else None)
 
     def join(self, state) -> None:
         cache, last = state
@@ -182,7 +270,7 @@ class BatchHead:
     def can_draft(self, b: int) -> bool:
         """Whether row b has an entry to draft from (a one-token prompt: not before its first
         pass gave the features of its token)."""
-        return self.last[b] is not None or self.pending[b] is not None
+        return self.kind.block or self.last[b] is not None or self.pending[b] is not None
 
     def feed(self, sequences: list[list[int]]) -> None:
         """Make entries of every row's pending features: one head pass over the rows."""
@@ -191,19 +279,37 @@ class BatchHead:
         if width == 0:
             return
         some = next(p for p in self.pending if p is not None)
-        rows, tokens, first = [], [], []
+        rows, tokens, starts = [], [], []
         for p, m, seq in zip(self.pending, counts, sequences, strict=True):
             held = len(seq) - 1 - m  # entries the row holds: features m more, tokens after
             tokens.append(seq[held + 1 : held + 1 + m] + [0] * (width - m))
             pad = mx.zeros((width - m, some.shape[-1]), some.dtype)
             rows.append(pad if p is None else mx.concatenate([p, pad]) if m < width else p)
-            first.append(m > 0 and held == 0)  # its first entry: position 0's
-        out = self.kind.run(mx.stack(rows), mx.array(tokens, mx.uint32), self.cache, first)
+            starts.append(held)  # the position of its first pending features
+        ids = mx.array(tokens, mx.uint32)
+        out = self.kind.enter(mx.stack(rows), ids, self.cache, starts, counts)
         for b, m in enumerate(counts):
-            if m:
+            if m and out is not None:
                 self.last[b] = out[b, m - 1]
         caches.rollback_rows(self.cache, [width - m for m in counts])
         self.pending = [None] * len(counts)
+
+    def draft_logits(self, j: int, picks, sequences: list[list[int]], width: int) -> mx.array:
+        """Draft step j's logits for every row (B, vocab): a chained head's step from each
+        row's last output (j = 0) or from its own output fed `picks`, the tokens it drafted at
+        step j - 1; a block head's whole block at j = 0, then its column j."""
+        if self.kind.block:
+            if j == 0:
+                last = [seq[-1] for seq in sequences]
+                positions = [len(seq) - 1 for seq in sequences]
+                self._drafts = self.kind.block_logits(last, self.cache, positions, width)
+            return self._drafts[:, j]
+        self._g = self.first() if j == 0 else self.chain(self._g, picks)
+        return self.logits(self._g)
+
+    def block(self, vocab: int | None) -> mx.array:
+        """A block head's whole block of logits this round (B, K, vocab)."""
+        return self._drafts[..., :vocab] if vocab is not None else self._drafts
 
     def first(self) -> mx.array:
         """Each row's last output (B, H), zeros for a row that cannot draft yet (its guesses

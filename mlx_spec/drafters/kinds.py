@@ -158,3 +158,7 @@ class DFlashKind(DrafterKind):
         from .dflash import DFlashDrafter
 
         return DFlashDrafter(pair.head, pair.target)
+
+    @classmethod
+    def batch_drafting(cls, pair) -> dict:
+        return {"head": pair.head}
