@@ -448,14 +448,11 @@ def test_sigterm_lets_the_running_rows_finish(server, pair):
     assert proc.wait(20) == 0
 
 
-@pytest.fixture(scope="module")
-def mtp_server(tiny_models, tmp_path_factory):
-    """A tiny GLM-4.5 target with its own MTP layer (tests/test_batch_mtp.py's, its end rows
-    muted so replies run long), k fixed at 3, --max-batch 4: the layer drafts inside the
-    batch (decode/batch_head.py's MTPRows)."""
+def mtp_pair_dir(tiny_models, root):
+    """A tiny GLM-4.5 target with its own MTP layer (tests/test_batch_mtp.py's), its end rows
+    muted so replies run long: (the target named "long", the head)."""
     from test_mtp_nextn import build
 
-    root = tmp_path_factory.mktemp("mtp_server")
     original, _, head, _ = build(root, "glm-4.5", tiny_models.tokenizer, agree=0.3)
     index = json.loads((original / "model.safetensors.index.json").read_text())
     shard = original / index["weight_map"]["lm_head.weight"]
@@ -465,22 +462,38 @@ def mtp_server(tiny_models, tmp_path_factory):
     mx.save_safetensors(str(shard), tensors, metadata={"format": "pt"})
     target = root / "long"  # the name the requests ask for
     target.symlink_to(original)
-    args = ["--target", str(target), "--drafter", "mtp", "--head", str(head),
+    return target, head
+
+
+@pytest.fixture(scope="module", params=["mtp", "dflash"])
+def own_head_server(request, tiny_models, models, tmp_path_factory):
+    """A pair whose head drafts from the target's own states inside the batch
+    (decode/batch_head.py): the target's MTP layer, or a random DFlash head over the long
+    target; k fixed at 3, --max-batch 4."""
+    root = tmp_path_factory.mktemp(f"{request.param}_server")
+    if request.param == "mtp":
+        target, head = mtp_pair_dir(tiny_models, root)
+    else:
+        from test_dflash import head_config
+        from test_dflash import write_head as write_dflash
+
+        target = models[1]
+        cfg = json.loads((target / "config.json").read_text())
+        head = write_dflash(root / "dflash", head_config(cfg, [0, 2]))
+    args = ["--target", str(target), "--drafter", request.param, "--head", str(head),
             "--num-draft-tokens", str(K), "--max-batch", "4", "--api-key", KEY_A,
             "--admin-key", KEY_A]  # fmt: skip
+    pair = load_pair(target=str(target), drafter=request.param, head=str(head), num_draft_tokens=K)
     with serving(args, root) as (_, url):
-        yield (
-            url,
-            load_pair(target=str(target), drafter="mtp", head=str(head), num_draft_tokens=K),
-            root,
-        )
+        yield url, pair, root
 
 
-def test_an_mtp_pair_batches_with_drafts(mtp_server):
-    """The target's own MTP layer drafts for every row of the batch (greedy and seeded
-    sampled alike): each greedy reply is the target's, the seeded one samples what it does
-    alone with the layer."""
-    url, mtp, root = mtp_server
+def test_an_own_head_pair_batches_with_drafts(own_head_server):
+    """The target's own MTP layer, or a DFlash head, drafts for every row of the batch
+    (greedy and seeded sampled alike): each greedy reply is the target's, the seeded one
+    samples what it does alone with the head."""
+    url, head_pair, root = own_head_server
+    drafter = head_pair.config.drafter
     assert "batch without drafts" not in (root / "stderr.log").read_text()
     anchor = client(url).completions.create(
         model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
@@ -498,6 +511,6 @@ def test_an_mtp_pair_batches_with_drafts(mtp_server):
         got = [f.result() for f in futures]  # while the anchor still runs
         anchor.close()
     for (text, kw), reply in zip(jobs, got, strict=True):
-        assert reply["text"] == generate(mtp, chat(text), max_tokens=TOKENS, **kw).text
+        assert reply["text"] == generate(head_pair, chat(text), max_tokens=TOKENS, **kw).text
         assert reply["spec"]["batched"] is True and reply["spec"]["drafted"] > 0
-        assert reply["spec"]["drafter"] == "mtp"  # the layer drafted in the batch
+        assert reply["spec"]["drafter"] == drafter  # the head drafted in the batch
