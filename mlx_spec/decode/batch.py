@@ -1,8 +1,8 @@
 """Continuous batching that still speculates: B requests advance together, one target pass a round.
 
 `BatchDecoder` keeps one batched KV cache (mlx-lm's left-padded `BatchKVCache`) for the target
-and, with a draft model, one for the draft; with an EAGLE-3 head or the target's MTP layer, the
-head's (batch_head.py).
+and, with a draft model, one for the draft; with an EAGLE-3 head, the target's MTP layer or a
+DFlash head, the head's (batch_head.py).
 What batches: plain KV layers (`BatchKVCache`) and
 sliding-window layers (mlx-lm's `RotatingKVCache` without attention sinks: Gemma 2/3/4,
 GPT-OSS, Mistral-style `sliding_window`), whose rows `caches.BatchWindowedKVCache` holds as
@@ -13,8 +13,8 @@ Each round (`step`):
 
 1. every row proposes up to k tokens: the draft model batched the same way (one forward over the
    B rows per draft step), an EAGLE-3 head or an MTP layer (one head pass over the rows per
-   step, from the target layers the last verify pass captured: batch_head.py), or prompt
-   lookup in the row's own context;
+   step, from the target layers the last verify pass captured: batch_head.py), a DFlash head
+   (one forward drafts every row's block), or prompt lookup in the row's own context;
 2. ONE target pass over (B, K+1) tokens, K the longest proposal: `[last, x1..xk, pad..]` a row;
 3. each row is verified on its own rows of logits by the function the single stream uses
    (`rounds.verify`) under its own sampling settings and random key, which
@@ -288,11 +288,12 @@ class BatchTiming:
 class BatchDecoder:
     """Speculative decoding over a batch of requests that join and leave between rounds.
 
-    `draft`: a draft model (batched like the target); `head`: an EAGLE-3 head or the
-    target's MTP layer (alone, no draft or lookup beside it: batch_head.py); `lookup`:
-    (ngram_max, ngram_min) for prompt lookup per row; both: lookup first, the model where it
-    finds nothing (ngram+model); neither: plain continuous batching. `num_draft_tokens`: an
-    int, `Fixed(k)` or `Auto()` (a `BatchController`: k from measured pass costs per row count).
+    `draft`: a draft model (batched like the target); `head`: an EAGLE-3 head, the
+    target's MTP layer or a DFlash head (alone, no draft or lookup beside it: batch_head.py);
+    `lookup`: (ngram_max, ngram_min) for prompt lookup per row; both: lookup first, the model
+    where it finds nothing (ngram+model); neither: plain continuous batching.
+    `num_draft_tokens`: an int, `Fixed(k)` or `Auto()` (a `BatchController`: k from measured
+    pass costs per row count).
     `draft_confidence`: a row's proposal stops after a guess the draft is less sure of, as
     ModelDrafter's does (the batch's draft steps run for the longest proposal).
 
@@ -894,7 +895,7 @@ class BatchDecoder:
 def make_batch_decoder(pair, num_draft_tokens=None, plain: bool = False) -> BatchDecoder:
     """A BatchDecoder over a loaded pair; refuses (SpecError) what cannot be batched yet.
     `plain`: no drafts at all (continuous batching of the target), as the server batches a
-    pair whose drafter a batch cannot take (a DFlash head)."""
+    pair whose drafter a batch cannot take (a kind that does not say how)."""
     if getattr(pair, "link", None) is not None:
         raise SpecError("a target sharded over several machines cannot be batched yet")
     kind = None if plain else pair.config.kind
@@ -957,8 +958,8 @@ def batch_generate(
     prompts, or a list of them, one per prompt (each its own k: a row drafts at most its
     num_draft_tokens, `auto` rows as the batch's controller chooses). `max_batch`: rows
     decoded together at most (None: all); the others join as rows finish. Not batched yet
-    (SpecError): DFlash heads (EAGLE-3 heads and MTP layers batch), recurrent or chunked targets
-    (sliding windows batch)."""
+    (SpecError): a drafter kind that does not say how a batch drafts with it, recurrent or
+    chunked targets (sliding windows batch)."""
     prompts = list(prompts)
     if isinstance(config, list | tuple):
         if len(config) != len(prompts):

@@ -1,5 +1,6 @@
-"""A head drafting for a batch's rows (batch.py), each row as it drafts alone: an EAGLE-3 head
-or the target's own MTP layer, one bookkeeping for both (what differs: `EagleRows`, `MTPRows`).
+"""A head drafting for a batch's rows (batch.py), each row as it drafts alone: an EAGLE-3 head,
+the target's own MTP layer or a DFlash head, one bookkeeping for all (what differs:
+`EagleRows`, `MTPRows`, `DFlashRows`).
 
 A single stream's `EagleDrafter` keeps, between rounds, the head's KV cache of entries
 0..c-1 (entry j pairs the target's fused features at position j with token j+1), the fused

@@ -3,8 +3,9 @@
 One pair is resident at a time. With it live its partitions' prompt caches and history
 indexes (a swap drops them: their caches hold the old pair's states) and, with --max-batch N,
 the `batch.BatchDecoder` the runner steps (drafting with a draft model, lookup, an EAGLE-3
-head or the target's MTP layer). A pair whose drafter a batch cannot take (a DFlash head)
-batches plainly; `batch_refusal` says why a pair does not batch, or does not draft in a batch.
+head, the target's MTP layer or a DFlash head). A pair whose drafter a batch cannot take
+(a kind that does not say how) batches plainly; `batch_refusal` says why a pair does not
+batch, or does not draft in a batch.
 
 Only the engine thread changes it; the HTTP side reads `pair` and `name` to tokenise a
 request's prompt ahead (prompts.prepare) and the figures for /metrics.

@@ -11,9 +11,9 @@ memory-bound regime speculation is for), or, with --max-batch N and a pair that 
 requests together as rows of one `batch.BatchDecoder` that still drafts (`_serve_batch`): rows
 join between rounds as they are taken from the queue and leave as they finish. A request the
 batch cannot take waits until the running rows finish, then runs alone. A pair whose drafter a
-batch cannot take (a DFlash head; EAGLE-3 heads and MTP layers draft in the batch) batches plainly,
-without drafts: a request that finds no other waiting drafts alone; requests that queue
-together share plain passes.
+batch cannot take (a kind that does not say how; every head of the package drafts in it)
+batches plainly, without drafts: a request that finds no other waiting drafts alone; requests
+that queue together share plain passes.
 A batched row starts from its partition's kept decoder as a single stream does (only new
 tokens are prefilled) and gives its caches back when it leaves; its lookup searches its own
 text and its partition's history, as a single stream does.
