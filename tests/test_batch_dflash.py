@@ -7,8 +7,9 @@ The head is tests/test_dflash.py's random one over the tiny Llama target (block 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from test_batch import CANCELLED, SCHEDULE, TEXTS, records, run_rows
+from test_batch import CANCELLED, MIXED, SCHEDULE, TEXTS, records, run_rows
 from test_batch_eagle import run
 from test_dflash import heads, llama_pair  # noqa: F401 (fixtures)
 from test_greedy_equality import reference
@@ -17,6 +18,7 @@ import mlx_spec
 from mlx_spec import GenerationConfig, generate
 from mlx_spec.decode.batch import into_decoder, make_batch_decoder
 from mlx_spec.decode.batch_head import DFlashRows
+from mlx_spec.decode.prompts import prompt_tokens
 from mlx_spec.drafters import batched_kinds
 
 
@@ -147,3 +149,32 @@ def test_rows_from_and_into_single_stream_decoders(dflash):
     assert res.tokens == generate(dflash, follow, config).tokens and res.stats.drafted > 0
     out, _ = run_rows(decoder, {other: None})
     assert out[other][0][-4:] == reference(dflash, TEXTS[0], 30)[-4:]
+
+
+def test_a_mixed_batch_gives_each_row_what_it_gets_alone(dflash):
+    """A schema, a regex, penalties and a logit bias, log-probabilities, a plain row and a
+    seeded sampled one with a penalty (test_batch's MIXED), the head drafting for all: each
+    row's tokens and log-probabilities are what it gets alone with the head."""
+    configs = [
+        GenerationConfig(max_tokens=24, num_draft_tokens=3, **settings)
+        for settings in MIXED.values()
+    ]
+    prompts = [TEXTS[i % len(TEXTS)] for i in range(len(configs))]
+    decoder = make_batch_decoder(dflash, 3)
+    rows = {
+        decoder.add(prompt_tokens(dflash, p, c)[0], c): (label, p, c)
+        for label, p, c in zip(MIXED, prompts, configs, strict=True)
+    }
+    got = {rid: ([], []) for rid in rows}
+    drafted = 0
+    while len(decoder):
+        for rid, u in decoder.step().items():
+            got[rid][0].extend(u.tokens)
+            got[rid][1].extend(u.round.logprobs or [])
+            drafted += u.round.drafted
+    assert drafted > 0
+    for rid, (label, prompt, config) in rows.items():
+        alone = list(mlx_spec.stream(dflash, prompt, config))
+        assert got[rid][0] == [e.token for e in alone], label
+        if label == "logprobs":
+            assert np.allclose(got[rid][1], [e.logprob for e in alone], atol=1e-4), label

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from test_batch import CANCELLED, SCHEDULE, TEXTS, records, run_rows
+from test_batch import CANCELLED, MIXED, SCHEDULE, TEXTS, records, run_rows
 from test_batch_eagle import run
 from test_greedy_equality import reference
 from test_mtp_nextn import build
@@ -27,6 +27,7 @@ from mlx_spec import GenerationConfig, generate, load_pair
 from mlx_spec.core.caches import prefill_cache
 from mlx_spec.decode.batch import into_decoder, make_batch_decoder
 from mlx_spec.decode.batch_head import MTPRows
+from mlx_spec.decode.prompts import prompt_tokens
 from mlx_spec.drafters import batched_kinds
 from mlx_spec.drafters.base import TargetOutput
 
@@ -180,3 +181,32 @@ def test_each_rows_head_holds_its_sequence_after_rejections(mtp):
             mx.argmax(kind.logits(last)).item()
             == mx.argmax(kind.logits(decoder.heads.last[b])).item()
         )
+
+
+def test_a_mixed_batch_gives_each_row_what_it_gets_alone(mtp):
+    """A schema, a regex, penalties and a logit bias, log-probabilities, a plain row and a
+    seeded sampled one with a penalty (test_batch's MIXED), the head drafting for all: each
+    row's tokens and log-probabilities are what it gets alone with the head."""
+    configs = [
+        GenerationConfig(max_tokens=24, num_draft_tokens=3, **settings)
+        for settings in MIXED.values()
+    ]
+    prompts = [TEXTS[i % len(TEXTS)] for i in range(len(configs))]
+    decoder = make_batch_decoder(mtp, 3)
+    rows = {
+        decoder.add(prompt_tokens(mtp, p, c)[0], c): (label, p, c)
+        for label, p, c in zip(MIXED, prompts, configs, strict=True)
+    }
+    got = {rid: ([], []) for rid in rows}
+    drafted = 0
+    while len(decoder):
+        for rid, u in decoder.step().items():
+            got[rid][0].extend(u.tokens)
+            got[rid][1].extend(u.round.logprobs or [])
+            drafted += u.round.drafted
+    assert drafted > 0
+    for rid, (label, prompt, config) in rows.items():
+        alone = list(mlx_spec.stream(mtp, prompt, config))
+        assert got[rid][0] == [e.token for e in alone], label
+        if label == "logprobs":
+            assert np.allclose(got[rid][1], [e.logprob for e in alone], atol=1e-4), label
