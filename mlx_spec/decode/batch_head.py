@@ -21,8 +21,8 @@ row, the head's cache batched as the target's is (mlx-lm's left-padded `BatchKVC
   or once PENDING_MAX have piled up.
 
 Rows that do not draft are fed all the same (their features come with the pass for free), so
-every row's head holds its own context. A row that leaves hands no head state back: the
-single-stream decoder it continues in recomputes the features (`Decoder.adopt`).
+every row's head holds its own context. A row that leaves hands its head back (`extract`: an
+EagleDrafter holding what a single stream's would), which the decoder it continues in adopts.
 """
 
 from __future__ import annotations
@@ -140,6 +140,26 @@ class BatchHead:
                 self.pending[b] = f if p is None else mx.concatenate([p, f])
         if max((p.shape[0] for p in self.pending if p is not None), default=0) > PENDING_MAX:
             self.feed(sequences)
+
+    def extract(self, b: int, sequence: list[int]) -> EagleDrafter:
+        """Row b's head as a single stream's EagleDrafter over `sequence` (the row's): its
+        entries (the cache's row, left padding dropped), its pending features and last
+        output, so the decoder it continues in needs no target pass to feed the head again
+        (without it, the next turn of a conversation served in a batch prefilled its whole
+        prompt: the head's features were gone)."""
+        drafter = EagleDrafter(self.head)
+        drafter.cache = [c.extract(b) for c in self.cache]
+        drafter.entries = drafter.cache[0].offset
+        pending = self.pending[b]
+        drafter.pending, drafter.last = pending, self.last[b]
+        drafter.rows = drafter.entries + (pending.shape[0] if pending is not None else 0)
+        drafter.tokens = list(sequence)
+        if drafter.rows != len(sequence) - 1:
+            raise SpecError(
+                f"the head's row holds features of {drafter.rows} positions, not "
+                f"{len(sequence) - 1}"
+            )
+        return drafter
 
     def arrays(self) -> list:
         """What is kept between rounds (for the batch's settle)."""
