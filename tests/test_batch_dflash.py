@@ -146,7 +146,11 @@ def test_rows_from_and_into_single_stream_decoders(dflash):
     single = into_decoder(mlx_spec.make_decoder(dflash), state)
     follow = state.sequence + more
     res = generate(dflash, follow, config, decoder=single)
-    assert res.tokens == generate(dflash, follow, config).tokens and res.stats.drafted > 0
+    fresh = generate(dflash, follow, config)
+    assert res.tokens == fresh.tokens and res.stats.drafted > 0
+    assert state.head is None  # (no spans kept: the features are computed again)
+    assert res.stats.prompt_tokens_reused == 0
+    assert records(res.rounds) == records(fresh.rounds)
     out, _ = run_rows(decoder, {other: None})
     assert out[other][0][-4:] == reference(dflash, TEXTS[0], 30)[-4:]
 

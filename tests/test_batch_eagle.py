@@ -189,7 +189,9 @@ def test_rows_from_and_into_single_stream_decoders(eagle):
     res = generate(eagle, follow, config, decoder=single)
     fresh = generate(eagle, follow, config)
     assert res.tokens == fresh.tokens and res.stats.drafted > 0
-    assert res.stats.prompt_tokens_reused == 0  # the head's features: computed again
+    # the head's state came along: nothing computed again, its guesses a fresh run's
+    assert res.stats.prompt_tokens_reused == len(state.sequence) - 1
+    assert records(res.rounds) == records(fresh.rounds)
     out, _ = run_rows(decoder, {other: None})  # the row beside it carries on
     assert out[other][0][-4:] == reference(eagle, TEXTS[0], 30)[-4:]
 

@@ -117,7 +117,8 @@ def test_rows_from_and_into_single_stream_decoders(mtp):
     """Turn 1 runs single-stream (a kept decoder); turn 2 is a batch row started from its
     caches (the target's trimmed to the shared prefix, the head's drafter state taken along,
     so it proposes what a fresh run's head does), beside a fresh row; it is removed
-    mid-reply with keep=True and continues single-stream. Every turn's tokens equal a fresh
+    mid-reply with keep=True and continues single-stream from the caches and head state it
+    hands back (nothing prefilled again). Every turn's tokens and proposals equal a fresh
     run's."""
     config = GenerationConfig(max_tokens=14, num_draft_tokens=3)
     d = mlx_spec.make_decoder(mtp)
@@ -144,6 +145,9 @@ def test_rows_from_and_into_single_stream_decoders(mtp):
     res = generate(mtp, follow, config, decoder=single)
     fresh = generate(mtp, follow, config)
     assert res.tokens == fresh.tokens and res.stats.drafted > 0
+    # the head's state came along: nothing computed again, its guesses a fresh run's
+    assert res.stats.prompt_tokens_reused == len(state.sequence) - 1
+    assert records(res.rounds) == records(fresh.rounds)
     out, _ = run_rows(decoder, {other: None})  # the row beside it carries on
     assert out[other][0][-4:] == reference(mtp, TEXTS[0], 30)[-4:]
 

@@ -206,6 +206,7 @@ class RowState:
     cache: list  # one KVCache per target layer, holding sequence[:-1]
     draft_cache: list | None  # one per draft layer, holding draft_tokens (None: no draft's)
     draft_tokens: list[int] = field(default_factory=list)
+    head: object | None = None  # the head's drafter over sequence (EAGLE-3, MTP; else None)
 
 
 @dataclass
@@ -265,14 +266,16 @@ def kept_caches(kept, prompt: list[int], draft_held: list[int] | None):
 def into_decoder(decoder, state: RowState):
     """A leaving row's caches into `decoder` (an `engine.Decoder` of the same pair), checked:
     it then holds the row's sequence as if a single stream had generated it (target cache:
-    all but the last token; a draft model's: `state.draft_tokens`, the rest unfed; prompt
-    lookup rebuilds its index from the next prompt). Returns the decoder."""
+    all but the last token; a draft model's: `state.draft_tokens`, the rest unfed; an
+    EAGLE-3 head's or an MTP layer's: its entries and pending features (a DFlash head's is
+    recomputed at the next prefill); prompt lookup rebuilds its index from
+    the next prompt). Returns the decoder."""
     _held(state.cache, len(state.sequence) - 1, "row's target")
     draft = None
     if state.draft_cache is not None:
         _held(state.draft_cache, len(state.draft_tokens), "row's draft")
         draft = (state.draft_cache, state.draft_tokens)
-    return decoder.adopt(state.sequence, state.cache, draft)
+    return decoder.adopt(state.sequence, state.cache, draft, state.head)
 
 
 @dataclass
@@ -523,8 +526,11 @@ class BatchDecoder:
             draft_cache = [c.extract(i) for c in self.draft_cache]
             draft_tokens = row.sequence[: len(row.sequence) - self.lag]
             _held(draft_cache, len(draft_tokens), "batch row's draft")
+        head = self.heads.extract(i, row.sequence) if self.heads is not None else None
         caches.eval_state(cache + (draft_cache or []))
-        return RowState(list(row.sequence), cache, draft_cache, draft_tokens)
+        if head is not None:
+            head.settle()
+        return RowState(list(row.sequence), cache, draft_cache, draft_tokens, head)
 
     def _catch_up(self) -> None:
         """Feed the draft what it has not seen but the last two tokens of each row."""

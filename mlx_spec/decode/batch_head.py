@@ -30,8 +30,8 @@ each proposal instead of keeping `last`). DeepSeek's layout zeroes the embedding
 at position 0 (`MTPRows.run`'s `first`: a one-token prompt's first entry).
 
 Rows that do not draft are fed all the same (their features come with the pass for free), so
-every row's head holds its own context. A row that leaves hands no head state back: the
-single-stream decoder it continues in recomputes the features (`Decoder.adopt`).
+every row's head holds its own context. A row that leaves hands its head back (`extract`: an
+EagleDrafter holding what a single stream's would), which the decoder it continues in adopts.
 """
 
 from __future__ import annotations
@@ -92,6 +92,21 @@ class EagleRows(ChainRows):
     def features(self, hidden: dict) -> mx.array:
         return self.head.fuse(hidden)
 
+    def extract(self, cache, pending, last, sequence) -> EagleDrafter:
+        """A row's EagleDrafter: its entries (the cache's row, left padding dropped), its
+        pending features and last output."""
+        drafter = EagleDrafter(self.head)
+        drafter.cache, drafter.entries = cache, cache[0].offset
+        drafter.pending, drafter.last = pending, last
+        drafter.rows = drafter.entries + (pending.shape[0] if pending is not None else 0)
+        drafter.tokens = list(sequence)
+        if drafter.rows != len(sequence) - 1:
+            raise SpecError(
+                f"the head's row holds features of {drafter.rows} positions, not "
+                f"{len(sequence) - 1}"
+            )
+        return drafter
+
     def run(self, h, tokens, cache, first=None) -> mx.array:
         return self.head.rows(h, tokens, cache)
 
@@ -129,6 +144,19 @@ class MTPRows(ChainRows):
 
     def features(self, hidden: dict) -> mx.array:
         return hidden[self.hidden_layers[0]]
+
+    def extract(self, cache, pending, last, sequence) -> MTPDrafter:
+        """A row's MTPDrafter: its pairs up to `end` (the positions but the pending ones;
+        its cache may hold fewer, where a kept drafter's restarted), the pending states as
+        its unfed rows; its next prefill feeds the rest, as alone."""
+        drafter = MTPDrafter(self.head, self.target)
+        drafter.cache, drafter.tokens = cache, list(sequence)
+        drafter.rows = pending
+        drafter.end = len(sequence) - 1 - (pending.shape[0] if pending is not None else 0)
+        drafter.target_at = len(sequence) - 1  # what the target's cache holds
+        if cache[0].offset > drafter.end:
+            raise SpecError(f"the head's row holds {cache[0].offset} pairs, not {drafter.end}")
+        return drafter
 
     def run(self, h, tokens, cache, first=None) -> mx.array:
         embeddings = self.embed(tokens)  # (B, N, H)
@@ -175,6 +203,10 @@ class DFlashRows:
 
     def features(self, hidden: dict) -> mx.array:
         return mx.concatenate([hidden[i] for i in self.hidden_layers], axis=-1)
+
+    def extract(self, cache, pending, last, sequence):
+        """None: the batch keeps no spans of a row's context (which positions it holds)."""
+        return None
 
     def enter(self, h, tokens, cache, starts: list[int], counts: list[int]):
         head = self.head
@@ -345,6 +377,15 @@ class BatchHead:
                 self.pending[b] = f if p is None else mx.concatenate([p, f])
         if max((p.shape[0] for p in self.pending if p is not None), default=0) > PENDING_MAX:
             self.feed(sequences)
+
+    def extract(self, b: int, sequence: list[int]):
+        """Row b's head as a single stream's drafter over `sequence` (the row's), or None
+        where the kind cannot say (DFlash: the decoder it continues in recomputes the
+        features), so the decoder it continues in needs no target pass to feed the head again
+        (without it, the next turn of a conversation served in a batch prefilled its whole
+        prompt: the head's features were gone)."""
+        cache = [c.extract(b) for c in self.cache]
+        return self.kind.extract(cache, self.pending[b], self.last[b], sequence)
 
     def arrays(self) -> list:
         """What is kept between rounds (for the batch's settle)."""

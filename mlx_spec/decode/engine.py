@@ -246,14 +246,19 @@ class Decoder:
             self.drafter.reset()
         return given
 
-    def adopt(self, sequence: list[int], cache: list, draft=None) -> Decoder:
+    def adopt(self, sequence: list[int], cache: list, draft=None, head=None) -> Decoder:
         """Hold `sequence` from caches built elsewhere (a batch row's, as it leaves): `cache`
         holds all of it but its last token; `draft`: (the drafter's cache, the prefix of
-        `sequence` it holds), or None (the drafter starts over at the next prefill)."""
+        `sequence` it holds), or None (the drafter starts over at the next prefill); `head`:
+        a drafter of this decoder's kind holding the row's head state over `sequence` (the
+        batch's EAGLE-3 head), which becomes this decoder's."""
         self.cache, self.sequence, self.unfed = cache, list(sequence), 1
         self.stale = self.active = False
-        # a head reads the target's layers, which a batch row does not keep: the next
-        # drafting prefill starts over, as after a reply decoded without drafts
+        if head is not None and type(head) is type(self.drafter):
+            self.drafter, self.hidden_gap = head, None  # the head has every position's features
+            return self
+        # a head reads the target's layers, which this row did not keep: the next drafting
+        # prefill starts over, as after a reply decoded without drafts
         self.hidden_gap = 0 if self.hidden_layers else None
         if self.drafter is not None:
             self.drafter.reset()
