@@ -29,9 +29,16 @@ chained with the token it drafted as EAGLE's is; a joining row is prefilled by a
 each proposal instead of keeping `last`). DeepSeek's layout zeroes the embedding of the pair
 at position 0 (`MTPRows.run`'s `first`: a one-token prompt's first entry).
 
+A DFlash head (drafters/dflash.py) keeps the same per-row features of every token but the
+last, but its entries are its layers' context keys and values, rotated at the row's own
+positions (no token, no output, no `last`), and it drafts a block, not a chain: at step 0 one
+forward over every row's `[last token, mask...]` at its own position (`DFlashRows`), step j
+reading column j; no entries are chained, so nothing is forgotten after the verify pass.
+
 Rows that do not draft are fed all the same (their features come with the pass for free), so
 every row's head holds its own context. A row that leaves hands its head back (`extract`: an
-EagleDrafter holding what a single stream's would), which the decoder it continues in adopts.
+EagleDrafter or MTPDrafter holding what a single stream's would), which the decoder it
+continues in adopts; a DFlash row hands none back (its next prefill recomputes the features).
 """
 
 from __future__ import annotations
