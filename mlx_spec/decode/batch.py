@@ -335,8 +335,10 @@ class BatchDecoder:
         self.vocab = vocab
         length = draft_length(num_draft_tokens)
         self.drafting = draft is not None or lookup is not None or head is not None
-        self.fixed_k = length.k if isinstance(length, Fixed) else None
         k_max = length.k_max if isinstance(length, Auto) else length.k
+        most = self.heads.kind.max_draft if self.heads is not None else None
+        k_max = min(k_max, most) if most else k_max  # a block head's guesses, as alone
+        self.fixed_k = k_max if isinstance(length, Fixed) else None
         self.controller = (
             BatchController(k_max, draft is not None or head is not None)
             if self.fixed_k is None
@@ -606,9 +608,8 @@ class BatchDecoder:
         rows = self.rows
         k = self._choose_k()
         # the round adds at most k+1 tokens to a row: never draft past its max_tokens
-        most = self.heads.kind.max_draft if self.heads is not None else None  # a block's
         requested = [
-            min(k, r.k_max or k, most or k, r.max_tokens - r.emitted - 1)
+            min(k, r.k_max or k, r.max_tokens - r.emitted - 1)
             if r.use_draft and (self.heads is None or self.heads.can_draft(b))
             else 0
             for b, r in enumerate(rows)
