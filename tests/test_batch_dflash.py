@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 from test_batch import CANCELLED, MIXED, SCHEDULE, TEXTS, pin_costs, records, run_rows
 from test_batch_eagle import run
 from test_dflash import heads, llama_pair  # noqa: F401 (fixtures)
@@ -16,10 +17,13 @@ from test_greedy_equality import reference
 
 import mlx_spec
 from mlx_spec import GenerationConfig, generate
+from mlx_spec.core.caches import prefill_cache
 from mlx_spec.decode.batch import into_decoder, make_batch_decoder
 from mlx_spec.decode.batch_head import DFlashRows
 from mlx_spec.decode.prompts import prompt_tokens
 from mlx_spec.drafters import batched_kinds
+from mlx_spec.drafters.base import TargetOutput
+from mlx_spec.drafters.dflash import DFlashDrafter
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +130,9 @@ def test_seeded_rows_sample_the_same_whatever_the_batch(dflash):
 def test_rows_from_and_into_single_stream_decoders(dflash):
     """Turn 1 runs single-stream (a kept decoder); turn 2 is a batch row started from its
     caches (the head's context taken along, so it proposes what a fresh run's head does),
-    beside a fresh row; it is removed mid-reply with keep=True and continues single-stream.
-    Every turn's tokens equal a fresh run's."""
+    beside a fresh row; it is removed mid-reply with keep=True and continues single-stream
+    from the caches and head context it hands back (nothing prefilled again). Every turn's
+    tokens and proposals equal a fresh run's."""
     config = GenerationConfig(max_tokens=14, num_draft_tokens=3)
     d = mlx_spec.make_decoder(dflash)
     generate(dflash, TEXTS[1], config, decoder=d)
@@ -144,6 +149,19 @@ def test_rows_from_and_into_single_stream_decoders(dflash):
         tokens += u.tokens
         rounds += records([u.round])
     state = decoder.remove(rid)
+    # the head handed back is what a fresh single-stream prefill of the sequence gives
+    n = len(state.sequence) - 1
+    hidden = dict.fromkeys(decoder.hidden_layers)
+    prefill_cache(
+        dflash.target, make_prompt_cache(dflash.target), state.sequence[:-1], hidden=hidden
+    )
+    fresh_head = DFlashDrafter(dflash.head, dflash.target)
+    fresh_head.prefill(state.sequence, output=TargetOutput(None, hidden, n, n))
+    fresh_head.settle()
+    assert state.head.spans == fresh_head.spans == [[0, n]] and not state.head.pending
+    for c, f in zip(state.head.cache, fresh_head.cache, strict=True):
+        for a, e in ((c.keys, f.keys), (c.values, f.values)):
+            assert np.allclose(np.array(a[..., :n, :]), np.array(e[..., :n, :]), atol=1e-4)
     assert tokens == reference(dflash, prompt, 30)[: len(tokens)]
     assert rounds == records(generate(dflash, prompt, config.replace(max_tokens=30)).rounds)[:4]
     single = into_decoder(mlx_spec.make_decoder(dflash), state)
@@ -151,8 +169,8 @@ def test_rows_from_and_into_single_stream_decoders(dflash):
     res = generate(dflash, follow, config, decoder=single)
     fresh = generate(dflash, follow, config)
     assert res.tokens == fresh.tokens and res.stats.drafted > 0
-    assert state.head is None  # (no spans kept: the features are computed again)
-    assert res.stats.prompt_tokens_reused == 0
+    # the head's context came along: nothing computed again, its guesses a fresh run's
+    assert res.stats.prompt_tokens_reused == len(state.sequence) - 1
     assert records(res.rounds) == records(fresh.rounds)
     out, _ = run_rows(decoder, {other: None})
     assert out[other][0][-4:] == reference(dflash, TEXTS[0], 30)[-4:]

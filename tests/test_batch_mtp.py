@@ -171,7 +171,7 @@ def test_each_rows_head_holds_its_sequence_after_rejections(mtp):
         hidden = dict.fromkeys(decoder.hidden_layers)
         prefill_cache(mtp.target, make_prompt_cache(mtp.target), row.sequence[:-1], hidden=hidden)
         n = len(row.sequence) - 1
-        cache, last, entries, _ = kind.prefill(
+        cache, last, entries, _, _ = kind.prefill(
             row.sequence, TargetOutput(None, hidden, n, n), None, False
         )
         assert entries == n

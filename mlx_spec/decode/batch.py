@@ -206,7 +206,7 @@ class RowState:
     cache: list  # one KVCache per target layer, holding sequence[:-1]
     draft_cache: list | None  # one per draft layer, holding draft_tokens (None: no draft's)
     draft_tokens: list[int] = field(default_factory=list)
-    head: object | None = None  # the head's drafter over sequence (EAGLE-3, MTP; else None)
+    head: object | None = None  # the head's drafter over sequence (None: no head)
 
 
 @dataclass
@@ -267,9 +267,8 @@ def into_decoder(decoder, state: RowState):
     """A leaving row's caches into `decoder` (an `engine.Decoder` of the same pair), checked:
     it then holds the row's sequence as if a single stream had generated it (target cache:
     all but the last token; a draft model's: `state.draft_tokens`, the rest unfed; an
-    EAGLE-3 head's or an MTP layer's: its entries and pending features (a DFlash head's is
-    recomputed at the next prefill); prompt lookup rebuilds its index from
-    the next prompt). Returns the decoder."""
+    EAGLE-3, MTP or DFlash head's: its entries and pending features; prompt lookup rebuilds
+    its index from the next prompt). Returns the decoder."""
     _held(state.cache, len(state.sequence) - 1, "row's target")
     draft = None
     if state.draft_cache is not None:

@@ -37,8 +37,9 @@ reading column j; no entries are chained, so nothing is forgotten after the veri
 
 Rows that do not draft are fed all the same (their features come with the pass for free), so
 every row's head holds its own context. A row that leaves hands its head back (`extract`: an
-EagleDrafter or MTPDrafter holding what a single stream's would), which the decoder it
-continues in adopts; a DFlash row hands none back (its next prefill recomputes the features).
+EagleDrafter, MTPDrafter or DFlashDrafter holding what a single stream's would; a DFlash row's
+spans, the positions its context holds, are its `notes`), which the decoder it continues in
+adopts.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ class ChainRows:
 
     block = False  # one step a token (DFlashRows: one forward a block)
     max_draft = None
+
+    def fed(self, note, start: int, count: int):
+        """A row's own note (DFlashRows: its context's spans) after `count` entries from
+        position `start` were made; the chained heads keep none."""
+        return note
 
     def enter(self, h, tokens, cache, starts: list[int], counts: list[int]):
         """Entries of the rows' pending features (B, W, H), row b's first at position
@@ -94,12 +100,12 @@ class EagleRows(ChainRows):
         seconds = drafter.prefill(prompt, timed, output)
         if drafter.pending is not None:
             raise SpecError("the head kept features without entries after its prefill")
-        return drafter.cache, drafter.last, drafter.entries, seconds
+        return drafter.cache, drafter.last, drafter.entries, seconds, None
 
     def features(self, hidden: dict) -> mx.array:
         return self.head.fuse(hidden)
 
-    def extract(self, cache, pending, last, sequence) -> EagleDrafter:
+    def extract(self, cache, pending, last, sequence, note=None) -> EagleDrafter:
         """A row's EagleDrafter: its entries (the cache's row, left padding dropped), its
         pending features and last output."""
         drafter = EagleDrafter(self.head)
@@ -147,12 +153,12 @@ class MTPRows(ChainRows):
             known = drafter._known()
             out = drafter._run(prompt[drafter.end + 1 : known + 1], drafter.rows, drafter.end)
             drafter.end, drafter.rows, last = known, None, out[-1]
-        return drafter.cache, last, drafter.end, seconds
+        return drafter.cache, last, drafter.end, seconds, None
 
     def features(self, hidden: dict) -> mx.array:
         return hidden[self.hidden_layers[0]]
 
-    def extract(self, cache, pending, last, sequence) -> MTPDrafter:
+    def extract(self, cache, pending, last, sequence, note=None) -> MTPDrafter:
         """A row's MTPDrafter: its pairs up to `end` (the positions but the pending ones;
         its cache may hold fewer, where a kept drafter's restarted), the pending states as
         its unfed rows; its next prefill feeds the rest, as alone."""
@@ -202,18 +208,34 @@ class DFlashRows:
 
     def prefill(self, prompt, output, kept, timed):
         """The single stream's prefill, its context projected (entries: None, the context
-        may have gaps where the target ran without it, as alone)."""
+        may have gaps where the target ran without it, as alone; its spans are the row's
+        note)."""
         drafter = kept if kept is not None else DFlashDrafter(self.head, self.target)
         seconds = drafter.prefill(prompt, timed, output)
         drafter._flush()
-        return drafter.cache, None, None, seconds
+        return drafter.cache, None, None, seconds, [list(span) for span in drafter.spans]
+
+    def fed(self, spans, start: int, count: int):
+        if spans and sum(spans[-1]) == start:
+            spans[-1][1] += count
+        else:
+            spans.append([start, count])
+        return spans
 
     def features(self, hidden: dict) -> mx.array:
         return mx.concatenate([hidden[i] for i in self.hidden_layers], axis=-1)
 
-    def extract(self, cache, pending, last, sequence):
-        """None: the batch keeps no spans of a row's context (which positions it holds)."""
-        return None
+    def extract(self, cache, pending, last, sequence, spans=None) -> DFlashDrafter:
+        """A row's DFlashDrafter: its context (the cache's row) at its spans, its pending
+        features still to project."""
+        drafter = DFlashDrafter(self.head, self.target)
+        drafter.cache, drafter.spans, drafter.tokens = cache, spans, list(sequence)
+        if pending is not None:
+            drafter.pending = [(len(sequence) - 1 - pending.shape[0], pending)]
+        held = sum(n for _, n in spans)
+        if held != cache[0].offset:
+            raise SpecError(f"the head's row holds {cache[0].offset} positions, not {held}")
+        return drafter
 
     def enter(self, h, tokens, cache, starts: list[int], counts: list[int]):
         head = self.head
@@ -267,6 +289,7 @@ class BatchHead:
         self.cache: list | None = None  # one BatchKVCache per head layer
         self.pending: list = []  # per row: (m, H) features without entries, or None
         self.last: list = []  # per row: (H,) the head's output at its last entry, or None
+        self.notes: list = []  # per row: what its kind keeps of it (DFlash: its spans)
 
     def kept_drafter(self, kept):
         """A kept decoder's drafter of this head, its state taken along (or None)."""
@@ -279,14 +302,14 @@ class BatchHead:
         features are gone the single stream's drafter does as it does alone). Returns what
         `join` takes and, `timed`, one head step's seconds (None when it cannot draft yet)."""
         output = TargetOutput(None, hidden, fed, fed) if fed else None
-        cache, last, entries, seconds = self.kind.prefill(prompt, output, kept, timed)
+        cache, last, entries, seconds, note = self.kind.prefill(prompt, output, kept, timed)
         if entries is not None and entries != len(prompt) - 1:
             raise SpecError(f"the head holds {entries} entries, not {len(prompt) - 1}")
         drafts = self.kind.block or last is not None
-        return (cache, last), (seconds if timed and drafts else None)
+        return (cache, last, note), (seconds if timed and drafts else None)
 
     def join(self, state) -> None:
-        cache, last = state
+        cache, last, note = state
         merged = [BatchKVCache.merge([c]) for c in cache]
         if self.cache is None:
             self.cache = merged
@@ -295,11 +318,13 @@ class BatchHead:
                 c.extend(m)
         self.pending.append(None)
         self.last.append(last)
+        self.notes.append(note)
 
     def keep(self, keep: list[int]) -> None:
         """Only these rows (indices) stay."""
         self.pending = [self.pending[i] for i in keep]
         self.last = [self.last[i] for i in keep]
+        self.notes = [self.notes[i] for i in keep]
         if not keep:
             self.cache = None
             return
@@ -329,8 +354,10 @@ class BatchHead:
         ids = mx.array(tokens, mx.uint32)
         out = self.kind.enter(mx.stack(rows), ids, self.cache, starts, counts)
         for b, m in enumerate(counts):
-            if m and out is not None:
-                self.last[b] = out[b, m - 1]
+            if m:
+                self.notes[b] = self.kind.fed(self.notes[b], starts[b], m)
+                if out is not None:
+                    self.last[b] = out[b, m - 1]
         caches.rollback_rows(self.cache, [width - m for m in counts])
         self.pending = [None] * len(counts)
 
@@ -386,13 +413,12 @@ class BatchHead:
             self.feed(sequences)
 
     def extract(self, b: int, sequence: list[int]):
-        """Row b's head as a single stream's drafter over `sequence` (the row's), or None
-        where the kind cannot say (DFlash: the decoder it continues in recomputes the
-        features), so the decoder it continues in needs no target pass to feed the head again
-        (without it, the next turn of a conversation served in a batch prefilled its whole
-        prompt: the head's features were gone)."""
+        """Row b's head as a single stream's drafter over `sequence` (the row's), so the
+        decoder it continues in needs no target pass to feed the head again (without it, the
+        next turn of a conversation served in a batch prefilled its whole prompt: the head's
+        features were gone)."""
         cache = [c.extract(b) for c in self.cache]
-        return self.kind.extract(cache, self.pending[b], self.last[b], sequence)
+        return self.kind.extract(cache, self.pending[b], self.last[b], sequence, self.notes[b])
 
     def arrays(self) -> list:
         """What is kept between rounds (for the batch's settle)."""
