@@ -307,31 +307,35 @@ def head_server(models):
         yield url, head, log
 
 
-def test_a_head_pair_batches_with_drafts(head_server, pair):
-    """The default demo pair drafts with an EAGLE-3 head. Requests that run together share
-    one batch in which the head drafts for every row (greedy and seeded sampled alike): each
+def test_a_head_pair_drafts_alone_and_in_a_batch(head_server, pair):
+    """The default demo pair drafts with an EAGLE-3 head. A lone request runs as a single
+    stream (a batch of one ran at 0.68x of it); requests that queue while one runs share
+    one batch in which the head drafts for every row, greedy and seeded sampled alike: each
     greedy reply is the target's, the seeded one samples what it does alone with the head.
-    The turn after a batched one drafts again from a fresh prefill (a row handed back keeps
-    none of the target layers a head reads)."""
+    The turn after a batched one starts from the caches and head state that row handed back
+    (once, the head's features were lost and the whole prompt was prefilled again)."""
     url, head, log = head_server
     assert "batch without drafts" not in (log / "stderr.log").read_text()
+    # nobody beside it (not the seeded row's prompt below: a row that starts from a kept
+    # decoder drafts from its head's state, so its samples may differ from a fresh run's)
+    lone = streamed(url, KEY_A, "chat", PROMPTS[1], temperature=0)
+    assert lone["text"] == generate(pair, chat(PROMPTS[1]), max_tokens=TOKENS, temperature=0).text
+    assert lone["spec"]["batched"] is False and lone["spec"]["drafted"] > 0
     anchor = client(url).completions.create(
         model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
     )
-    chunks = iter(anchor)
-    next(chunks)  # generating now: the others join its batch
+    next(iter(anchor))  # the anchor drafts alone; the next ones queue behind it
     seeded = {"temperature": 0.8, "seed": 7}
     short = 4  # the first row's reply: its prompt is most of what its caches hold
     jobs = [(PROMPTS[1], {"temperature": 0, "max_tokens": short})]
     jobs += [(text, {"temperature": 0}) for text in PROMPTS[2:]] + [(PROMPTS[0], seeded)]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [
-            pool.submit(streamed, url, KEY_A, "chat", text, 0.05 * i, **kw)
-            for i, (text, kw) in enumerate(jobs)
-        ]
-        wait_until(lambda: metrics(url)["mlx_spec_batch_size"] >= 3, "the rows never batched")
-        queued = [f.result() for f in futures]  # while the anchor still runs
-        anchor.close()
+        futures = []
+        for i, (text, kw) in enumerate(jobs):  # one by one: the queue's order is known
+            futures.append(pool.submit(streamed, url, KEY_A, "chat", text, **kw))
+            wait_until(lambda n=i + 1: metrics(url)["mlx_spec_queue_waiting"] == n, "no queue")
+        anchor.close()  # the four start together as one batch
+        queued = [f.result() for f in futures]
     for (text, kw), got in zip(jobs[:3], queued[:3], strict=True):
         settings = {"max_tokens": TOKENS, **kw}
         assert got["text"] == generate(pair, chat(text), **settings).text
@@ -346,12 +350,11 @@ def test_a_head_pair_batches_with_drafts(head_server, pair):
     alone = generate(head_pair, chat(PROMPTS[0]), max_tokens=TOKENS, **seeded)
     assert queued[3]["text"] == alone.text and queued[3]["spec"]["batched"] is True
     assert queued[3]["spec"]["drafted"] > 0
-    # the first row's prompt again: it starts from the caches that row handed back, the
-    # head's state with them (once, its features were lost and the whole prompt prefilled
-    # again): all of the prompt but its last token is reused, and the head drafts again
+    # the first row's prompt again, alone: it starts from the caches and the head state
+    # that row handed back: all of the prompt but its last token is reused, the head drafts
     again = streamed(url, KEY_A, "chat", PROMPTS[1], temperature=0)
     assert again["text"] == generate(pair, chat(PROMPTS[1]), max_tokens=TOKENS).text
-    assert again["spec"]["drafted"] > 0
+    assert again["spec"]["batched"] is False and again["spec"]["drafted"] > 0
     prompt = len(pair.tokenizer.apply_chat_template(chat(PROMPTS[1]), add_generation_prompt=True))
     assert again["spec"]["prompt_tokens_reused"] == prompt - 1
 
@@ -489,29 +492,41 @@ def own_head_server(request, tiny_models, models, tmp_path_factory):
         yield url, pair, root
 
 
-def test_an_own_head_pair_batches_with_drafts(own_head_server):
-    """The target's own MTP layer, or a DFlash head, drafts for every row of the batch
-    (greedy and seeded sampled alike): each greedy reply is the target's, the seeded one
-    samples what it does alone with the head."""
+def test_an_own_head_pair_drafts_alone_and_in_a_batch(own_head_server):
+    """The target's own MTP layer, or a DFlash head: a lone request runs as a single stream
+    (as with an EAGLE-3 head); requests that queue while one runs share one batch in which
+    the head drafts for every row, greedy and seeded sampled alike: each greedy reply is the
+    target's, the seeded one samples what it does alone with the head. The turn after a
+    batched one starts from the caches and head state that row handed back."""
     url, head_pair, root = own_head_server
     drafter = head_pair.config.drafter
     assert "batch without drafts" not in (root / "stderr.log").read_text()
+    lone = streamed(url, KEY_A, "chat", PROMPTS[3], temperature=0)
+    assert lone["text"] == generate(head_pair, chat(PROMPTS[3]), max_tokens=TOKENS).text
+    assert lone["spec"]["batched"] is False and lone["spec"]["drafted"] > 0
     anchor = client(url).completions.create(
         model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
     )
-    chunks = iter(anchor)
-    next(chunks)  # generating now: the others join its batch
+    next(iter(anchor))  # the anchor drafts alone; the next ones queue behind it
     seeded = {"temperature": 0.8, "seed": 7}
     jobs = [(text, {"temperature": 0}) for text in PROMPTS[1:3]] + [(PROMPTS[0], seeded)]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        futures = [
-            pool.submit(streamed, url, KEY_A, "chat", text, 0.05 * i, **kw)
-            for i, (text, kw) in enumerate(jobs)
-        ]
-        wait_until(lambda: metrics(url)["mlx_spec_batch_size"] >= 3, "the rows never batched")
-        got = [f.result() for f in futures]  # while the anchor still runs
-        anchor.close()
+        futures = []
+        for i, (text, kw) in enumerate(jobs):  # one by one: the queue's order is known
+            futures.append(pool.submit(streamed, url, KEY_A, "chat", text, **kw))
+            wait_until(lambda n=i + 1: metrics(url)["mlx_spec_queue_waiting"] == n, "no queue")
+        anchor.close()  # the three start together as one batch
+        got = [f.result() for f in futures]
     for (text, kw), reply in zip(jobs, got, strict=True):
         assert reply["text"] == generate(head_pair, chat(text), max_tokens=TOKENS, **kw).text
         assert reply["spec"]["batched"] is True and reply["spec"]["drafted"] > 0
         assert reply["spec"]["drafter"] == drafter  # the head drafted in the batch
+    assert metrics(url)["mlx_spec_batch_size_max"] >= 3
+    # the first row's prompt again, alone: from the caches and head state it handed back
+    again = streamed(url, KEY_A, "chat", PROMPTS[1], temperature=0)
+    assert again["text"] == generate(head_pair, chat(PROMPTS[1]), max_tokens=TOKENS).text
+    assert again["spec"]["batched"] is False and again["spec"]["drafted"] > 0
+    prompt = len(
+        head_pair.tokenizer.apply_chat_template(chat(PROMPTS[1]), add_generation_prompt=True)
+    )
+    assert again["spec"]["prompt_tokens_reused"] == prompt - 1

@@ -214,7 +214,7 @@ class Engine:
         try:
             batched = self.batchable(job.request)
             companion = None
-            if batched and self.resident.batch_plain:  # alone, the request drafts
+            if batched and self.resident.lone_alone:  # alone, it runs faster as a stream
                 companion = self.scheduler.companion(self.batchable)
                 batched = companion is not None
             if batched:
