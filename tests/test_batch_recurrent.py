@@ -1,0 +1,198 @@
+"""Recurrent targets in a batch: every row's output is what the target gives it alone.
+
+Targets: a tiny hybrid Qwen3.5 (Gated DeltaNet layers beside attention layers) and a tiny Mamba
+(recurrent layers only), drafted by prompt lookup or nothing. Lookup on these random models is
+mostly wrong, so rows reject different amounts: a row that rejects has its recurrent state
+restored (its row only), its attention layers roll back its whole pass and its kept tokens are
+replayed in the next pass, whose rows are all one width with no padding (fillers).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import test_batch
+import tiny
+from test_batch import TEXTS, sampled_first_two
+from test_distribution import accept_everything, chi_square, exact_joint
+
+import mlx_spec
+import mlx_spec.decode.rounds
+from mlx_spec import GenerationConfig, SpecError, generate, load_pair
+from mlx_spec.core import caches
+from mlx_spec.decode.batch import check_batchable, into_decoder, make_batch_decoder
+
+FAMILIES = ["qwen3_5", "mamba"]
+REPEATS = [  # repetitive prompts: lookup finds something to draft
+    "a b c a b c a b c a b",
+    "The quick brown fox. The quick brown fox. The quick",
+    "x",
+    "1 2 3 4 1 2 3 4 1 2",
+]
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch_recurrent")
+    cfg = tiny.family_configs(320)["qwen3_5"]
+    weights = tiny.family_weights(cfg, seed=0)
+    hybrid = tiny.write_model(root / "qwen3_5", cfg, weights, tiny_models.tokenizer)
+    small = tiny.family_configs(16)["qwen3_5"]  # 16 tokens: distributions to enumerate
+    weights = tiny.family_weights(small, seed=3)
+    small_dir = tiny.write_model(root / "qwen3_5-16", small, weights, tiny_models.tokenizer)
+    return {"qwen3_5": hybrid, "mamba": tiny_models.mamba, "small": small_dir}
+
+
+def lookup_pair(targets, family):
+    return load_pair(target=str(targets[family])).configured(drafter="ngram")
+
+
+def alone(pair, prompt, max_tokens):
+    return generate(pair, prompt, max_tokens=max_tokens, use_draft=False).tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_rows_joining_and_leaving_equal_each_alone(targets, family):
+    pair = lookup_pair(targets, family)
+    decoder = make_batch_decoder(pair, 3)
+    prompts = [pair.tokenizer.encode(t) for t in REPEATS + TEXTS[:2]]
+    budgets = [30, 12, 25, 8, 20, 16]
+    joins = {0: [0, 1], 2: [2], 3: [3, 4], 9: [5]}  # round -> prompts joining then
+    rows, out, rounds = {}, {}, []
+    rnd = 0
+    while rnd in joins or rnd < max(joins) or len(decoder):
+        for i in joins.get(rnd, []):
+            rid = decoder.add(prompts[i], GenerationConfig(max_tokens=budgets[i]))
+            rows[rid], out[rid] = i, []
+        for rid, u in decoder.step().items():
+            out[rid] += u.tokens
+            rounds.append(u.round)
+        rnd += 1
+    for rid, i in rows.items():
+        assert out[rid] == alone(pair, prompts[i], budgets[i]), (family, i)
+    assert any(r.replayed for r in rounds)  # some row replayed rejected rounds
+    assert any(r.filled for r in rounds)  # some row's pass was filled to the batch's width
+    assert any(r.accepted and not r.filled for r in rounds)  # and lookup's guesses were taken
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batch_generate_equals_generate_per_prompt(targets, family):
+    pair = lookup_pair(targets, family)
+    res = mlx_spec.batch_generate(pair, REPEATS, max_tokens=24, num_draft_tokens=3, max_batch=3)
+    for text, r in zip(REPEATS, res, strict=True):
+        assert r.tokens == alone(pair, text, 24)
+    plain = load_pair(target=str(targets[family]))  # no drafter: continuous batching
+    res = mlx_spec.batch_generate(plain, TEXTS[:3], max_tokens=10)
+    assert [r.tokens for r in res] == [alone(plain, t, 10) for t in TEXTS[:3]]
+
+
+def test_a_long_replay_ends_with_a_pass_that_cannot_be_rejected(targets, monkeypatch):
+    """Past the replay limit a row drafts nothing (its pass is its replay, and fillers when a
+    neighbour's pass is wider): it is still the target's output."""
+    monkeypatch.setattr(mlx_spec.decode.batch, "REPLAY_LIMIT", 2)
+    pair = lookup_pair(targets, "qwen3_5")
+    decoder = make_batch_decoder(pair, 4)
+    prompts = [pair.tokenizer.encode(t) for t in REPEATS]
+    rows = {decoder.add(p, GenerationConfig(max_tokens=30)): p for p in prompts}
+    out = {r: [] for r in rows}
+    widest = 0
+    while len(decoder):
+        widest = max([widest] + [r.unfed for r in decoder.rows])
+        for rid, u in decoder.step().items():
+            out[rid] += u.tokens
+    assert widest > 3
+    for rid, p in rows.items():
+        assert out[rid] == alone(pair, p, 30)
+
+
+def test_kept_rows_hand_back_caches_a_single_stream_continues(targets):
+    """A row removed mid-way (its replay pending) and one that ran to its end come back as
+    Decoders (`into_decoder`, the replay in `unfed`) that continue as a fresh generate does;
+    a kept recurrent Decoder gives a new row nothing (`give_up`): the row starts afresh."""
+    pair = lookup_pair(targets, "qwen3_5")
+    decoder = make_batch_decoder(pair, 3)
+    prompts = [pair.tokenizer.encode(t) for t in REPEATS[:3]]
+    budgets = [40, 6, 40]
+    ids = [
+        decoder.add(p, GenerationConfig(max_tokens=m), keep=True)
+        for p, m in zip(prompts, budgets, strict=True)
+    ]
+    states, removed = {}, None
+    for _ in range(40):
+        for rid, u in decoder.step().items():
+            if u.done:
+                states[rid] = u.state
+        if removed is None and decoder.rows[0].unfed > 1:
+            removed = decoder.rows[0].id
+            states[removed] = decoder.remove(removed)
+        if len(states) == 3:
+            break
+    assert removed is not None and states[removed].unfed > 1
+    more = pair.tokenizer.encode(" and then", add_special_tokens=False)
+    for rid in ids:
+        state = states[rid]
+        d = into_decoder(mlx_spec.make_decoder(pair), state)
+        assert d.unfed == state.unfed
+        config = GenerationConfig(max_tokens=10, num_draft_tokens=3)
+        follow = state.sequence + more
+        res, fresh = generate(pair, follow, config, decoder=d), generate(pair, follow, config)
+        assert res.tokens == fresh.tokens
+        # a kept recurrent decoder: the next row starts afresh from its prompt
+        row = decoder.add(follow, GenerationConfig(max_tokens=4), kept=d)
+        assert decoder.row(row).reused == 0
+        decoder.remove(row)
+
+
+def test_a_sampled_row_beside_replaying_rows_follows_the_target(targets, monkeypatch):
+    """Fillers change how many positions a row verifies, so a seeded recurrent row beside
+    others need not draw what it draws alone; its distribution is the target's (chi-square
+    over its first two tokens, rows joining and leaving around it)."""
+    pair = lookup_pair(targets, "small")
+
+    def no_end(pair, k):  # token 2 (the end) is likely in 16 tokens: rows run to max_tokens
+        decoder = make_batch_decoder(pair, k)
+        decoder.eos = set()
+        return decoder
+
+    monkeypatch.setattr(test_batch, "make_batch_decoder", no_end)
+    replays = []
+    step = mlx_spec.decode.batch.BatchDecoder.step
+
+    def counted(self):
+        updates = step(self)
+        replays.extend(u.round.replayed for u in updates.values())
+        return updates
+
+    monkeypatch.setattr(mlx_spec.decode.batch.BatchDecoder, "step", counted)
+    params = GenerationConfig(temperature=1.0, top_p=0.9).sampling
+    probs = exact_joint(pair, params)
+    stat, threshold = chi_square(sampled_first_two(pair, params, 1200), probs)
+    print(f"recurrent batch: chi-square {stat:.1f} (99.9% threshold {threshold:.1f})")
+    assert stat < threshold
+    assert any(replays)  # rows beside it replayed (their passes wider than its own)
+    monkeypatch.setattr(mlx_spec.decode.rounds, "verify_stochastic", accept_everything)
+    stat, threshold = chi_square(sampled_first_two(pair, params, 600), probs)
+    assert stat > threshold  # the harness can fail
+
+
+def test_rows_restore_their_own_state_only():
+    """restore_rows: the chosen rows take the snapshot's state, the others keep theirs; a
+    state the snapshot did not hold yet (None) is zeros."""
+    from mlx_lm.models.cache import ArraysCache
+
+    c = ArraysCache(2)
+    c.cache = [mx.ones((3, 2)), None]
+    saved = caches.snapshot([c])
+    c.cache = [mx.full((3, 2), 5.0), mx.full((3, 4), 7.0)]
+    caches.restore_rows([c], saved, [True, False, True])
+    assert np.array(c.cache[0]).tolist() == [[1, 1], [5, 5], [1, 1]]
+    assert np.array(c.cache[1])[:, 0].tolist() == [0, 7, 0]
+
+
+def test_what_stays_refused(tiny_models, targets):
+    check_batchable(load_pair(target=str(targets["qwen3_5"])).target, recurrent=True)
+    with pytest.raises(SpecError, match="recurrent state"):
+        check_batchable(load_pair(target=str(tiny_models.mamba)).target)  # (a draft's check)
+    with pytest.raises(SpecError, match="not a draft model"):
+        make_batch_decoder(load_pair(target=str(targets["qwen3_5"]), draft=str(tiny_models.draft)))
