@@ -111,7 +111,15 @@ from .config import GenerationConfig
 from .engine import REPLAY_LIMIT  # a recurrent row's replay past which it drafts nothing
 from .events import Result, RoundRecord, token_kind
 from .prompts import constraint_for, prompt_tokens
-from .rounds import Round, cut_at_end, read_logprobs, target_logprobs, verify
+from .rounds import (
+    Round,
+    cut_at_end,
+    pad_vocab,
+    point_mass,
+    read_logprobs,
+    target_logprobs,
+    verify,
+)
 
 FORCED_MAX = 8  # the most forced tokens a row drafts in a round (engine.FORCED_MAX)
 
@@ -327,16 +335,25 @@ def _extract_layer(c, i: int):
     return c.extract(i)
 
 
-def fill(rows: list[Row], guesses: list[list[int]]) -> list[list[int]]:
+def fill(rows: list[Row], guesses: list[list[int]], spare=None) -> list[list[int]]:
     """A recurrent target's pass: every row `width` real tokens (no padding, which would enter
-    its state): its unfed tokens, its guesses, then fillers up to the widest row (its last
-    token repeated: a point-mass guess like any other, accepted only where the target agrees,
-    so the output is the target's whatever they are). Each row's guesses and fillers."""
+    its state): its unfed tokens, its guesses, then fillers up to the widest row (a point-mass
+    guess like any other, accepted only where the target agrees, so the output is the
+    target's whatever they are): `spare[b]` first (the draft's own picks past the row's
+    proposal), then its last token repeated. Each row's guesses and fillers."""
     width = max(r.unfed + len(g) for r, g in zip(rows, guesses, strict=True))
-    return [
-        g + [(g or r.sequence)[-1]] * (width - r.unfed - len(g))
-        for r, g in zip(rows, guesses, strict=True)
-    ]
+    passes = []
+    for b, (r, g) in enumerate(zip(rows, guesses, strict=True)):
+        x = g + (spare[b] if spare is not None else [])[: width - r.unfed - len(g)]
+        passes.append(x + [(x or r.sequence)[-1]] * (width - r.unfed - len(x)))
+    return passes
+
+
+def filled_q(q: mx.array, x: list[int], k: int) -> mx.array:
+    """A draft row's q over its k proposed tokens, then a point mass on each filler of `x`."""
+    fillers = mx.array(x[k:], mx.uint32)
+    width = max(q.shape[-1], max(x[k:], default=0) + 1)
+    return mx.concatenate([pad_vocab(q[:k], width), point_mass(fillers, width)])
 
 
 @dataclass
@@ -386,11 +403,11 @@ class BatchDecoder:
             raise SpecError("a batch drafts with an EAGLE-3 head alone, not beside another")
         # a recurrent target (Qwen3.5, Qwen3-Next, Mamba): rows restored and replayed
         self.recurrent = caches.is_recurrent(make_prompt_cache(target))
-        if self.recurrent and (draft is not None or head is not None):
+        if self.recurrent and head is not None:
             raise SpecError(
                 "a target with a recurrent state (ArraysCache: Qwen3.5, Mamba) batches with "
-                "prompt lookup (ngram) or no drafter, not a draft model or head yet; use "
-                "generate for this pair"
+                "prompt lookup or a draft model, not an EAGLE-3 head yet; use generate for "
+                "this pair"
             )
         self.target, self.draft, self.lookup = target, draft, lookup
         # an EAGLE-3 head (batch_head.py): it reads the target's layers in each pass
@@ -741,7 +758,12 @@ class BatchDecoder:
         saved = passes = None
         if self.recurrent:  # no padding: each row's unfed tokens, guesses, then fillers
             saved = caches.snapshot(self.cache)
-            passes = fill(rows, guesses)
+            if drafting:
+                picks = drafts.tolist()
+                guesses = [p[:n] for p, n in zip(picks, lengths, strict=True)]
+                passes = fill(rows, guesses, [p[n:] for p, n in zip(picks, lengths, strict=True)])
+            else:
+                passes = fill(rows, guesses)
             inputs = mx.array(
                 [r.sequence[-r.unfed :] + x for r, x in zip(rows, passes, strict=True)],
                 mx.uint32,
@@ -757,8 +779,9 @@ class BatchDecoder:
         for b, r in enumerate(rows):
             if passes is not None:  # its rows of logits after its replay; fillers verified too
                 x = passes[b]
+                q = filled_q(qs[b], x, lengths[b]) if qs[b] is not None else None
                 out, lp = self._verify(
-                    r, len(x), len(x), mx.array(x, mx.uint32), logits[b, r.unfed - 1 :], None, x
+                    r, len(x), len(x), mx.array(x, mx.uint32), logits[b, r.unfed - 1 :], q, x
                 )
             else:
                 proposal = proposals[b][: lengths[b]] if proposals is not None else None
@@ -925,6 +948,8 @@ class BatchDecoder:
             replayed = 0
             if saved is not None:  # fillers may run past its max_tokens: those are forgotten
                 kept = kept[: r.max_tokens - r.emitted]
+                if self.draft is not None:  # and past what the draft was fed: forgotten too
+                    kept = kept[: steps + 1]
             kept, stop = cut_at_end(kept, self.eos)
             held.append(len(kept) - 1)
             if saved is not None:
