@@ -7,9 +7,9 @@ sliding-window layers (mlx-lm's `RotatingKVCache` without attention sinks: Gemma
 GPT-OSS, Mistral-style `sliding_window`), whose rows `caches.BatchWindowedKVCache` holds as
 `WindowedKVCache` holds one stream's (a window mask, absolute offsets, old tokens dropped; a
 roll-back that would cut into a row's window raises), and recurrent layers (ArraysCache:
-Qwen3.5 hybrids, Mamba) in the target, with lookup or no drafter (below). Refused with a
-one-line reason (`check_batchable`): chunked attention, attention sinks, a recurrent draft,
-and a draft model or head beside a recurrent target.
+Qwen3.5 hybrids, Mamba) in the target (below). Refused with a one-line reason
+(`check_batchable`): chunked attention, attention sinks, a recurrent draft, and an EAGLE-3
+head beside a recurrent target.
 Each round (`step`):
 
 1. every row proposes up to k tokens: the draft model batched the same way (one forward over the
@@ -47,10 +47,12 @@ length, the waste of any batch of prompts of different lengths) and `filter` rec
 rows leave.
 
 A recurrent target (docs/design.md): no padding in a pass, which would enter a row's state.
-Each row feeds its unfed tokens (a replay, then its last), its guesses and fillers (its last
-token repeated, verified like any guess) up to one width; a row that rejected anything has its
-recurrent state restored for its row only (`caches.restore_rows`), its KV layers forget the
-whole pass and its kept tokens are replayed next round (`Row.unfed`, as `engine.Decoder.unfed`;
+Each row feeds its unfed tokens (a replay, then its last), its guesses and fillers (the draft
+model's own further picks, then its last token repeated, verified like any guess) up to one
+width; a row keeps at most what the draft model was fed (the rest is replayed); a row that
+rejected anything has its recurrent state restored for its row only (`caches.restore_rows`),
+its KV layers forget the whole pass and its kept tokens are replayed next round (`Row.unfed`,
+as `engine.Decoder.unfed`;
 past REPLAY_LIMIT it drafts nothing). Seeded rows keep their distribution, not their exact
 samples alone (fillers change how a row's key is split).
 
@@ -1084,8 +1086,8 @@ def batch_generate(
     num_draft_tokens, `auto` rows as the batch's controller chooses). `max_batch`: rows
     decoded together at most (None: all); the others join as rows finish. Not batched yet
     (SpecError): MTP and DFlash heads (EAGLE-3 heads batch), chunked targets, recurrent targets
-    with a draft model or head (sliding windows batch; recurrent targets with lookup or no
-    drafter, seeded rows then keeping the distribution, not the exact samples)."""
+    with an EAGLE-3 head (sliding windows batch; recurrent targets otherwise, seeded rows then
+    keeping the distribution, not the exact samples)."""
     prompts = list(prompts)
     if isinstance(config, list | tuple):
         if len(config) != len(prompts):
