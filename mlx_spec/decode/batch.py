@@ -52,9 +52,8 @@ model's own further picks, then its last token repeated, verified like any guess
 width; a row keeps at most what the draft model was fed (the rest is replayed); a row that
 rejected anything has its recurrent state restored for its row only (`caches.restore_rows`),
 its KV layers forget the whole pass and its kept tokens are replayed next round (`Row.unfed`,
-as `engine.Decoder.unfed`;
-past REPLAY_LIMIT it drafts nothing). Seeded rows keep their distribution, not their exact
-samples alone (fillers change how a row's key is split).
+as `engine.Decoder.unfed`; past REPLAY_LIMIT it drafts nothing). Seeded rows keep their
+distribution, not their exact samples alone (fillers change how a row's key is split).
 
 A row with nothing to propose (lookup found no match, or its reply ends next token) costs no
 draft steps; in the verify pass it is padded to the batch's widest proposal. Grouping rows by
