@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import test_batch
 import tiny
-from test_batch import TEXTS, assert_holds, sampled_first_two
+from test_batch import MIXED, TEXTS, assert_holds, sampled_first_two
 from test_distribution import accept_everything, chi_square, exact_joint
 
 import mlx_spec
@@ -23,6 +23,7 @@ import mlx_spec.decode.rounds
 from mlx_spec import GenerationConfig, SpecError, generate, load_pair
 from mlx_spec.core import caches
 from mlx_spec.decode.batch import check_batchable, into_decoder, make_batch_decoder
+from mlx_spec.decode.prompts import prompt_tokens
 
 FAMILIES = ["qwen3_5", "mamba"]
 REPEATS = [  # repetitive prompts: lookup finds something to draft
@@ -218,3 +219,41 @@ def test_what_stays_refused(tiny_models, targets):
         check_batchable(load_pair(target=str(tiny_models.mamba)).target)  # (a draft's check)
     with pytest.raises(SpecError, match="draft model keeps a recurrent state"):
         make_batch_decoder(load_pair(target=str(targets["qwen3_5"]), draft=str(tiny_models.mamba)))
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "ngram+model"])
+def test_a_mixed_batch_of_recurrent_rows_gives_each_what_it_gets_alone(
+    tiny_models, targets, drafter
+):
+    """A schema, a regex (forced tokens drafted, fillers after them masked by the grammar),
+    penalties and a logit bias, log-probabilities, a plain row and a seeded sampled one, in
+    one batch on the hybrid: each greedy row's tokens (and log-probabilities) are what it gets
+    alone; the sampled row runs to its end beside them."""
+    pair = pair_of(tiny_models, targets, "qwen3_5", drafter)
+    configs = [
+        GenerationConfig(max_tokens=24, num_draft_tokens=3, **settings)
+        for settings in MIXED.values()
+    ]
+    prompts = [REPEATS[i % len(REPEATS)] for i in range(len(configs))]
+    decoder = make_batch_decoder(pair, 3)
+    rows = {
+        decoder.add(prompt_tokens(pair, p, c)[0], c): (name, p, c)
+        for name, p, c in zip(MIXED, prompts, configs, strict=True)
+    }
+    got = {rid: ([], []) for rid in rows}
+    rounds = []
+    while len(decoder):
+        for rid, u in decoder.step().items():
+            got[rid][0].extend(u.tokens)
+            got[rid][1].extend(u.round.logprobs or [])
+            rounds.append(u.round)
+    assert any(r.replayed for r in rounds) and any(r.filled for r in rounds)
+    assert any(r.forced for r in rounds)
+    for rid, (name, prompt, config) in rows.items():
+        if name == "sampled":
+            assert got[rid][0]
+            continue
+        alone = list(mlx_spec.stream(pair, prompt, config))
+        assert got[rid][0] == [e.token for e in alone], name
+        if name == "logprobs":
+            assert np.allclose(got[rid][1], [e.logprob for e in alone], atol=1e-4), name
