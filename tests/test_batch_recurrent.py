@@ -257,3 +257,51 @@ def test_a_mixed_batch_of_recurrent_rows_gives_each_what_it_gets_alone(
         assert got[rid][0] == [e.token for e in alone], name
         if name == "logprobs":
             assert np.allclose(got[rid][1], [e.logprob for e in alone], atol=1e-4), name
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "ngram+model"])
+def test_fillers_the_target_accepts(tiny_models, targets, drafter, monkeypatch):
+    """Fillers that are the target's own next tokens (an oracle, patched in past the draft's
+    own picks) are kept: a row keeps more than it proposed and its state stays; beside a draft
+    model a row keeps at most what the draft was fed (its draft cache rolls back per row), the
+    rest replayed. Every row is still the target's, and a row handed back holds exactly its
+    tokens (its draft cache too)."""
+    pair = pair_of(tiny_models, targets, "qwen3_5", drafter)
+    prompts = [pair.tokenizer.encode(t) for t in REPEATS + TEXTS[:1]]
+    budgets = [30, 12, 25, 8, 20]
+    full = {
+        tuple(p): p + alone(pair, p, m) + [0] * 40 for p, m in zip(prompts, budgets, strict=True)
+    }
+    fill = mlx_spec.decode.batch.fill
+
+    def oracle(rows, guesses, spare=None):
+        out = []
+        for b, (r, g, x) in enumerate(zip(rows, guesses, fill(rows, guesses, spare), strict=True)):
+            ours = len(g) + (len(spare[b]) if spare is not None else 0)  # what the draft was fed
+            start = len(r.sequence) + ours
+            right = full[tuple(r.sequence[: r.prompt_tokens])][start : start + len(x) - ours]
+            out.append(x[:ours] + right)
+        return out
+
+    monkeypatch.setattr(mlx_spec.decode.batch, "fill", oracle)
+    decoder = make_batch_decoder(pair, 3)
+    rows = {
+        decoder.add(p, GenerationConfig(max_tokens=m), keep=True): p
+        for p, m in zip(prompts, budgets, strict=True)
+    }
+    out, rounds, states = {r: [] for r in rows}, [], {}
+    while len(decoder):
+        for rid, u in decoder.step().items():
+            out[rid] += u.tokens
+            rounds.append((u.round, u.done))
+            if u.done:
+                states[rid] = u.state
+    for rid, p in rows.items():
+        m = budgets[prompts.index(p)]
+        assert out[rid] == alone(pair, p, m)
+        state = states[rid]
+        if state.draft_cache is not None:
+            assert_holds(pair.draft, state.draft_cache, state.draft_tokens)
+    assert any(r.filled and r.accepted > r.drafted - r.filled for r, _ in rounds)
+    cut = [r for r, done in rounds if not done and len(r.tokens) < r.accepted + 1]
+    assert bool(cut) == (drafter != "ngram")  # only a draft model's rows are cut short
