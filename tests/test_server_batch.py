@@ -412,8 +412,10 @@ def test_a_sliding_window_pair_batches(tiny_models, tmp_path):
     assert r.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
 
 
-def test_a_hybrid_recurrent_pair_batches(tiny_models, tmp_path):
-    """A Qwen3.5-shaped hybrid (Gated DeltaNet and attention layers) drafted by prompt lookup:
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_a_hybrid_recurrent_pair_batches(tiny_models, tmp_path, drafter):
+    """A Qwen3.5-shaped hybrid (Gated DeltaNet and attention layers) drafted by prompt lookup
+    or a draft model (the tiny Llama draft, an attention model):
     concurrent requests share one batch (before, such a target was served one request at a
     time), rows that reject restore their own recurrent state and replay, and every reply
     equals `generate` alone; a conversation's turn 2 too (a kept recurrent decoder gives a
@@ -424,9 +426,13 @@ def test_a_hybrid_recurrent_pair_batches(tiny_models, tmp_path):
     weights = tiny.family_weights(cfg, seed=0)
     weights["language_model.lm_head.weight"][2] = 0  # <|im_end|>: rows run to max_tokens
     target = tiny.write_model(tmp_path / "long", cfg, weights, tiny_models.tokenizer)
-    hybrid = load_pair(target=str(target)).configured(drafter="ngram")
-    args = ["--target", str(target), "--drafter", "ngram", "--num-draft-tokens", str(K),
+    args = ["--target", str(target), "--drafter", drafter, "--num-draft-tokens", str(K),
             "--max-batch", "4", "--api-key", KEY_A, "--admin-key", KEY_A]  # fmt: skip
+    if drafter == "model":
+        hybrid = load_pair(target=str(target), draft=str(tiny_models.draft))
+        args += ["--draft", str(tiny_models.draft)]
+    else:
+        hybrid = load_pair(target=str(target)).configured(drafter="ngram")
     jobs = [("completion", PROMPTS[1]), ("chat", PROMPTS[3]), ("completion", PROMPTS[2])]
     with serving(args, tmp_path) as (_, url):
         messages = chat(PROMPTS[0])
@@ -461,7 +467,7 @@ def test_a_hybrid_recurrent_pair_batches(tiny_models, tmp_path):
     for (kind, text), g in zip(jobs, got, strict=True):
         prompt = chat(text) if kind == "chat" else text
         assert g["text"] == generate(hybrid, prompt, max_tokens=TOKENS, temperature=0).text
-        assert g["spec"]["batched"] is True
+        assert g["spec"]["batched"] is True and g["spec"]["drafter"] == drafter
     expected = generate(hybrid, messages, max_tokens=TOKENS, temperature=0).text
     assert r.choices[0].message.content == expected
     assert r.model_extra["speculation"]["batched"] is True
