@@ -51,11 +51,13 @@ class Resident:
         self.batch, self.batch_plain = None, False  # a BatchDecoder, when the pair batches
         if pair is not None and self.max_batch > 1:
             self.batch = self.new_batch()
-        # a lone request runs as a single stream when the batch is slower for one row: a
-        # plain batch (it would not draft) or a head's (the demo pair's EAGLE-3 head at
-        # k = 1: a batch of one at 0.68x the single stream, 2026-12-03, serve_batch.py)
+        # a lone request runs as a single stream where a batch row does worse alone: a plain
+        # batch (it would not draft), a head's (the demo pair's EAGLE-3 head at k = 1: a batch
+        # of one at 0.68x the single stream, 2026-12-03, serve_batch.py), and a recurrent
+        # target's (a batch row starts afresh: the prompt cache's checkpoints of a recurrent
+        # state, which only a single stream takes and keeps, would be lost to an agent)
         self.lone_alone = self.batch is not None and (
-            self.batch_plain or self.batch.heads is not None
+            self.batch_plain or self.batch.heads is not None or self.batch.recurrent
         )
 
     def new_batch(self):
