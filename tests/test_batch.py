@@ -333,13 +333,10 @@ def test_a_sampled_row_in_a_mixed_batch_follows_the_target(tiny_models, monkeypa
 
 
 def test_caches_a_batch_cannot_roll_back_are_refused(tiny_models):
-    """Recurrent and chunked targets are refused by name (sliding windows batch:
-    test_batch_window.py); single-stream decoding of the same pair still works (speculating,
-    where its caches roll back)."""
-    cases = [
-        (tiny_models.mamba, "recurrent state", True),
-        (tiny_models.chunked, "chunked attention", False),
-    ]
+    """Chunked targets are refused by name (sliding windows batch: test_batch_window.py;
+    recurrent states: test_batch_recurrent.py); single-stream decoding of the same pair still
+    works (speculating, where its caches roll back)."""
+    cases = [(tiny_models.chunked, "chunked attention", False)]
     for target, why, speculates in cases:
         pair = load_pair(target=str(target))
         pair = pair.configured(drafter="ngram") if speculates else pair  # chunked: plain only

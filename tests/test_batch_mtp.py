@@ -20,16 +20,18 @@ from mlx_lm.models.cache import make_prompt_cache
 from test_batch import CANCELLED, MIXED, SCHEDULE, TEXTS, records, run_rows
 from test_batch_eagle import run
 from test_greedy_equality import reference
+from test_mtp import checkpoint, mtp_pair  # noqa: F401 (fixtures)
 from test_mtp_nextn import build
 
 import mlx_spec
-from mlx_spec import GenerationConfig, generate, load_pair
+from mlx_spec import GenerationConfig, SpecError, generate, load_pair
 from mlx_spec.core.caches import prefill_cache
 from mlx_spec.decode.batch import into_decoder, make_batch_decoder
 from mlx_spec.decode.batch_head import MTPRows
 from mlx_spec.decode.prompts import prompt_tokens
 from mlx_spec.drafters import batched_kinds
 from mlx_spec.drafters.base import TargetOutput
+from mlx_spec.server.resident import Resident
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +216,15 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(mtp):
         assert got[rid][0] == [e.token for e in alone], label
         if label == "logprobs":
             assert np.allclose(got[rid][1], [e.logprob for e in alone], atol=1e-4), label
+
+
+def test_a_recurrent_target_with_its_mtp_layer_batches_plainly(mtp_pair):  # noqa: F811
+    """Qwen3.5 with its MTP layer (tests/test_mtp.py's): a batch takes the recurrent target
+    with lookup or a draft model, not a head yet; the server's resident pair then batches
+    plainly (a lone request drafts alone as a single stream), as before heads batched."""
+    with pytest.raises(SpecError, match="not a head yet"):
+        make_batch_decoder(mtp_pair)
+    resident = Resident(lambda name: None, [], max_batch=4)
+    resident.install(mtp_pair, "qwen35")
+    assert resident.batch is not None and resident.batch_plain and resident.lone_alone
+    assert "not a head yet" in resident.batch_refusal

@@ -417,6 +417,67 @@ def test_a_sliding_window_pair_batches(tiny_models, tmp_path):
     assert r.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_a_hybrid_recurrent_pair_batches(tiny_models, tmp_path, drafter):
+    """A Qwen3.5-shaped hybrid (Gated DeltaNet and attention layers) drafted by prompt lookup
+    or a draft model (the tiny Llama draft, an attention model):
+    concurrent requests share one batch (before, such a target was served one request at a
+    time), rows that reject restore their own recurrent state and replay, and every reply
+    equals `generate` alone; a conversation's turn 2 too (a kept recurrent decoder gives a
+    batch row nothing: it starts afresh). (Turn 1's reply is not sent back: a random model's
+    text can hold special-token markup, which the server tokenises as plain text and
+    `generate` does not: the server's prompt was 135 tokens, generate's 124.)"""
+    cfg = tiny.family_configs(VOCAB)["qwen3_5"]
+    weights = tiny.family_weights(cfg, seed=0)
+    weights["language_model.lm_head.weight"][2] = 0  # <|im_end|>: rows run to max_tokens
+    target = tiny.write_model(tmp_path / "long", cfg, weights, tiny_models.tokenizer)
+    args = ["--target", str(target), "--drafter", drafter, "--num-draft-tokens", str(K),
+            "--max-batch", "4", "--api-key", KEY_A, "--admin-key", KEY_A]  # fmt: skip
+    if drafter == "model":
+        hybrid = load_pair(target=str(target), draft=str(tiny_models.draft))
+        args += ["--draft", str(tiny_models.draft)]
+    else:
+        hybrid = load_pair(target=str(target)).configured(drafter="ngram")
+    jobs = [("completion", PROMPTS[1]), ("chat", PROMPTS[3]), ("completion", PROMPTS[2])]
+    with serving(args, tmp_path) as (_, url):
+        messages = chat(PROMPTS[0])
+        first = client(url).chat.completions.create(
+            model="long", messages=messages, max_tokens=TOKENS, temperature=0
+        )
+        turn1 = generate(hybrid, messages, max_tokens=TOKENS, temperature=0).text
+        assert first.choices[0].message.content == turn1
+        messages = messages + [
+            {"role": "assistant", "content": "Yes."},
+            {"role": "user", "content": "And then?"},
+        ]
+        anchor = client(url).completions.create(
+            model="long", prompt=PROMPTS[0], max_tokens=400, stream=True, temperature=0
+        )
+        next(iter(anchor))  # a row runs; the next ones join it
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            turn2 = pool.submit(
+                lambda: client(url).chat.completions.create(
+                    model="long", messages=messages, max_tokens=TOKENS, temperature=0
+                )
+            )
+            others = [
+                pool.submit(streamed, url, KEY_A, kind, text, 0.05 * i, temperature=0)
+                for i, (kind, text) in enumerate(jobs)
+            ]
+            wait_until(lambda: metrics(url)["mlx_spec_batch_size"] >= 2, "the rows never batched")
+            got = [f.result() for f in others]
+            r = turn2.result()
+        anchor.close()
+        assert metrics(url)["mlx_spec_batch_size_max"] >= 2
+    for (kind, text), g in zip(jobs, got, strict=True):
+        prompt = chat(text) if kind == "chat" else text
+        assert g["text"] == generate(hybrid, prompt, max_tokens=TOKENS, temperature=0).text
+        assert g["spec"]["batched"] is True and g["spec"]["drafter"] == drafter
+    expected = generate(hybrid, messages, max_tokens=TOKENS, temperature=0).text
+    assert r.choices[0].message.content == expected
+    assert r.model_extra["speculation"]["batched"] is True
+
+
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_max_batch_must_be_positive(value, tiny_models):
     r = subprocess.run(

@@ -247,6 +247,8 @@ def rollback_rows(cache: list, rejected: list[int]) -> None:
     low = min(rejected)
     rest = [r - low for r in rejected]
     for c in cache:
+        if isinstance(c, ArraysCache):
+            continue  # a recurrent state forgets nothing: its rows are restored (restore_rows)
         if low:
             BatchKVCache.trim(c, low)  # (a windowed layer's own trim would check again)
         if max(rest):
@@ -323,6 +325,25 @@ def restore(cache: list, saved: list) -> None:
     layers = [c for c in _leaves(cache) if isinstance(c, ArraysCache)]
     for c, s in zip(layers, saved, strict=True):
         c.cache = list(s)
+
+
+def restore_rows(cache: list, saved: list, rows: list[bool]) -> None:
+    """Restore the recurrent layers of the batch rows where `rows` is True to `saved` (a
+    `snapshot` of the batched cache), the others' states kept. A state the snapshot did not
+    hold yet (None: a row that had seen no token) is zeros, as the layers start from."""
+    if not any(rows):
+        return
+    layers = [c for c in _leaves(cache) if isinstance(c, ArraysCache)]
+    if all(rows):
+        restore(cache, saved)
+        return
+    pick = mx.array(rows)
+    for c, s in zip(layers, saved, strict=True):
+        for e, (old, new) in enumerate(zip(s, c.cache, strict=True)):
+            if new is None:
+                continue
+            old = mx.zeros_like(new) if old is None else old
+            c.cache[e] = mx.where(pick.reshape((-1,) + (1,) * (new.ndim - 1)), old, new)
 
 
 def _refusal(c, n: int) -> str | None:

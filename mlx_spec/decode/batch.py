@@ -7,8 +7,10 @@ What batches: plain KV layers (`BatchKVCache`) and
 sliding-window layers (mlx-lm's `RotatingKVCache` without attention sinks: Gemma 2/3/4,
 GPT-OSS, Mistral-style `sliding_window`), whose rows `caches.BatchWindowedKVCache` holds as
 `WindowedKVCache` holds one stream's (a window mask, absolute offsets, old tokens dropped; a
-roll-back that would cut into a row's window raises). Refused with a one-line reason
-(`check_batchable`): recurrent layers (ArraysCache), chunked attention, attention sinks.
+roll-back that would cut into a row's window raises), and recurrent layers (ArraysCache:
+Qwen3.5 hybrids, Mamba) in the target (below). Refused with a one-line reason
+(`check_batchable`): chunked attention, attention sinks, a recurrent draft, and an EAGLE-3
+head beside a recurrent target.
 Each round (`step`):
 
 1. every row proposes up to k tokens: the draft model batched the same way (one forward over the
@@ -44,6 +46,15 @@ over its K/V (as much memory traffic as the attention of one pass, small beside 
 these context lengths); left padding grows by the difference (at most the fastest row's
 length, the waste of any batch of prompts of different lengths) and `filter` reclaims it as
 rows leave.
+
+A recurrent target (docs/design.md): no padding in a pass, which would enter a row's state.
+Each row feeds its unfed tokens (a replay, then its last), its guesses and fillers (the draft
+model's own further picks, then its last token repeated, verified like any guess) up to one
+width; a row keeps at most what the draft model was fed (the rest is replayed); a row that
+rejected anything has its recurrent state restored for its row only (`caches.restore_rows`),
+its KV layers forget the whole pass and its kept tokens are replayed next round (`Row.unfed`,
+as `engine.Decoder.unfed`; past REPLAY_LIMIT it drafts nothing). Seeded rows keep their
+distribution, not their exact samples alone (fillers change how a row's key is split).
 
 A row with nothing to propose (lookup found no match, or its reply ends next token) costs no
 draft steps; in the verify pass it is padded to the batch's widest proposal. Grouping rows by
@@ -97,9 +108,18 @@ from ..drafters.ngram import NGramDrafter
 from ..errors import SpecError
 from .batch_head import BatchHead
 from .config import GenerationConfig
+from .engine import REPLAY_LIMIT  # a recurrent row's replay past which it drafts nothing
 from .events import Result, RoundRecord, token_kind
 from .prompts import constraint_for, prompt_tokens
-from .rounds import Round, cut_at_end, read_logprobs, target_logprobs, verify
+from .rounds import (
+    Round,
+    cut_at_end,
+    pad_vocab,
+    point_mass,
+    read_logprobs,
+    target_logprobs,
+    verify,
+)
 
 FORCED_MAX = 8  # the most forced tokens a row drafts in a round (engine.FORCED_MAX)
 
@@ -127,15 +147,19 @@ def _why_not(c, windows: bool = True) -> str:
     return f"uses {type(c).__name__} layers, which cannot be batched with a roll-back per row"
 
 
-def check_batchable(model, role: str = "target", windows: bool = True) -> None:
+def check_batchable(
+    model, role: str = "target", windows: bool = True, recurrent: bool = False
+) -> None:
     """Refuse a model whose cache the batch cannot roll back per row: plain KVCache layers
     merge into a BatchKVCache, sliding-window layers (RotatingKVCache without attention
     sinks, `caches.make_cache`'s WindowedKVCache) into a BatchWindowedKVCache, both forget
     per row. `windows=False`: plain KVCache layers only (a caller that batches with
-    BatchKVCache alone, as eagle_head's replies)."""
+    BatchKVCache alone, as eagle_head's replies). `recurrent=True`: recurrent layers
+    (ArraysCache) too, which a BatchDecoder's target restores per row and replays."""
     for c in caches._leaves(make_prompt_cache(model)):
         window = windows and type(c) is RotatingKVCache and not c.keep
-        if type(c) is not KVCache and not window:
+        state = recurrent and type(c) is ArraysCache
+        if type(c) is not KVCache and not window and not state:
             raise SpecError(
                 f"the {role} model {_why_not(c, windows)}; decode it one request at a time "
                 "(generate)"
@@ -148,9 +172,22 @@ def merge_rows(row_caches: list[list]) -> list:
     merged = []
     for i in range(len(row_caches[0])):
         layer = [c[i] for c in row_caches]
+        if isinstance(layer[0], ArraysCache):  # a state per row: no padding
+            merged.append(unmasked(ArraysCache.merge(layer), len(layer)))
+            continue
         kind = BatchWindowedKVCache if isinstance(layer[0], WindowedKVCache) else BatchKVCache
         merged.append(kind.merge(layer))
     return merged
+
+
+def unmasked(c: ArraysCache, rows: int) -> ArraysCache:
+    """A batched recurrent layer with no mask: every row's state has taken in all its tokens
+    (no left padding: a row's prompt is prefilled alone). Until every state exists (a row of
+    a one-token prompt has seen nothing yet: None, zeros when merged), `left_padding` holds
+    zeros, only so the layer knows its batch size; it masks nothing (positions >= 0)."""
+    c.lengths = None
+    c.left_padding = None if all(a is not None for a in c.cache) else mx.zeros((rows,), mx.int32)
+    return c
 
 
 @dataclass
@@ -174,6 +211,9 @@ class Row:
     processors: list = field(default_factory=list)
     logprobs: int | None = None
     grammar: object | None = None  # its GrammarProcessor when it drafts forced tokens
+    # a recurrent target: the tokens at the end of `sequence` its caches have not taken in
+    # (1, or 1 + a replay after a rejected round: engine.Decoder.unfed)
+    unfed: int = 1
 
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -207,6 +247,9 @@ class RowState:
     draft_cache: list | None  # one per draft layer, holding draft_tokens (None: no draft's)
     draft_tokens: list[int] = field(default_factory=list)
     head: object | None = None  # the head's drafter over sequence (None: no head)
+    # a recurrent target's row: the target cache holds sequence[:-unfed] (the decoder
+    # replays the rest, engine.Decoder.unfed)
+    unfed: int = 1
 
 
 @dataclass
@@ -224,8 +267,12 @@ class RowUpdate:
 def _held(cache: list, tokens: int, what: str) -> None:
     """Every layer holds `tokens` entries (a sliding-window layer: has taken them in, its
     oldest maybe dropped), or SpecError (a cache that is not what it says)."""
-    sizes = {c.offset if isinstance(c, WindowedKVCache) else c.size() for c in cache}
-    if sizes != {tokens}:
+    sizes = {
+        c.offset if isinstance(c, WindowedKVCache) else c.size()
+        for c in cache
+        if not isinstance(c, ArraysCache)  # (a recurrent state has no length to check)
+    }
+    if sizes and sizes != {tokens}:
         raise SpecError(f"the {what} cache holds {sorted(sizes)} tokens, not {tokens}")
 
 
@@ -268,13 +315,47 @@ def into_decoder(decoder, state: RowState):
     it then holds the row's sequence as if a single stream had generated it (target cache:
     all but the last token; a draft model's: `state.draft_tokens`, the rest unfed; an
     EAGLE-3, MTP or DFlash head's: its entries and pending features; prompt lookup rebuilds
-    its index from the next prompt). Returns the decoder."""
-    _held(state.cache, len(state.sequence) - 1, "row's target")
+    its index from the next prompt). A recurrent target's row may hold less: all but its last
+    `state.unfed` tokens, which the decoder replays. Returns the decoder."""
+    _held(state.cache, len(state.sequence) - state.unfed, "row's target")
     draft = None
     if state.draft_cache is not None:
         _held(state.draft_cache, len(state.draft_tokens), "row's draft")
         draft = (state.draft_cache, state.draft_tokens)
-    return decoder.adopt(state.sequence, state.cache, draft, state.head)
+    decoder = decoder.adopt(state.sequence, state.cache, draft, state.head)
+    decoder.unfed = state.unfed
+    return decoder
+
+
+def _extract_layer(c, i: int):
+    """Row i of a batched layer as a single stream's (a recurrent state not taken in yet:
+    None, as a fresh cache holds it)."""
+    if isinstance(c, ArraysCache):
+        one = ArraysCache(len(c.cache))
+        one.cache = [a[i : i + 1] if a is not None else None for a in c.cache]
+        return one
+    return c.extract(i)
+
+
+def fill(rows: list[Row], guesses: list[list[int]], spare=None) -> list[list[int]]:
+    """A recurrent target's pass: every row `width` real tokens (no padding, which would enter
+    its state): its unfed tokens, its guesses, then fillers up to the widest row (a point-mass
+    guess like any other, accepted only where the target agrees, so the output is the
+    target's whatever they are): `spare[b]` first (the draft's own picks past the row's
+    proposal), then its last token repeated. Each row's guesses and fillers."""
+    width = max(r.unfed + len(g) for r, g in zip(rows, guesses, strict=True))
+    passes = []
+    for b, (r, g) in enumerate(zip(rows, guesses, strict=True)):
+        x = g + (spare[b] if spare is not None else [])[: width - r.unfed - len(g)]
+        passes.append(x + [(x or r.sequence)[-1]] * (width - r.unfed - len(x)))
+    return passes
+
+
+def filled_q(q: mx.array, x: list[int], k: int) -> mx.array:
+    """A draft row's q over its k proposed tokens, then a point mass on each filler of `x`."""
+    fillers = mx.array(x[k:], mx.uint32)
+    width = max(q.shape[-1], max(x[k:], default=0) + 1)
+    return mx.concatenate([pad_vocab(q[:k], width), point_mass(fillers, width)])
 
 
 @dataclass
@@ -318,11 +399,19 @@ class BatchDecoder:
         draft_confidence: float = 0.0,
         head=None,
     ):
-        check_batchable(target, "target")
+        check_batchable(target, "target", recurrent=True)
         if draft is not None:
             check_batchable(draft, "draft")
         if head is not None and (draft is not None or lookup is not None):
             raise SpecError("a batch drafts with a head alone, not beside another drafter")
+        # a recurrent target (Qwen3.5, Qwen3-Next, Mamba): rows restored and replayed
+        self.recurrent = caches.is_recurrent(make_prompt_cache(target))
+        if self.recurrent and head is not None:
+            raise SpecError(
+                "a target with a recurrent state (ArraysCache: Qwen3.5, Mamba) batches with "
+                "prompt lookup or a draft model, not a head yet; use generate for "
+                "this pair"
+            )
         self.target, self.draft, self.lookup = target, draft, lookup
         # an EAGLE-3 head or an MTP layer (batch_head.py): it reads the target's layers in
         # each pass
@@ -514,8 +603,8 @@ class BatchDecoder:
         batch's arrays). The target's hold sequence[:-1]; the draft's sequence[:-lag], or
         nothing is kept of it when the row did not draft (its row is not its text)."""
         row = self.rows[i]
-        cache = [c.extract(i) for c in self.cache]
-        _held(cache, len(row.sequence) - 1, "batch row's target")
+        cache = [_extract_layer(c, i) for c in self.cache]
+        _held(cache, len(row.sequence) - row.unfed, "batch row's target")
         draft_cache, draft_tokens = None, []
         # (a one-token prompt's draft row holds the token twice: not a prefix of its sequence;
         # a draft cache never fed, as a lone 2-token prompt that ends at once leaves it, holds
@@ -531,7 +620,7 @@ class BatchDecoder:
         caches.eval_state(cache + (draft_cache or []))
         if head is not None:
             head.settle()
-        return RowState(list(row.sequence), cache, draft_cache, draft_tokens, head)
+        return RowState(list(row.sequence), cache, draft_cache, draft_tokens, head, row.unfed)
 
     def _catch_up(self) -> None:
         """Feed the draft what it has not seen but the last two tokens of each row."""
@@ -562,6 +651,9 @@ class BatchDecoder:
     def _settle(self) -> None:
         """Queue the evaluation of what is kept between rounds, so no graph grows across them
         (queued, not waited for: the next pass needs it first anyway)."""
+        for c in self.cache:
+            if isinstance(c, ArraysCache):
+                unmasked(c, len(self.rows))
         keys = [r.key for r in self.rows if r.key is not None]
         heads = self.heads.arrays() if self.heads is not None else []
         mx.async_eval([c.state for c in self.cache + (self.draft_cache or [])], *keys, *heads)
@@ -613,11 +705,16 @@ class BatchDecoder:
             else 0
             for b, r in enumerate(rows)
         ]
+        # a recurrent target: a row whose replay is long drafts nothing, so its pass cannot be
+        # rejected and the replay ends (engine.REPLAY_LIMIT)
+        ending = {b for b, r in enumerate(rows) if self.recurrent and r.unfed > REPLAY_LIMIT}
+        for b in ending:
+            requested[b] = 0
         # where a row's grammar forces the next tokens, they are its draft this round (no
         # model, outside the policy), as a single stream drafts them
         forced = {}
         for b, r in enumerate(rows):
-            if r.grammar is not None:
+            if r.grammar is not None and b not in ending:
                 limit = min(FORCED_MAX, r.max_tokens - r.emitted - 1)
                 guess = self._guarded(r, r.grammar.forced, [], r.sequence, limit)
                 if guess:
@@ -667,18 +764,39 @@ class BatchDecoder:
             drafts = mx.array([g + [0] * (width - len(g)) for g in guesses], mx.uint32)
         drafted_at = time.perf_counter()
         width = drafts.shape[1]  # K: the widest proposal; the rest of a row is padding
-        last = mx.array([[r.sequence[-1]] for r in rows], mx.uint32)
-        inputs = mx.concatenate([last, drafts.astype(mx.uint32)], axis=1) if width else last
+        saved = passes = None
+        if self.recurrent:  # no padding: each row's unfed tokens, guesses, then fillers
+            saved = caches.snapshot(self.cache)
+            if drafting:
+                picks = drafts.tolist()
+                guesses = [p[:n] for p, n in zip(picks, lengths, strict=True)]
+                passes = fill(rows, guesses, [p[n:] for p, n in zip(picks, lengths, strict=True)])
+            else:
+                passes = fill(rows, guesses)
+            inputs = mx.array(
+                [r.sequence[-r.unfed :] + x for r, x in zip(rows, passes, strict=True)],
+                mx.uint32,
+            )
+        else:
+            last = mx.array([[r.sequence[-1]] for r in rows], mx.uint32)
+            inputs = mx.concatenate([last, drafts.astype(mx.uint32)], axis=1) if width else last
         with capturing(self.target, self.hidden_layers) as hidden:  # (a head's layers)
             logits = self.target(inputs, cache=self.cache)  # (B, K+1, vocab)
         # a processor reads the row's proposal as ids (a grammar walks it): read once
         proposals = drafts.tolist() if any(r.processors for r in rows) else None
         outs, lps = [], []
         for b, r in enumerate(rows):
-            proposal = proposals[b][: lengths[b]] if proposals is not None else None
-            out, lp = self._verify(
-                r, requested[b], lengths[b], drafts[b], logits[b], qs[b], proposal
-            )
+            if passes is not None:  # its rows of logits after its replay; fillers verified too
+                x = passes[b]
+                q = filled_q(qs[b], x, lengths[b]) if qs[b] is not None else None
+                out, lp = self._verify(
+                    r, len(x), len(x), mx.array(x, mx.uint32), logits[b, r.unfed - 1 :], q, x
+                )
+            else:
+                proposal = proposals[b][: lengths[b]] if proposals is not None else None
+                out, lp = self._verify(
+                    r, requested[b], lengths[b], drafts[b], logits[b], qs[b], proposal
+                )
             outs.append(out)
             lps.append(lp)
         out = mx.stack(outs)  # (B, 2): accepted n, the target's token
@@ -686,18 +804,18 @@ class BatchDecoder:
         mx.eval(out, drafts, *arrays, *[r.key for r in rows if r.key is not None])
         verified_at = time.perf_counter()
         done = self._finish_round(
-            out.tolist(), drafts.tolist(), requested, lengths, steps, lps, forced, overrides,
-            hidden,
+            out.tolist(), passes or drafts.tolist(), requested, lengths, steps, lps, forced,
+            overrides, hidden, saved,
         )  # fmt: skip
         updates.update(done)
-        self.timing = BatchTiming(
-            len(rows) * (width + 1), steps, drafted_at - start, verified_at - drafted_at
-        )
+        self.timing = BatchTiming(inputs.size, steps, drafted_at - start, verified_at - drafted_at)
         if self.controller is not None and k:
-            outcomes = [  # (a forced round is not the policy's: kept out, as alone)
-                (u.round.requested, u.round.drafted, u.round.accepted)
+            outcomes = [  # (a forced round is not the policy's: kept out, as alone; fillers
+                # are no row's proposal)
+                (u.round.requested, d, min(u.round.accepted, d))
                 for u in done.values()
                 if not u.round.forced
+                for d in [u.round.drafted - u.round.filled]
             ]
             self.controller.update(len(rows), self.timing, outcomes)
         elif self.controller is not None:
@@ -831,21 +949,40 @@ class BatchDecoder:
         return mx.stack(columns, axis=1), [mx.stack(q) if q else None for q in qs], lengths
 
     def _finish_round(
-        self, out, drafted, requested, lengths, steps, lps, forced, overrides, hidden=None
-    ) -> dict[int, RowUpdate]:
+        self, out, drafted, requested, lengths, steps, lps, forced, overrides, hidden=None,
+        saved=None,
+    ) -> dict[int, RowUpdate]:  # fmt: skip
+        """`saved`: a recurrent target's snapshot from before the pass (`drafted`: each row's
+        whole pass after its unfed tokens, fillers included)."""
         rows, updates, keep = self.rows, {}, []
         width = len(drafted[0]) if drafted else 0
         held = []  # per row, the round's draft tokens its caches keep
+        restore, forget = [], []  # recurrent: rows restored, entries each row forgets
         for b, (r, (n, token)) in enumerate(zip(rows, out, strict=True)):
             if r.id in self.failed:  # it leaves with its error; nothing of the round is its
                 held.append(0)
+                restore.append(False)
+                forget.append(0)
                 rnd = Round([], 0, 0)
                 updates[r.id] = RowUpdate([], rnd, True, "error", error=self.failed[r.id])
                 continue
-            k = lengths[b]
+            k = lengths[b] if saved is None else len(drafted[b])
             proposal = drafted[b][:k]
-            kept, stop = cut_at_end(proposal[:n] + [token], self.eos)
+            kept = proposal[:n] + [token]
+            replayed = 0
+            if saved is not None:  # fillers may run past its max_tokens: those are forgotten
+                kept = kept[: r.max_tokens - r.emitted]
+                if self.draft is not None:  # and past what the draft was fed: forgotten too
+                    kept = kept[: steps + 1]
+            kept, stop = cut_at_end(kept, self.eos)
             held.append(len(kept) - 1)
+            if saved is not None:
+                # kept every token it fed: its state stays; else it goes back to before the
+                # pass, its KV layers forget the whole pass and the kept tokens are replayed
+                replayed, whole = r.unfed - 1, len(kept) == k + 1
+                restore.append(not whole)
+                forget.append(0 if whole else r.unfed + k)
+                r.unfed = 1 if whole else r.unfed + len(kept)
             if r.lookup is not None:
                 r.lookup.commit(kept)
             r.sequence += kept
@@ -867,6 +1004,8 @@ class BatchDecoder:
                 logprobs=logprobs,
                 top_logprobs=tops,
                 forced=b in forced,
+                replayed=replayed,
+                filled=k - lengths[b] if saved is not None else 0,
             )
             done = stop is not None or r.emitted >= r.max_tokens
             reason = ("stop" if stop is not None else "length") if done else None
@@ -875,7 +1014,11 @@ class BatchDecoder:
                 keep.append(b)
         # each row fed its last token + K (padded) guesses and keeps the last and its held
         # drafts (n of them, fewer when an end token cut the round): its sequence but the last
-        rollback_rows(self.cache, [width - h for h in held])
+        if saved is not None:
+            caches.restore_rows(self.cache, saved, restore)
+            rollback_rows(self.cache, forget)
+        else:
+            rollback_rows(self.cache, [width - h for h in held])
         if self.heads is not None:  # chained entries go, kept positions' features come
             self.heads.forget(max(steps - 1, 0))
             positions = [
@@ -964,8 +1107,9 @@ def batch_generate(
     prompts, or a list of them, one per prompt (each its own k: a row drafts at most its
     num_draft_tokens, `auto` rows as the batch's controller chooses). `max_batch`: rows
     decoded together at most (None: all); the others join as rows finish. Not batched yet
-    (SpecError): a drafter kind that does not say how a batch drafts with it, recurrent or
-    chunked targets (sliding windows batch)."""
+    (SpecError): a drafter kind that does not say how a batch drafts with it, chunked
+    targets, recurrent targets with a head (sliding windows batch; recurrent targets
+    otherwise, seeded rows then keeping the distribution, not the exact samples)."""
     prompts = list(prompts)
     if isinstance(config, list | tuple):
         if len(config) != len(prompts):

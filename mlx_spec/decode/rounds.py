@@ -29,6 +29,8 @@ class Round:
     proposal: list[int] = field(default_factory=list)  # the draft's guesses, kept or not
     target_token: int | None = None  # the target's own token: correction, bonus or plain step
     forced: bool = False  # the grammar's forced tokens were the draft (no model, no lookup)
+    # of `proposal`, filler guesses at its end (a recurrent target's batch row: decode/batch.py)
+    filled: int = 0
     target_output: TargetOutput | None = None  # for a drafter that reads hidden states
     # when asked for: per token of `tokens`, its log-probability under the target's (processed)
     # distribution and the top (id, log-probability) pairs there

@@ -4,8 +4,8 @@ One pair is resident at a time. With it live its partitions' prompt caches and h
 indexes (a swap drops them: their caches hold the old pair's states) and, with --max-batch N,
 the `batch.BatchDecoder` the runner steps (drafting with a draft model, lookup, an EAGLE-3
 head, the target's MTP layer or a DFlash head). A pair whose drafter a batch cannot take
-(a kind that does not say how) batches plainly; `batch_refusal` says why a pair does not
-batch, or does not draft in a batch.
+(a kind that does not say how, or a head beside a recurrent target) batches plainly;
+`batch_refusal` says why a pair does not batch, or does not draft in a batch.
 
 Only the engine thread changes it; the HTTP side reads `pair` and `name` to tokenise a
 request's prompt ahead (prompts.prepare) and the figures for /metrics.
@@ -52,11 +52,13 @@ class Resident:
         self.batch, self.batch_plain = None, False  # a BatchDecoder, when the pair batches
         if pair is not None and self.max_batch > 1:
             self.batch = self.new_batch()
-        # a lone request runs as a single stream when the batch is slower for one row: a
-        # plain batch (it would not draft) or a head's (the demo pair's EAGLE-3 head at
-        # k = 1: a batch of one at 0.68x the single stream, 2026-12-03, serve_batch.py)
+        # a lone request runs as a single stream where a batch row does worse alone: a plain
+        # batch (it would not draft), a head's (the demo pair's EAGLE-3 head at k = 1: a batch
+        # of one at 0.68x the single stream, 2026-12-03, serve_batch.py), and a recurrent
+        # target's (a batch row starts afresh: the prompt cache's checkpoints of a recurrent
+        # state, which only a single stream takes and keeps, would be lost to an agent)
         self.lone_alone = self.batch is not None and (
-            self.batch_plain or self.batch.heads is not None
+            self.batch_plain or self.batch.heads is not None or self.batch.recurrent
         )
 
     def new_batch(self):
@@ -67,10 +69,14 @@ class Resident:
             return make_batch_decoder(pair)
         except SpecError as err:
             self.batch_refusal = str(err)
-        if pair.speculative and pair.config.kind.batch_drafting(pair) is None:
-            try:  # a drafter a batch cannot take: its target may still batch plainly
+        drafting = pair.config.kind.batch_drafting(pair) if pair.speculative else {}
+        if pair.speculative and (drafting is None or "head" in drafting):
+            # a drafter a batch cannot take, or a head beside a target it cannot draft for in
+            # a batch (a recurrent one): the target may still batch plainly
+            try:
                 batch, self.batch_plain = make_batch_decoder(pair, plain=True), True
-                self.batch_refusal = f"the {pair.config.drafter} drafter is not batched yet"
+                if drafting is None:
+                    self.batch_refusal = f"the {pair.config.drafter} drafter is not batched yet"
                 return batch
             except SpecError as err:
                 self.batch_refusal = str(err)
