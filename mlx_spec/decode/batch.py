@@ -67,9 +67,11 @@ thread calls `add`, `step` and `cancel`'s effect from that thread; `cancel` itse
 the row, so another thread may call it; the row leaves at the start of the next `step`.
 
 Over 600 lines: `BatchDecoder` holds B rows' round (verification and the end-token cut are
-rounds.py's, shared with the single stream) with what each row brings: its processors and
-grammar (forced tokens), log-probabilities, a draft model's per-row confidence stop, lookup
-beside a draft model, and the batched caches' bookkeeping as rows join and leave.
+rounds.py's, shared with the single stream; a head's drafting is batch_head.py's) with what each
+row brings: its processors and grammar (forced tokens), log-probabilities, a draft model's
+per-row confidence stop, lookup beside a draft model, a recurrent target's one-width passes
+(fillers, replays, per-row restores), and the batched caches' bookkeeping as rows join and
+leave.
 """
 
 from __future__ import annotations
