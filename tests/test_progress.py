@@ -43,4 +43,6 @@ def test_probe_keeps_its_stage_lines_off_a_terminal(tiny_models, capsys):
     assert main(["probe", *pair, "--context", "16", "--budget", "0.5"]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("BLAS: ") and err[1] == "building 16 tokens of context…"
-    assert any(line.startswith("sampling up to 48 tokens at k=") for line in err)
+    from mlx_spec.commands.probe import SAMPLE_TOKENS
+
+    assert any(line.startswith(f"sampling up to {SAMPLE_TOKENS} tokens at k=") for line in err)
