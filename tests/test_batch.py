@@ -253,14 +253,15 @@ def test_a_row_ended_by_an_accepted_draft_token_hands_back_exact_caches(tiny_mod
     assert res.tokens == fresh.tokens
 
 
-def test_seeded_rows_sample_the_same_whatever_the_batch(pair):
-    """A seed belongs to its request: alone, beside other rows, joining later, and in
-    `generate`, the same seed samples the same tokens."""
+def assert_seeded_rows_sample_as_alone(pair, k: int = 3) -> None:
+    """A seed belongs to its request: alone, beside other rows (greedy and sampled, joining
+    before and after it), and in `generate` at the same k, the same seed samples the same
+    tokens (for every drafter a batch takes: tests/test_batch_eagle.py and the others)."""
     prompts = [pair.tokenizer.encode(t) for t in TEXTS]
     mine = GenerationConfig(max_tokens=24, temperature=1.0, seed=11)
 
     def in_batch(others: list[tuple[int, int, float]]) -> list[int]:
-        decoder = make_batch_decoder(pair, 3)
+        decoder = make_batch_decoder(pair, k)
         got, rnd, me = [], 0, None
         while me is None or rnd < 100:
             for p, start, temp in others:
@@ -280,7 +281,68 @@ def test_seeded_rows_sample_the_same_whatever_the_batch(pair):
     alone = in_batch([])
     assert alone == in_batch([(0, 0, 0.0), (1, 1, 0.8), (3, 4, 1.0)])
     assert alone == in_batch([(4, 0, 1.0), (0, 3, 0.0)])
-    assert alone == generate(pair, TEXTS[2], mine, num_draft_tokens=3).tokens
+    assert alone == generate(pair, TEXTS[2], mine, num_draft_tokens=k).tokens
+
+
+def assert_batch_generate_equals_generate(pair, k: int, some_accepted: bool = True) -> None:
+    """batch_generate over prompts of different lengths (a one-token one among them), two
+    rows at a time (the others join as rows finish): each result's tokens are generate's
+    without drafts, each row's rounds (what the drafter proposed, what the target kept)
+    generate's with it; some drafts accepted and some not (`some_accepted`; else drafts at
+    least: a tiny random DFlash head is never right on greedy guesses)."""
+    prompts = TEXTS[:3] + [[7], TEXTS[4]]
+    results = mlx_spec.batch_generate(pair, prompts, max_tokens=24, num_draft_tokens=k, max_batch=2)
+    drafted = accepted = 0
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.tokens == generate(pair, prompt, max_tokens=24, use_draft=False).tokens
+        alone = generate(pair, prompt, max_tokens=24, num_draft_tokens=k)
+        assert records(res.rounds) == records(alone.rounds)
+        drafted += res.stats.drafted
+        accepted += res.stats.accepted
+    assert drafted > 0 and (0 < accepted < drafted or not some_accepted)
+
+
+def assert_a_row_comes_from_and_goes_into_single_streams(pair, inspect=None) -> None:
+    """Turn 1 runs single-stream (a kept decoder, as the server's prompt cache keeps it);
+    turn 2 is a batch row started from its caches (the target's trimmed to the shared
+    prefix, a head's state taken along, so it proposes what a fresh run's does), beside a
+    fresh row; it is removed mid-reply with keep=True (`inspect(decoder, state)` then looks
+    at what it handed back) and continues single-stream from those caches and head state:
+    nothing prefilled again. Every turn's tokens and proposals equal a fresh run's."""
+    config = GenerationConfig(max_tokens=14, num_draft_tokens=3)
+    d = mlx_spec.make_decoder(pair)
+    generate(pair, TEXTS[1], config, decoder=d)
+    more = pair.tokenizer.encode(" and then", add_special_tokens=False)
+    prompt = d.sequence[:-4] + more
+    held = len(d.sequence) - 1
+    decoder = make_batch_decoder(pair, 3)
+    other = decoder.add(pair.tokenizer.encode(TEXTS[0]), GenerationConfig(max_tokens=30))
+    rid = decoder.add(prompt, GenerationConfig(max_tokens=30), kept=d, keep=True)
+    assert decoder.row(rid).reused == held - 3 and not d.sequence
+    tokens, rounds = [], []
+    for _ in range(4):
+        u = decoder.step()[rid]
+        tokens += u.tokens
+        rounds += records([u.round])
+    state = decoder.remove(rid)
+    assert len(decoder) == 1 and state.sequence == prompt + tokens
+    if inspect is not None:
+        inspect(decoder, state)
+    assert tokens == reference(pair, prompt, 30)[: len(tokens)]
+    assert rounds == records(generate(pair, prompt, config.replace(max_tokens=30)).rounds)[:4]
+    single = into_decoder(mlx_spec.make_decoder(pair), state)
+    follow = state.sequence + more
+    res = generate(pair, follow, config, decoder=single)
+    fresh = generate(pair, follow, config)
+    assert res.tokens == fresh.tokens and res.stats.drafted > 0
+    assert res.stats.prompt_tokens_reused == len(state.sequence) - 1
+    assert records(res.rounds) == records(fresh.rounds)
+    out, _ = run_rows(decoder, {other: None})  # the row beside it carries on
+    assert out[other][0][-4:] == reference(pair, TEXTS[0], 30)[-4:]
+
+
+def test_seeded_rows_sample_the_same_whatever_the_batch(pair):
+    assert_seeded_rows_sample_as_alone(pair)
 
 
 JOINING = 4  # sampled rows joining per round
@@ -554,6 +616,43 @@ MIXED = {  # one row each: what a request may ask, batched beside the others
 }
 
 
+def run_mixed(pair, texts=TEXTS) -> tuple[dict, dict, list]:
+    """One row per MIXED setting (prompts from `texts` in turn) in one batch, run to the
+    end: {row: (name, prompt, config)}, {row: (tokens, log-probabilities)}, every Round."""
+    configs = [
+        GenerationConfig(max_tokens=24, num_draft_tokens=3, **settings)
+        for settings in MIXED.values()
+    ]
+    prompts = [texts[i % len(texts)] for i in range(len(configs))]
+    decoder = make_batch_decoder(pair, 3)
+    rows = {
+        decoder.add(prompt_tokens(pair, p, c)[0], c): (name, p, c)
+        for name, p, c in zip(MIXED, prompts, configs, strict=True)
+    }
+    got = {rid: ([], []) for rid in rows}
+    rounds = []
+    while len(decoder):
+        for rid, u in decoder.step().items():
+            got[rid][0].extend(u.tokens)
+            got[rid][1].extend(u.round.logprobs or [])
+            rounds.append((rid, u.round))
+    return rows, got, rounds
+
+
+def assert_mixed_rows_as_alone(pair, rows: dict, got: dict, skip=()) -> None:
+    """Each row's tokens (and log-probabilities, where asked; none elsewhere) are what it
+    gets alone."""
+    for rid, (name, prompt, config) in rows.items():
+        if name in skip:
+            continue
+        alone = list(mlx_spec.stream(pair, prompt, config))
+        assert got[rid][0] == [e.token for e in alone], name
+        if name == "logprobs":
+            assert np.allclose(got[rid][1], [e.logprob for e in alone], atol=1e-4), name
+        else:
+            assert got[rid][1] == [], name
+
+
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_a_mixed_batch_gives_each_row_what_it_gets_alone(pair, drafter):
     """A schema, a regex, penalties and a logit bias, log-probabilities, a plain row and a
@@ -561,38 +660,14 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(pair, drafter):
     are what it gets alone; each grammar holds its own matcher, rolled back with its row."""
     if drafter == "ngram":
         pair = load_pair(target=str(pair.config.target), drafter="ngram")
-    configs = [
-        GenerationConfig(max_tokens=24, num_draft_tokens=3, **settings)
-        for settings in MIXED.values()
-    ]
-    prompts = [TEXTS[i % len(TEXTS)] for i in range(len(configs))]
-    decoder = make_batch_decoder(pair, 3)
-    rows = {
-        decoder.add(prompt_tokens(pair, p, c)[0], c): (name, p, c)
-        for name, p, c in zip(MIXED, prompts, configs, strict=True)
-    }
-    got = {rid: ([], []) for rid in rows}
-    drafted, forced = 0, dict.fromkeys(rows, 0)
-    while len(decoder):
-        for rid, u in decoder.step().items():
-            got[rid][0].extend(u.tokens)
-            got[rid][1].extend(u.round.logprobs or [])
-            drafted += u.round.drafted
-            forced[rid] += u.round.forced
-    assert drafted > 0
+    rows, got, rounds = run_mixed(pair)
+    assert sum(r.drafted for _, r in rounds) > 0
     # the grammars' forced tokens (braces, a key, the b after an a) are drafted for free
+    forced = {rid: sum(r.forced for i, r in rounds if i == rid) for rid in rows}
     assert [forced[rid] > 0 for rid in rows] == [
         n in ("schema", "regex") for n, _, _ in rows.values()
     ]
-    for rid, (name, prompt, config) in rows.items():
-        alone = list(mlx_spec.stream(pair, prompt, config))
-        tokens = [e.token for e in alone]
-        assert got[rid][0] == tokens, name
-        if name == "logprobs":
-            want = [e.logprob for e in alone]
-            assert np.allclose(got[rid][1], want, atol=1e-4), name
-        else:
-            assert got[rid][1] == []
+    assert_mixed_rows_as_alone(pair, rows, got)
     # the grammars held: the regex row's text matches it
     name_of = {v[0]: k for k, v in rows.items()}
     text = pair.tokenizer.decode(got[name_of["regex"]][0])

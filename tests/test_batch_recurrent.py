@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import test_batch
 import tiny
-from test_batch import MIXED, TEXTS, assert_holds, sampled_first_two
+from test_batch import TEXTS, assert_holds, assert_mixed_rows_as_alone, run_mixed, sampled_first_two
 from test_distribution import accept_everything, chi_square, exact_joint
 
 import mlx_spec
@@ -23,7 +23,6 @@ import mlx_spec.decode.rounds
 from mlx_spec import GenerationConfig, SpecError, generate, load_pair
 from mlx_spec.core import caches
 from mlx_spec.decode.batch import check_batchable, into_decoder, make_batch_decoder
-from mlx_spec.decode.prompts import prompt_tokens
 
 FAMILIES = ["qwen3_5", "mamba"]
 REPEATS = [  # repetitive prompts: lookup finds something to draft
@@ -230,33 +229,13 @@ def test_a_mixed_batch_of_recurrent_rows_gives_each_what_it_gets_alone(
     one batch on the hybrid: each greedy row's tokens (and log-probabilities) are what it gets
     alone; the sampled row runs to its end beside them."""
     pair = pair_of(tiny_models, targets, "qwen3_5", drafter)
-    configs = [
-        GenerationConfig(max_tokens=24, num_draft_tokens=3, **settings)
-        for settings in MIXED.values()
-    ]
-    prompts = [REPEATS[i % len(REPEATS)] for i in range(len(configs))]
-    decoder = make_batch_decoder(pair, 3)
-    rows = {
-        decoder.add(prompt_tokens(pair, p, c)[0], c): (name, p, c)
-        for name, p, c in zip(MIXED, prompts, configs, strict=True)
-    }
-    got = {rid: ([], []) for rid in rows}
-    rounds = []
-    while len(decoder):
-        for rid, u in decoder.step().items():
-            got[rid][0].extend(u.tokens)
-            got[rid][1].extend(u.round.logprobs or [])
-            rounds.append(u.round)
+    rows, got, rounds = run_mixed(pair, REPEATS)
+    rounds = [r for _, r in rounds]
     assert any(r.replayed for r in rounds) and any(r.filled for r in rounds)
     assert any(r.forced for r in rounds)
-    for rid, (name, prompt, config) in rows.items():
-        if name == "sampled":
-            assert got[rid][0]
-            continue
-        alone = list(mlx_spec.stream(pair, prompt, config))
-        assert got[rid][0] == [e.token for e in alone], name
-        if name == "logprobs":
-            assert np.allclose(got[rid][1], [e.logprob for e in alone], atol=1e-4), name
+    sampled = next(rid for rid, (name, _, _) in rows.items() if name == "sampled")
+    assert got[sampled][0]  # it runs to its end (its samples are its own beside others)
+    assert_mixed_rows_as_alone(pair, rows, got, skip=("sampled",))
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "ngram+model"])

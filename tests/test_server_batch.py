@@ -359,6 +359,32 @@ def test_a_head_pair_drafts_alone_and_in_a_batch(head_server, pair):
     assert again["spec"]["prompt_tokens_reused"] == prompt - 1
 
 
+def next_turn_beside_others(url: str, messages: list[dict], jobs: list) -> tuple:
+    """A long request runs; a conversation's next turn (`messages`) and `jobs` ((kind, text)
+    each, streamed) are sent while it does and share a batch: their results and the turn's
+    response."""
+    anchor = client(url).completions.create(
+        model="long", prompt=PROMPTS[0], max_tokens=400, stream=True, temperature=0
+    )
+    next(iter(anchor))  # a row runs; the next ones join it, or batch once it is done
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        turn = pool.submit(
+            lambda: client(url).chat.completions.create(
+                model="long", messages=messages, max_tokens=TOKENS, temperature=0
+            )
+        )
+        others = [
+            pool.submit(streamed, url, KEY_A, kind, text, 0.05 * i, temperature=0)
+            for i, (kind, text) in enumerate(jobs)
+        ]
+        wait_until(lambda: metrics(url)["mlx_spec_batch_size"] >= 2, "the rows never batched")
+        got = [f.result() for f in others]
+        r = turn.result()
+    anchor.close()
+    assert metrics(url)["mlx_spec_batch_size_max"] >= 2
+    return got, r
+
+
 def test_a_sliding_window_pair_batches(tiny_models, tmp_path):
     """A Mistral-style sliding-window target (8-token window) and its noisy copy as the
     draft: concurrent requests share one drafting batch (before, such a pair was served one
@@ -385,28 +411,9 @@ def test_a_sliding_window_pair_batches(tiny_models, tmp_path):
             {"role": "assistant", "content": turn1},
             {"role": "user", "content": "And then?"},
         ]
-        anchor = client(url).completions.create(
-            model="long", prompt=PROMPTS[0], max_tokens=400, stream=True, temperature=0
-        )
-        next(iter(anchor))  # a row runs; the next ones join it
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            turn2 = pool.submit(
-                lambda: client(url).chat.completions.create(
-                    model="long", messages=messages, max_tokens=TOKENS, temperature=0
-                )
-            )
-            others = [
-                pool.submit(streamed, url, KEY_A, kind, text, 0.05 * i, temperature=0)
-                for i, (kind, text) in enumerate([("completion", PROMPTS[1]), ("chat", PROMPTS[3])])
-            ]
-            wait_until(lambda: metrics(url)["mlx_spec_batch_size"] >= 2, "the rows never batched")
-            got = [f.result() for f in others]
-            r = turn2.result()
-        anchor.close()
-        assert metrics(url)["mlx_spec_batch_size_max"] >= 2
-    for (kind, text), g in zip(
-        [("completion", PROMPTS[1]), ("chat", PROMPTS[3])], got, strict=True
-    ):
+        jobs = [("completion", PROMPTS[1]), ("chat", PROMPTS[3])]
+        got, r = next_turn_beside_others(url, messages, jobs)
+    for (kind, text), g in zip(jobs, got, strict=True):
         prompt = chat(text) if kind == "chat" else text
         assert g["text"] == generate(sliding, prompt, max_tokens=TOKENS, temperature=0).text
         assert g["spec"]["batched"] is True and g["spec"]["drafted"] > 0
@@ -450,25 +457,7 @@ def test_a_hybrid_recurrent_pair_batches(tiny_models, tmp_path, drafter):
             {"role": "assistant", "content": "Yes."},
             {"role": "user", "content": "And then?"},
         ]
-        anchor = client(url).completions.create(
-            model="long", prompt=PROMPTS[0], max_tokens=400, stream=True, temperature=0
-        )
-        next(iter(anchor))  # a row runs; the next ones join it
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            turn2 = pool.submit(
-                lambda: client(url).chat.completions.create(
-                    model="long", messages=messages, max_tokens=TOKENS, temperature=0
-                )
-            )
-            others = [
-                pool.submit(streamed, url, KEY_A, kind, text, 0.05 * i, temperature=0)
-                for i, (kind, text) in enumerate(jobs)
-            ]
-            wait_until(lambda: metrics(url)["mlx_spec_batch_size"] >= 2, "the rows never batched")
-            got = [f.result() for f in others]
-            r = turn2.result()
-        anchor.close()
-        assert metrics(url)["mlx_spec_batch_size_max"] >= 2
+        got, r = next_turn_beside_others(url, messages, jobs)
     for (kind, text), g in zip(jobs, got, strict=True):
         prompt = chat(text) if kind == "chat" else text
         assert g["text"] == generate(hybrid, prompt, max_tokens=TOKENS, temperature=0).text
