@@ -23,6 +23,7 @@ DRAFTER_KINDS = {
     "mtp": "the target's own multi-token-prediction layer (--head DIR from mlx-spec heads "
     "extract, or the original checkpoint: extracted once into the cache)",
     "dflash": "a DFlash block-diffusion head (z-lab): one forward drafts a block",
+    "dspark": "a DSpark head: a DFlash block drafter with a Markov head over the previous guess",
 }
 
 DEFAULT_PAIR = "smollm2-demo"

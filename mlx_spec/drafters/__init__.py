@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from ..errors import SpecError
 from .base import Drafter, DrafterKind, TargetOutput
-from .kinds import DFlashKind, EagleKind, LookupThenModelKind, ModelKind, MTPKind, NGramKind
+from .kinds import (
+    DFlashKind,
+    DSparkKind,
+    EagleKind,
+    LookupThenModelKind,
+    ModelKind,
+    MTPKind,
+    NGramKind,
+)
 
 KINDS: dict[str, type[DrafterKind]] = {}
 
@@ -45,5 +53,6 @@ register(LookupThenModelKind)
 register(EagleKind)
 register(MTPKind)
 register(DFlashKind)
+register(DSparkKind)
 
 __all__ = ["KINDS", "Drafter", "DrafterKind", "TargetOutput", "batched_kinds", "kind", "register"]

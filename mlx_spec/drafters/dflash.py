@@ -57,8 +57,12 @@ from .base import Drafter
 class DFlashArgs:
     """The fields of a z-lab DFlash config.json the forward needs."""
 
+    name = "DFlash"  # in error messages (DSparkArgs: "DSpark")
+    neox_rope = True  # rope pairing when the config has no rope_is_neox_style (DSpark: False)
+
     def __init__(self, cfg: dict):
         dflash = cfg.get("dflash_config") or {}
+        name = self.name
         try:
             self.hidden_size = int(cfg["hidden_size"])
             self.num_hidden_layers = int(cfg["num_hidden_layers"])
@@ -74,18 +78,18 @@ class DFlashArgs:
                 raise KeyError("dflash_config.mask_token_id")
             self.mask_token_id = dflash["mask_token_id"]
         except KeyError as err:
-            raise SpecError(f"the DFlash config.json has no {err.args[0]}") from None
+            raise SpecError(f"the {name} config.json has no {err.args[0]}") from None
         except (TypeError, ValueError, ZeroDivisionError) as err:
-            raise SpecError(f"the DFlash config.json has a bad field: {err}") from None
+            raise SpecError(f"the {name} config.json has a bad field: {err}") from None
         ids = dflash.get("target_layer_ids")
         if ids is None and "num_target_layers" in cfg:  # z-lab's default spread
             ids = default_layer_ids(int(cfg["num_target_layers"]), self.num_hidden_layers)
         if not isinstance(ids, list) or not ids:
-            raise SpecError("the DFlash config.json has no dflash_config.target_layer_ids")
+            raise SpecError(f"the {name} config.json has no dflash_config.target_layer_ids")
         if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-            raise SpecError(f"DFlash target_layer_ids must be integers, got {ids}")
+            raise SpecError(f"{name} target_layer_ids must be integers, got {ids}")
         if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int):
-            raise SpecError(f"DFlash mask_token_id must be an integer, got {self.mask_token_id!r}")
+            raise SpecError(f"{name} mask_token_id must be an integer, got {self.mask_token_id!r}")
         self.target_layer_ids = tuple(ids)
         self.attention_bias = bool(cfg.get("attention_bias", False))
         rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope settings here
@@ -95,6 +99,9 @@ class DFlashArgs:
             scaling = rope
         self.rope_scaling = scaling
         self.max_position_embeddings = cfg.get("max_position_embeddings")
+        # mlx-vlm reads the pairing from `rope_is_neox_style` (split halves); MLX calls the
+        # other one, interleaved pairs, "traditional"
+        self.rope_traditional = not bool(cfg.get("rope_is_neox_style", self.neox_rope))
 
 
 def default_layer_ids(target_layers: int, draft_layers: int) -> list[int]:
@@ -156,6 +163,9 @@ class DFlashLayer(nn.Module):
 class DFlashHead(nn.Module):
     """The head's own weights (no embedding, no output head: the target's are used)."""
 
+    args_type = DFlashArgs
+    first_row = 1  # the block row that guesses the next token (DSpark's anchor row guesses)
+
     def __init__(self, args: DFlashArgs):
         super().__init__()
         self.args = args
@@ -167,7 +177,7 @@ class DFlashHead(nn.Module):
         self._rope = initialize_rope(
             args.head_dim,
             args.rope_theta,
-            False,
+            args.rope_traditional,
             args.rope_scaling,
             args.max_position_embeddings,
         )
@@ -185,6 +195,32 @@ class DFlashHead(nn.Module):
             x = layer(x, self._rope, offset, c)
         return self.norm(x)
 
+    @classmethod
+    def check_target(cls, args: DFlashArgs, tcfg: dict) -> None:
+        """Refuse (one line) a head made for another model than this target config's."""
+        hidden = tcfg.get("hidden_size")
+        if hidden is not None and int(hidden) != args.hidden_size:
+            raise SpecError(
+                f"the {args.name} head's hidden size is {args.hidden_size}, the target's "
+                f"{hidden}: a head for another model"
+            )
+        vocab = tcfg.get("vocab_size")
+        if vocab is not None and not 0 <= args.mask_token_id < int(vocab):
+            raise SpecError(
+                f"the {args.name} mask token {args.mask_token_id} is outside the target's "
+                f"vocabulary ({vocab} tokens)"
+            )
+
+    @staticmethod
+    def sanitize(weights: dict) -> dict:
+        """Published names -> this module's: some exports prefix every name with `model.`."""
+        return {k.removeprefix("model."): v for k, v in weights.items()}
+
+
+def short_block(name: str, least: int, size: int) -> SpecError:
+    plural = "s" if least > 1 else ""
+    return SpecError(f"a {name} block must hold at least {least} token{plural}, got {size}")
+
 
 def target_io(target):
     """The target's token embedding and output head, as the DFlash reference binds them."""
@@ -201,13 +237,16 @@ def target_io(target):
 class DFlashDrafter(Drafter):
     """Drafts `block_size - 1` tokens in one forward of the head; see the module's notes."""
 
+    chained = False  # whether a guess depends on the guess before it (DSpark's Markov head)
+
     def __init__(self, head: DFlashHead, target, block_size: int | None = None):
         self.head = head
         self.embed, self.lm_head = target_io(target)
         self.block_size = block_size or head.args.block_size
-        if self.block_size < 2:
-            raise SpecError(f"a DFlash block must hold at least 2 tokens, got {self.block_size}")
-        self.max_draft = self.block_size - 1
+        self.first_row = head.first_row
+        self.max_draft = self.block_size - self.first_row
+        if self.max_draft < 1:
+            raise short_block(head.args.name, self.first_row + 1, self.block_size)
         self.hidden_layers = head.args.target_layer_ids
         self.mask = head.args.mask_token_id
         self.steps = 0
@@ -302,7 +341,12 @@ class DFlashDrafter(Drafter):
         self._flush()
         block = mx.array([self.tokens[-1]] + [self.mask] * (self.block_size - 1), mx.uint32)
         h = self.head(self.embed(block[None]), len(self.tokens) - 1, self.cache)
-        return self.lm_head(h[:, 1 : k + 1])[0]
+        return self.lm_head(h[:, self.first_row : self.first_row + k])[0]
+
+    def _step_logits(self, logits: mx.array, previous: mx.array) -> mx.array:
+        """Position i's logits given the guess before it (`previous`, (1,)): DFlash's do
+        not depend on it (DSpark adds its Markov head's bias)."""
+        return logits
 
     def propose(self, k, params, key, *, processors=()):
         k = min(k, self.max_draft)
@@ -310,23 +354,28 @@ class DFlashDrafter(Drafter):
         if k <= 0:
             return mx.zeros((0,), mx.uint32), None
         logits = self._block_logits(k)
-        if not processors:
+        if not processors and not self.chained:
             if params.greedy:
                 return mx.argmax(logits, axis=-1).astype(mx.uint32), None
             q = probabilities(logits, params)
             return sample(q, key).astype(mx.uint32), q
-        # each position after the context and the block's earlier guesses (processors.py)
+        # each position after the context and the block's earlier guesses (processors.py); a
+        # chained head's q at i is the distribution given the guess actually drawn at i - 1
         keys = None if params.greedy else mx.random.split(key, k)
         drafted, qs = [], []
+        previous = mx.array([self.tokens[-1]], mx.uint32)
         for i in range(k):
             so_far = mx.concatenate(drafted) if drafted else []
-            row = apply_processors(processors, self.tokens, so_far, logits[i])
+            row = self._step_logits(logits[i], previous)
+            if processors:
+                row = apply_processors(processors, self.tokens, so_far, row)
             if params.greedy:
                 drafted.append(mx.argmax(row, axis=-1, keepdims=True).astype(mx.uint32))
             else:
                 q = probabilities(row, params)
                 drafted.append(sample(q, keys[i]).reshape(1).astype(mx.uint32))
                 qs.append(q)
+            previous = drafted[-1]
         return mx.concatenate(drafted), (mx.stack(qs) if qs else None)
 
     def commit(self, kept, output=None):
@@ -344,54 +393,46 @@ class DFlashDrafter(Drafter):
         return caches.nbytes(self.cache)
 
 
-def _read_head_config(path: Path) -> dict:
+def _read_head_config(path: Path, name: str) -> dict:
     try:
         cfg = json.loads((path / "config.json").read_text())
     except FileNotFoundError:
-        raise SpecError(f"the DFlash head {path} has no config.json") from None
+        raise SpecError(f"the {name} head {path} has no config.json") from None
     except (OSError, ValueError) as err:
-        raise SpecError(f"the DFlash head's config.json cannot be read: {err}") from None
+        raise SpecError(f"the {name} head's config.json cannot be read: {err}") from None
     if not isinstance(cfg, dict):
-        raise SpecError("the DFlash head's config.json is not an object")
+        raise SpecError(f"the {name} head's config.json is not an object")
     return cfg
 
 
-def load_head(path: Path, target, target_config: dict) -> DFlashHead:
-    """A z-lab DFlash directory -> the head, checked against the target (one-line errors)."""
+def load_head(path: Path, target, target_config: dict, head_type=DFlashHead) -> DFlashHead:
+    """A z-lab DFlash directory (or another block head's: `head_type`, DSpark's) -> the head,
+    checked against the target (one-line errors)."""
     path = Path(path)
-    config = _read_head_config(path)
-    args = DFlashArgs(config)
-    if args.block_size < 2:
-        raise SpecError(f"a DFlash block must hold at least 2 tokens, got {args.block_size}")
+    name = head_type.args_type.name
+    config = _read_head_config(path, name)
+    args = head_type.args_type(config)
+    least = 1 + head_type.first_row  # a block that guesses at least one token
+    if args.block_size < least:
+        raise short_block(name, least, args.block_size)
     depth = len(layer_list(target))
     bad = [i for i in args.target_layer_ids if not 0 <= i < depth]
     if bad:
         raise SpecError(
-            f"the DFlash head reads target layer {bad[0]}, but the target has {depth} layers"
+            f"the {name} head reads target layer {bad[0]}, but the target has {depth} layers"
         )
-    tcfg = text_config(target_config)
-    hidden = tcfg.get("hidden_size")
-    if hidden is not None and int(hidden) != args.hidden_size:
-        raise SpecError(
-            f"the DFlash head's hidden size is {args.hidden_size}, the target's {hidden}: "
-            "a head for another model"
-        )
-    vocab = tcfg.get("vocab_size")
-    if vocab is not None and not 0 <= args.mask_token_id < int(vocab):
-        raise SpecError(
-            f"the DFlash mask token {args.mask_token_id} is outside the target's vocabulary "
-            f"({vocab} tokens)"
-        )
+    head_type.check_target(args, text_config(target_config))
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise SpecError(f"the DFlash head {path} has no .safetensors weights")
+        raise SpecError(f"the {name} head {path} has no .safetensors weights")
     weights = {}
     for f in files:
         try:
             weights.update(mx.load(str(f)))
         except Exception as err:  # noqa: BLE001 - mlx raises bare RuntimeErrors
             raise SpecError(f"cannot read {f.name}: {err}") from None
-    head = DFlashHead(args)
+    weights = head_type.sanitize(weights)
+    head = head_type(args)
     quant = config.get("quantization")
     if isinstance(quant, dict):  # an mlx conversion: quantize what the checkpoint quantized
         nn.quantize(
@@ -403,5 +444,5 @@ def load_head(path: Path, target, target_config: dict) -> DFlashHead:
     try:
         head.load_weights(list(weights.items()))
     except ValueError as err:
-        raise SpecError(f"the DFlash head's weights do not fit its config: {err}") from None
+        raise SpecError(f"the {name} head's weights do not fit its config: {err}") from None
     return head

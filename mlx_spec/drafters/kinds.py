@@ -162,3 +162,24 @@ class DFlashKind(DrafterKind):
     @classmethod
     def batch_drafting(cls, pair) -> dict:
         return {"head": pair.head}
+
+
+class DSparkKind(DFlashKind):
+    name = "dspark"
+    help = "a DSpark head: a DFlash block drafter with a Markov head over the previous guess"
+
+    @classmethod
+    def load_head(cls, path, target, target_config: dict):
+        from .dspark import load_head
+
+        return load_head(path, target, target_config)
+
+    @classmethod
+    def build(cls, pair):
+        from .dspark import DSparkDrafter
+
+        return DSparkDrafter(pair.head, pair.target)
+
+    @classmethod
+    def batch_drafting(cls, pair) -> None:
+        return None  # its rows are not written yet (decode/batch_head.py)

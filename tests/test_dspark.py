@@ -1,0 +1,315 @@
+"""DSpark block drafters: tiny heads written in the published layout (DFlash's backbone, the
+Markov head, the confidence head; config.json as Liquid AI's LFM2.5 heads), random weights, over
+tiny targets; lossless greedy and sampled, the drafts equal to a forward written apart in plain
+MLX ops after mlx-vlm's `qwen3_dspark`, refused when malformed."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+from mlx.utils import tree_flatten
+from test_dflash import head_config as dflash_config
+from test_distribution import chi_square, exact_joint, first_two
+from test_greedy_equality import PROMPTS, reference
+
+from mlx_spec import Decoder, SamplingParams, SpecError, generate, load_pair
+from mlx_spec.cli import main
+from mlx_spec.core.processors import Penalties
+from mlx_spec.drafters.dspark import DSparkArgs, DSparkDrafter, DSparkHead
+
+RANK = 8
+
+
+def head_config(target: dict, layer_ids, block_size=6, mask=5, layers=1) -> dict:
+    """A config.json as Liquid AI publishes a DSpark head: DFlash's Qwen3 config, `block_size`
+    the number of guesses, the Markov head's fields, interleaved rope."""
+    cfg = dflash_config(target, layer_ids, block_size, mask, layers)
+    cfg["architectures"] = ["Lfm2DSparkDraftModel"]
+    del cfg["auto_map"]
+    cfg["dflash_config"]["num_target_layers"] = target["num_hidden_layers"]
+    return cfg | {
+        "markov_rank": RANK,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": True,
+        "rope_is_neox_style": False,
+    }
+
+
+def head_weights(config: dict, seed: int = 1, markov: float = 4.0) -> dict:
+    """Random weights under the published names, the Markov bias scaled up by `markov` (so
+    that it moves the guesses: what a wrong q would show), a confidence head beside them."""
+    mx.random.seed(seed)
+    weights = dict(tree_flatten(DSparkHead(DSparkArgs(config)).parameters()))
+    weights = {k: v * 3 if k.endswith("o_proj.weight") else v for k, v in weights.items()}
+    weights["markov_head.markov_w2.weight"] *= markov
+    hidden = config["hidden_size"]
+    weights["confidence_head.proj.weight"] = mx.random.normal((1, hidden + RANK)) * 0.1
+    weights["confidence_head.proj.bias"] = mx.zeros((1,))
+    return weights
+
+
+def write_head(path, config: dict, seed: int = 1, drop: str | None = None, prefix: str = ""):
+    weights = head_weights(config, seed)
+    if drop:
+        weights.pop(drop)
+    path.mkdir(parents=True, exist_ok=True)
+    named = {prefix + k: v for k, v in weights.items()}
+    mx.save_safetensors(str(path / "model.safetensors"), named)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dspark")
+    llama = json.loads((tiny_models.target / "config.json").read_text())
+    # names prefixed `model.` as some exports write them (the loader strips it)
+    out = {"llama": write_head(root / "llama", head_config(llama, [0, 2]), prefix="model.")}
+    qcfg = tiny.family_configs(320)["qwen3_5"]
+    qtarget = tiny.write_model(
+        root / "qwen3_5", qcfg, tiny.family_weights(qcfg, 0), tiny_models.tokenizer
+    )
+    out["qwen3_5_target"] = qtarget
+    out["qwen3_5"] = write_head(root / "qwen3_5_head", head_config(qcfg, [1, 2], block_size=5))
+    small = json.loads((tiny_models.small_target / "config.json").read_text())
+    out["small"] = write_head(root / "small", head_config(small, [0, 1], block_size=3, mask=15))
+    out["root"] = root
+    out["llama_config"] = llama
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tiny_models, heads):
+    return load_pair(target=str(tiny_models.target), drafter="dspark", head=str(heads["llama"]))
+
+
+@pytest.fixture(scope="module")
+def qwen_pair(heads):
+    target = str(heads["qwen3_5_target"])
+    return load_pair(target=target, drafter="dspark", head=str(heads["qwen3_5"]))
+
+
+@pytest.mark.parametrize("k", [2, 4, "auto"])
+def test_greedy_equals_the_target_alone(llama_pair, k):
+    pair = llama_pair
+    drafted = 0
+    for prompt in PROMPTS:
+        res = generate(pair, prompt, max_tokens=32, num_draft_tokens=k)
+        assert res.tokens == reference(pair, prompt, 32)
+        drafted += res.stats.drafted
+    assert drafted > 0
+
+
+@pytest.mark.parametrize("k", [2, 4, "auto"])
+def test_greedy_on_a_recurrent_target(qwen_pair, k):
+    """Qwen3.5 (Gated-DeltaNet): rejected rounds restore the target and replay the kept tokens,
+    whose hidden rows reach the head one pass later."""
+    res = generate(qwen_pair, PROMPTS[1], max_tokens=30, num_draft_tokens=k)
+    assert res.tokens == reference(qwen_pair, PROMPTS[1], 30)
+    if k != "auto":  # auto follows this machine's timings: it may pause a poor head at once
+        assert res.stats.drafted > 0
+
+
+def test_every_row_of_the_block_guesses(llama_pair):
+    """A block of 6 drafts 6 (the anchor's row guesses too); a shorter proposal is the
+    longer one's prefix (the Markov chain runs left to right)."""
+    drafter = DSparkDrafter(llama_pair.head, llama_pair.target)
+    assert drafter.max_draft == 6 and drafter.hidden_layers == (0, 2)
+    drafter.prefill([1, 9, 40, 7], output=None)
+    tokens, q = drafter.propose(12, SamplingParams(), None)
+    assert tokens.shape == (6,) and q is None and drafter.steps == 1
+    some, _ = drafter.propose(3, SamplingParams(), None)
+    assert some.tolist() == tokens.tolist()[:3]
+    tokens, q = drafter.propose(3, SamplingParams(temperature=1.0), mx.random.key(0))
+    assert q.shape == (3, 320) and np.allclose(np.array(q.sum(-1)), 1, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the reference forward
+# Written from mlx-vlm's qwen3_dflash/dflash.py (DFlashAttention, DFlashDecoderLayer, _hidden,
+# _logits) and qwen3_dspark/dspark.py (draft_block, VanillaMarkov.sample_block), in plain MLX
+# ops over the checkpoint's tensors: nothing of mlx_spec's head is called.
+
+
+def rms(x, w, eps):
+    return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope_interleaved(x, start: int, base: float):
+    """(heads, L, d) rotated at positions start..: pairs (2j, 2j + 1), GPT-J style."""
+    d = x.shape[-1]
+    pos = mx.arange(start, start + x.shape[-2], dtype=mx.float32)[:, None]
+    angle = pos * base ** (-mx.arange(0, d, 2, dtype=mx.float32) / d)[None]  # (L, d/2)
+    cos, sin = mx.cos(angle), mx.sin(angle)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(x.shape)
+
+
+def reference_logits(w, cfg, ctx, embed_w, head_w, anchor, guesses):
+    """Base logits of the block [anchor, mask...] over the context features ctx (S, n*H),
+    then each position's logits with the Markov bias of the token before it (anchor, then
+    `guesses`): (len(guesses) + 1, vocab)."""
+    eps, heads, kv = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d, g = cfg["head_dim"], cfg["block_size"]
+    block = mx.array([anchor] + [cfg["dflash_config"]["mask_token_id"]] * (g - 1))
+    h = embed_w[block]  # (g, H)
+    h_ctx = rms(ctx @ w["fc.weight"].T, w["hidden_norm.weight"], eps)  # (S, H)
+    S = h_ctx.shape[0]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        x = rms(h, w[p + "input_layernorm.weight"], eps)
+
+        def proj(name, rows, n, x=x, p=p):
+            return (rows @ w[p + f"self_attn.{name}_proj.weight"].T).reshape(-1, n, d)
+
+        q = rms(proj("q", x, heads), w[p + "self_attn.q_norm.weight"], eps).transpose(1, 0, 2)
+        k_ctx = rms(proj("k", h_ctx, kv), w[p + "self_attn.k_norm.weight"], eps)
+        k_blk = rms(proj("k", x, kv), w[p + "self_attn.k_norm.weight"], eps)
+        v = mx.concatenate([proj("v", h_ctx, kv), proj("v", x, kv)]).transpose(1, 0, 2)
+        base = cfg["rope_theta"]
+        q = rope_interleaved(q, S, base)
+        k = mx.concatenate(
+            [
+                rope_interleaved(k_ctx.transpose(1, 0, 2), 0, base),
+                rope_interleaved(k_blk.transpose(1, 0, 2), S, base),
+            ],
+            axis=1,
+        )  # (kv, S + g, d)
+        k, v = mx.repeat(k, heads // kv, axis=0), mx.repeat(v, heads // kv, axis=0)
+        att = mx.softmax((q @ k.transpose(0, 2, 1)) * d**-0.5, axis=-1)  # unmasked
+        o = (att @ v).transpose(1, 0, 2).reshape(g, heads * d)
+        h = h + o @ w[p + "self_attn.o_proj.weight"].T
+        x = rms(h, w[p + "post_attention_layernorm.weight"], eps)
+        gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
+        h = h + (gate * mx.sigmoid(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    base_logits = rms(h, w["norm.weight"], eps) @ head_w.T  # (g, vocab): every row guesses
+    previous = mx.array([anchor] + list(guesses))
+    bias = w["markov_head.markov_w1.weight"][previous] @ w["markov_head.markov_w2.weight"].T
+    return base_logits[: previous.shape[0]] + bias
+
+
+def target_features(model, tokens: list[int], ids) -> mx.array:
+    """The target's layer outputs at `ids`, side by side, at every position (mlx-lm's llama
+    layers called one by one)."""
+    inner = model.model
+    h, outs = inner.embed_tokens(mx.array([tokens])), []
+    for layer in inner.layers:
+        h = layer(h, "causal")
+        outs.append(h[0])
+    return mx.concatenate([outs[i] for i in ids], axis=-1)
+
+
+def test_drafts_equal_a_reference_forward(llama_pair, heads):
+    """Greedy guesses and sampled q (each position's, given the guess drawn before it) equal
+    the reference's on the checkpoint's tensors; and the Markov bias matters: the q of a
+    later position given another previous token differs."""
+    pair = llama_pair
+    cfg = json.loads((heads["llama"] / "config.json").read_text())
+    saved = mx.load(str(heads["llama"] / "model.safetensors"))
+    w = {k.removeprefix("model."): v for k, v in saved.items()}
+    embed_w = pair.target.model.embed_tokens.weight
+    head_w = pair.target.lm_head.weight if hasattr(pair.target, "lm_head") else embed_w
+    prompt = pair.tokenizer.encode(PROMPTS[0])
+    ctx = target_features(pair.target, prompt, cfg["dflash_config"]["target_layer_ids"])[:-1]
+    drafter = DSparkDrafter(pair.head, pair.target)
+    Decoder(pair.target, drafter, ()).prefill(prompt)
+    g = cfg["block_size"]
+
+    greedy, _ = drafter.propose(g, SamplingParams(), None)
+    want = []
+    for i in range(g):  # the reference's own greedy chain
+        row = reference_logits(w, cfg, ctx, embed_w, head_w, prompt[-1], want)[i]
+        want.append(int(mx.argmax(row).item()))
+    assert greedy.tolist() == want
+
+    params = SamplingParams(temperature=1.0)
+    tokens, q = drafter.propose(g, params, mx.random.key(3))
+    drawn = tokens.tolist()
+    expected = mx.softmax(
+        reference_logits(w, cfg, ctx, embed_w, head_w, prompt[-1], drawn[:-1]), -1
+    )
+    diff = float(mx.abs(q - expected).max())
+    print(f"max |q - reference q| = {diff:.2e}")
+    assert diff < 1e-5
+    other = [(t + 1) % 320 for t in drawn[:-1]]  # other previous guesses, same block
+    moved = mx.softmax(reference_logits(w, cfg, ctx, embed_w, head_w, prompt[-1], other), -1)
+    assert float(mx.abs(moved[1:] - expected[1:]).max()) > 0.05
+
+
+def test_processors_and_a_grammar_stay_lossless(llama_pair):
+    """Penalties see the block's earlier guesses as `proposed`; a grammar masks each position
+    after them (the Markov bias added first): greedy output equals the target alone."""
+    pair = llama_pair
+    penalties = (Penalties(repetition=1.3, presence=0.5),)
+    for settings in ({"processors": penalties}, {"regex": r"(the|a) (quick|lazy) [a-z ]{1,24}\."}):
+        plain = generate(pair, PROMPTS[0], max_tokens=24, use_draft=False, **settings)
+        res = generate(pair, PROMPTS[0], max_tokens=24, num_draft_tokens=3, **settings)
+        assert res.tokens == plain.tokens
+        assert res.stats.drafted > res.stats.forced_drafted
+
+
+def test_sampling_keeps_the_target_distribution(tiny_models, heads):
+    """Temperature 1 on a 16-token vocabulary: the first two tokens' joint frequencies match
+    the target's exact joint distribution — the second guess is drawn given the first, so a q
+    that left out the Markov bias (or took it from another previous token) would skew it."""
+    target = str(tiny_models.small_target)
+    pair = load_pair(target=target, drafter="dspark", head=str(heads["small"]))
+    params = SamplingParams(temperature=1.0)
+    drafter = DSparkDrafter(pair.head, pair.target)
+    counts = first_two(pair, params, 600, k=3, drafter=drafter)
+    stat, threshold = chi_square(counts, exact_joint(pair, params))
+    assert stat < threshold
+
+
+def test_the_cli_drafts_with_a_head(tiny_models, heads, capsys):
+    common = ["generate", "--target", str(tiny_models.target), "--max-tokens", "20", "--json"]
+    head = ["--drafter", "dspark", "--head", str(heads["llama"])]
+    assert main([*common, *head, "--num-draft-tokens", "4", PROMPTS[1]]) == 0
+    drafted = json.loads(capsys.readouterr().out)
+    assert main([*common, "--no-draft", PROMPTS[1]]) == 0
+    assert drafted["tokens"] == json.loads(capsys.readouterr().out)["tokens"]
+    assert drafted["stats"]["drafted"] > 0
+
+
+def bad_heads(root, llama: dict) -> dict:
+    cfg = head_config(llama, [0, 2])
+    no_rank = {k: v for k, v in cfg.items() if k != "markov_rank"}
+    gated = cfg | {"markov_head_type": "gated"}
+    cases = {
+        "no Markov weights": (
+            write_head(root / "missing", cfg, drop="markov_head.markov_w2.weight"),
+            "weights do not fit its config",
+        ),
+        "no Markov rank": (write_head(root / "norank", cfg), "no markov_rank"),
+        "a gated Markov head": (write_head(root / "gated", cfg), "vanilla Markov head"),
+        "another vocabulary": (
+            write_head(root / "vocab", head_config({**llama, "vocab_size": 400}, [0, 2])),
+            "vocabulary is 400 tokens, the target's 320",
+        ),
+        "layer past the depth": (
+            write_head(root / "deep", head_config(llama, [0, 4])),
+            "DSpark head reads target layer 4, but the target has 4 layers",
+        ),
+        "an empty block": (write_head(root / "empty", cfg), "at least 1 token, got -1"),
+    }
+    (root / "empty" / "config.json").write_text(json.dumps(cfg | {"block_size": -1}))
+    (root / "norank" / "config.json").write_text(json.dumps(no_rank))
+    (root / "gated" / "config.json").write_text(json.dumps(gated))
+    return cases
+
+
+def test_bad_heads_are_refused_in_one_line(tiny_models, heads, capsys):
+    cases = bad_heads(heads["root"] / "bad", heads["llama_config"])
+    target = str(tiny_models.target)
+    for label, (path, message) in cases.items():
+        with pytest.raises(SpecError, match=message):
+            load_pair(target=target, drafter="dspark", head=str(path))
+        args = ["generate", "--target", target, "--drafter", "dspark", "--head", str(path), "x"]
+        assert main(args) == 2, label
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err and "Traceback" not in err, label
+    with pytest.raises(SpecError, match="needs a head directory"):
+        load_pair(target=target, drafter="dspark")
