@@ -870,7 +870,7 @@ class BatchDecoder:
         if heads is not None:  # the pending features first
             sequences = [r.sequence for r in rows]
             heads.feed(sequences)
-            if heads.kind.block:
+            if heads.kind.block and not heads.kind.chained:  # (DSpark's: step by step)
                 for b, r in enumerate(rows):
                     if sub[b] is not None and not r.processors:
                         whole[b], sub[b] = keys[b], None

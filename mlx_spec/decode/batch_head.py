@@ -33,7 +33,10 @@ A DFlash head (drafters/dflash.py) keeps the same per-row features of every toke
 last, but its entries are its layers' context keys and values, rotated at the row's own
 positions (no token, no output, no `last`), and it drafts a block, not a chain: at step 0 one
 forward over every row's `[last token, mask...]` at its own position (`DFlashRows`), step j
-reading column j; no entries are chained, so nothing is forgotten after the verify pass.
+reading column j; no entries are chained, so nothing is forgotten after the verify pass. A
+DSpark head (drafters/dspark.py, `DSparkRows`) is a DFlash head whose anchor row guesses too
+and whose Markov head adds, at step j, a bias over each row's guess at step j - 1 (its last
+token at step 0): its logits are still one forward's, its guesses drawn step by step.
 
 Rows that do not draft are fed all the same (their features come with the pass for free), so
 every row's head holds its own context. A row that leaves hands its head back (`extract`: an
@@ -52,6 +55,7 @@ from mlx_lm.models.cache import BatchKVCache
 from ..core import caches
 from ..drafters.base import TargetOutput
 from ..drafters.dflash import DFlashDrafter, DFlashHead, target_io
+from ..drafters.dspark import DSparkDrafter, DSparkHead
 from ..drafters.eagle import Eagle3Head, EagleDrafter
 from ..drafters.mtp import MTPDrafter, target_parts
 from ..errors import SpecError
@@ -191,26 +195,29 @@ class DFlashRows:
     block (its left padding masked out)."""
 
     block = True
+    chained = False  # a guess's logits depend on the guess before it (DSparkRows)
+    drafter_type = DFlashDrafter
 
     def __init__(self, head: DFlashHead, target):
         self.head, self.target = head, target
         self.embed, self.lm_head = target_io(target)
         self.hidden_layers = tuple(head.args.target_layer_ids)
         self.block_size = head.args.block_size
-        self.max_draft = self.block_size - 1
+        self.first_row = head.first_row  # the block row that guesses the next token
+        self.max_draft = self.block_size - self.first_row
         self.mask = head.args.mask_token_id
         self.dtype = mx.float32
 
     def drafter(self, kept):
         d = getattr(kept, "drafter", None)
-        ok = isinstance(d, DFlashDrafter) and d.head is self.head
+        ok = isinstance(d, self.drafter_type) and d.head is self.head
         return copy.copy(d) if ok else None
 
     def prefill(self, prompt, output, kept, timed):
         """The single stream's prefill, its context projected (entries: None, the context
         may have gaps where the target ran without it, as alone; its spans are the row's
         note)."""
-        drafter = kept if kept is not None else DFlashDrafter(self.head, self.target)
+        drafter = kept if kept is not None else self.drafter_type(self.head, self.target)
         seconds = drafter.prefill(prompt, timed, output)
         drafter._flush()
         return drafter.cache, None, None, seconds, [list(span) for span in drafter.spans]
@@ -228,7 +235,7 @@ class DFlashRows:
     def extract(self, cache, pending, last, sequence, spans=None) -> DFlashDrafter:
         """A row's DFlashDrafter: its context (the cache's row) at its spans, its pending
         features still to project."""
-        drafter = DFlashDrafter(self.head, self.target)
+        drafter = self.drafter_type(self.head, self.target)
         drafter.cache, drafter.spans, drafter.tokens = cache, spans, list(sequence)
         if pending is not None:
             drafter.pending = [(len(sequence) - 1 - pending.shape[0], pending)]
@@ -252,7 +259,12 @@ class DFlashRows:
         for layer, c in zip(head.layers, cache, strict=True):
             x = x + self._attend(layer.self_attn, layer.input_layernorm(x), offset, c)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(head.norm(x)[:, 1 : k + 1])
+        return self.lm_head(head.norm(x)[:, self.first_row : self.first_row + k])
+
+    def step(self, logits: mx.array, previous: mx.array) -> mx.array:
+        """Every row's logits at one block position (B, vocab) given the guesses before it
+        (B,): DFlash's do not depend on them."""
+        return logits
 
     def _attend(self, attn, x, offset, cache):
         """DFlashAttention over a batch: the block (B, L, dim) at each row's position."""
@@ -272,10 +284,25 @@ class DFlashRows:
         return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
+class DSparkRows(DFlashRows):
+    """A DSpark head (drafters/dspark.py): DFlash's rows, every block row guessing, and the
+    Markov head's bias over each row's guess before (its last token at step 0): a row's
+    sampled guesses are drawn step by step, as DSparkDrafter draws them alone."""
+
+    chained = True
+    drafter_type = DSparkDrafter
+
+    def step(self, logits: mx.array, previous: mx.array) -> mx.array:
+        return logits + self.head.markov_head(previous)
+
+
 def head_rows(head, target):
-    """The batch's view of a head: an EAGLE-3 head's, a DFlash head's or an MTP layer's."""
+    """The batch's view of a head: an EAGLE-3 head's, a DFlash or DSpark head's or an MTP
+    layer's."""
     if isinstance(head, Eagle3Head):
         return EagleRows(head)
+    if isinstance(head, DSparkHead):
+        return DSparkRows(head, target)
     return DFlashRows(head, target) if isinstance(head, DFlashHead) else MTPRows(head, target)
 
 
@@ -363,14 +390,16 @@ class BatchHead:
 
     def draft_logits(self, j: int, picks, sequences: list[list[int]], width: int) -> mx.array:
         """Draft step j's logits for every row (B, vocab): a chained head's step from each
-        row's last output (j = 0) or from its own output fed `picks`, the tokens it drafted at
-        step j - 1; a block head's whole block at j = 0, then its column j."""
+            row's last output (j = 0) or from its own output fed `picks`, the tokens it drafted at
+            step j - 1; a block head's whole block at j = 0, then its column j (given `picks`, for
+        a DSpark head's Markov bias)."""
         if self.kind.block:
             if j == 0:
                 last = [seq[-1] for seq in sequences]
                 positions = [len(seq) - 1 for seq in sequences]
                 self._drafts = self.kind.block_logits(last, self.cache, positions, width)
-            return self._drafts[:, j]
+                picks = mx.array(last, mx.uint32)  # what step 0 follows
+            return self.kind.step(self._drafts[:, j], picks)
         self._g = self.first() if j == 0 else self.chain(self._g, picks)
         return self.logits(self._g)
 

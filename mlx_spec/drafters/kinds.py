@@ -179,7 +179,3 @@ class DSparkKind(DFlashKind):
         from .dspark import DSparkDrafter
 
         return DSparkDrafter(pair.head, pair.target)
-
-    @classmethod
-    def batch_drafting(cls, pair) -> None:
-        return None  # its rows are not written yet (decode/batch_head.py)
