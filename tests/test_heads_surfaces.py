@@ -1,4 +1,4 @@
-"""Drafting heads (MTP, EAGLE-3, DFlash) through every surface a draft model goes through:
+"""Drafting heads (MTP, EAGLE-3, DFlash, DSpark) through every surface a draft model goes through:
 `mlx-spec serve`, the chat app, bench, probe, the `auto` controller, a models.toml pair and
 the memory check. One tiny Qwen3.5 target (the original layout, its MTP head extracted) and
 one tiny head of each kind over it, built once for the module."""
@@ -12,6 +12,8 @@ import pytest
 import tiny
 from test_dflash import head_config
 from test_dflash import write_head as write_dflash
+from test_dspark import head_config as dspark_config
+from test_dspark import write_head as write_dspark
 from test_eagle import head_weights, subset
 from test_eagle import write_head as write_eagle
 from test_mtp import original_checkpoint
@@ -24,7 +26,7 @@ from mlx_spec.core.policies import Controller
 from tui.app import ChatApp
 from tui.widgets import StatsPanel
 
-KINDS = ["mtp", "eagle3", "dflash"]
+KINDS = ["mtp", "eagle3", "dflash", "dspark"]
 CHAT = [{"role": "user", "content": "Tell me a story"}]
 TOKENS = 20
 
@@ -41,6 +43,7 @@ def models(tiny_models, tmp_path_factory):
     weights = head_weights(eagle_cfg, subset(320, 64, 3), seed=4, embed=True)
     write_eagle(root / "eagle3", eagle_cfg, weights, ids=[0, 1, 3])
     write_dflash(root / "dflash", head_config(cfg, [1, 2], block_size=6))
+    write_dspark(root / "dspark", dspark_config(cfg, [1, 2], block_size=5))
     return {"target": root / "q35", **{kind: root / kind for kind in KINDS}}
 
 
