@@ -60,36 +60,44 @@ def test_batch_generate_equals_generate(dflash, k):
     assert_batch_generate_equals_generate(dflash, k, some_accepted=False)
 
 
-def test_seeded_rows_propose_and_keep_what_they_do_alone(dflash):
-    """Seeded sampled rows (each its own seed and temperature, two at a time, so rows join
+def assert_seeded_rounds_as_alone(pair):
+    """Seeded sampled rows (each its own seed and temperature, three at a time, so rows join
     as others leave): each row's rounds (what the head proposed, what the target kept) are
     `generate`'s with the head; some guesses are accepted, so rows keep different counts."""
     configs = [
         GenerationConfig(max_tokens=30, num_draft_tokens=4, temperature=t, seed=s)
         for t, s in ((1.0, 3), (0.7, 4), (1.0, 5), (1.3, 6), (1.0, 7))
     ]
-    results = mlx_spec.batch_generate(dflash, TEXTS, configs, max_batch=3)
+    results = mlx_spec.batch_generate(pair, TEXTS, configs, max_batch=3)
     drafted = accepted = 0
     for text, config, res in zip(TEXTS, configs, results, strict=True):
-        alone = generate(dflash, text, config)
+        alone = generate(pair, text, config)
         assert records(res.rounds) == records(alone.rounds)
         drafted += res.stats.drafted
         accepted += res.stats.accepted
     assert 0 < accepted < drafted
 
 
+def test_seeded_rows_propose_and_keep_what_they_do_alone(dflash):
+    assert_seeded_rounds_as_alone(dflash)
+
+
 def test_seeded_rows_sample_the_same_whatever_the_batch(dflash):
     assert_seeded_rows_sample_as_alone(dflash)
 
 
-def test_rows_from_and_into_single_stream_decoders(dflash):
-    def inspect(decoder, state):  # the head handed back: a fresh single-stream prefill's
+def assert_rows_hand_their_heads_over(pair, drafter_type=DFlashDrafter):
+    """Rows from and into single-stream decoders: the head a row hands back is a
+    `drafter_type` holding what a fresh single-stream prefill's holds."""
+
+    def inspect(decoder, state):
+        assert type(state.head) is drafter_type
         n = len(state.sequence) - 1
         hidden = dict.fromkeys(decoder.hidden_layers)
         prefill_cache(
-            dflash.target, make_prompt_cache(dflash.target), state.sequence[:-1], hidden=hidden
+            pair.target, make_prompt_cache(pair.target), state.sequence[:-1], hidden=hidden
         )
-        fresh_head = DFlashDrafter(dflash.head, dflash.target)
+        fresh_head = drafter_type(pair.head, pair.target)
         fresh_head.prefill(state.sequence, output=TargetOutput(None, hidden, n, n))
         fresh_head.settle()
         assert state.head.spans == fresh_head.spans == [[0, n]] and not state.head.pending
@@ -97,7 +105,11 @@ def test_rows_from_and_into_single_stream_decoders(dflash):
             for a, e in ((c.keys, f.keys), (c.values, f.values)):
                 assert np.allclose(np.array(a[..., :n, :]), np.array(e[..., :n, :]), atol=1e-4)
 
-    assert_a_row_comes_from_and_goes_into_single_streams(dflash, inspect)
+    assert_a_row_comes_from_and_goes_into_single_streams(pair, inspect)
+
+
+def test_rows_from_and_into_single_stream_decoders(dflash):
+    assert_rows_hand_their_heads_over(dflash)
 
 
 def test_a_mixed_batch_gives_each_row_what_it_gets_alone(dflash):
