@@ -127,33 +127,39 @@ def test_the_block_is_the_heads_and_k_is_capped(llama_pair):
         DFlashDrafter(llama_pair.head, llama_pair.target, block_size=1)
 
 
-class Oracle(DFlashDrafter):
+def oracle(drafter_type=DFlashDrafter):
     """The real drafter, but the first guesses of a round replaced, at random, by the target's
     own continuation: rounds that accept all, some and none of the block, its state handled
     as usual."""
 
-    def __init__(self, head, target, truth: list[int], seed=0):
-        super().__init__(head, target)
-        self.truth, self.rng = truth, random.Random(seed)
+    class Oracle(drafter_type):
+        def __init__(self, head, target, truth: list[int], seed=0):
+            super().__init__(head, target)
+            self.truth, self.rng = truth, random.Random(seed)
 
-    def propose(self, k, params, key, *, processors=()):
-        tokens, q = super().propose(k, params, key, processors=processors)
-        at = len(self.tokens)
-        right = self.truth[at : at + tokens.shape[0]]
-        n = min(self.rng.choice([0, 0, 1, len(right) // 2, len(right)]), len(right))
-        return mx.array(right[:n] + tokens.tolist()[n:], mx.uint32), q
+        def propose(self, k, params, key, *, processors=()):
+            tokens, q = super().propose(k, params, key, processors=processors)
+            at = len(self.tokens)
+            right = self.truth[at : at + tokens.shape[0]]
+            n = min(self.rng.choice([0, 0, 1, len(right) // 2, len(right)]), len(right))
+            return mx.array(right[:n] + tokens.tolist()[n:], mx.uint32), q
+
+    return Oracle
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_the_context_matches_a_fresh_prefill_after_mixed_rounds(llama_pair, qwen_pair, family):
+    assert_context_matches_a_fresh_prefill(llama_pair if family == "llama" else qwen_pair)
+
+
+def assert_context_matches_a_fresh_prefill(pair, drafter_type=DFlashDrafter):
     """After rounds that accept all, part and none of their blocks (and, on Qwen3.5, replays),
     the head's context cache holds exactly the rows a prefill of the whole sequence gives:
     every position the target has taken in once, no gap, and the next block's guesses are the
     same. (A recurrent target may end on a rejected round: its kept tokens are still unfed.)"""
-    pair = llama_pair if family == "llama" else qwen_pair
     prompt = pair.tokenizer.encode(PROMPTS[0])
     truth = prompt + reference(pair, PROMPTS[0], 40)
-    drafter = Oracle(pair.head, pair.target, truth)
+    drafter = oracle(drafter_type)(pair.head, pair.target, truth)
     decoder = Decoder(pair.target, drafter, ())
     decoder.prefill(prompt)
     rounds = list(decoder.rounds(40, SamplingParams(), 4))
@@ -162,7 +168,7 @@ def test_the_context_matches_a_fresh_prefill_after_mixed_rounds(llama_pair, qwen
     assert 0 in accepted and max(accepted) == 4  # rejected and fully accepted rounds
     drafter.settle()
     n = len(decoder.sequence) - decoder.unfed  # positions the target holds
-    fresh = DFlashDrafter(pair.head, pair.target)
+    fresh = drafter_type(pair.head, pair.target)
     Decoder(pair.target, fresh, ()).prefill(decoder.sequence[: n + 1])
     fresh.settle()
     assert drafter.spans == [[0, n]] and fresh.spans == [[0, n]]
@@ -171,7 +177,7 @@ def test_the_context_matches_a_fresh_prefill_after_mixed_rounds(llama_pair, qwen
             np.testing.assert_allclose(np.array(a), np.array(b), atol=2e-4, rtol=1e-3)
     if decoder.unfed == 1:
         params = SamplingParams()
-        mine = DFlashDrafter.propose(drafter, 4, params, None)[0]  # its own guesses
+        mine = drafter_type.propose(drafter, 4, params, None)[0]  # its own guesses
         theirs = fresh.propose(4, params, None)[0]
         assert mine.tolist() == theirs.tolist()
 

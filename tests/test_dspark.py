@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tiny
 from mlx.utils import tree_flatten
+from test_dflash import assert_context_matches_a_fresh_prefill
 from test_dflash import head_config as dflash_config
 from test_distribution import chi_square, exact_joint, first_two
 from test_greedy_equality import PROMPTS, reference
@@ -126,6 +127,14 @@ def test_every_row_of_the_block_guesses(llama_pair):
     assert some.tolist() == tokens.tolist()[:3]
     tokens, q = drafter.propose(3, SamplingParams(temperature=1.0), mx.random.key(0))
     assert q.shape == (3, 320) and np.allclose(np.array(q.sum(-1)), 1, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_the_context_matches_a_fresh_prefill_after_mixed_rounds(llama_pair, qwen_pair, family):
+    """DFlash's context bookkeeping, unchanged: after rounds that accept all, part and none of
+    their blocks (and Qwen3.5's replays) the context is a fresh prefill's, the guesses too."""
+    pair = llama_pair if family == "llama" else qwen_pair
+    assert_context_matches_a_fresh_prefill(pair, DSparkDrafter)
 
 
 # ---------------------------------------------------------------- the reference forward
