@@ -14,6 +14,7 @@ import tiny
 from mlx.utils import tree_flatten
 from test_dflash import assert_context_matches_a_fresh_prefill
 from test_dflash import head_config as dflash_config
+from test_dflash import write_head as write_dflash
 from test_distribution import chi_square, exact_joint, first_two
 from test_greedy_equality import PROMPTS, reference
 
@@ -64,6 +65,32 @@ def write_head(path, config: dict, seed: int = 1, drop: str | None = None, prefi
     return path
 
 
+def lfm2_config(vocab_size: int) -> dict:
+    """A tiny LFM2 (what Liquid AI's DSpark heads draft for): short-convolution layers (a
+    recurrent state, as Qwen3.5's) around a full-attention one."""
+    return {
+        "model_type": "lfm2",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "block_multiple_of": 1,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "rope_theta": 1e4,
+        "layer_types": ["conv", "full_attention", "conv"],
+        "tie_word_embeddings": True,
+        "eos_token_id": 2,
+    }
+
+
 @pytest.fixture(scope="module")
 def heads(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("dspark")
@@ -76,6 +103,11 @@ def heads(tiny_models, tmp_path_factory):
     )
     out["qwen3_5_target"] = qtarget
     out["qwen3_5"] = write_head(root / "qwen3_5_head", head_config(qcfg, [1, 2], block_size=5))
+    lcfg = lfm2_config(320)
+    out["lfm2_target"] = tiny.write_model(
+        root / "lfm2", lcfg, tiny.family_weights(lcfg, 0), tiny_models.tokenizer
+    )
+    out["lfm2"] = write_head(root / "lfm2_head", head_config(lcfg, [0, 2], block_size=9))
     small = json.loads((tiny_models.small_target / "config.json").read_text())
     out["small"] = write_head(root / "small", head_config(small, [0, 1], block_size=3, mask=15))
     out["root"] = root
@@ -112,6 +144,16 @@ def test_greedy_on_a_recurrent_target(qwen_pair, k):
     res = generate(qwen_pair, PROMPTS[1], max_tokens=30, num_draft_tokens=k)
     assert res.tokens == reference(qwen_pair, PROMPTS[1], 30)
     if k != "auto":  # auto follows this machine's timings: it may pause a poor head at once
+        assert res.stats.drafted > 0
+
+
+@pytest.mark.parametrize("k", [4, 9, "auto"])
+def test_greedy_on_an_lfm2_target(heads, k):
+    """LFM2, the published heads' family (a block of 9, as LiquidAI/LFM2.5-*-DSpark)."""
+    pair = load_pair(target=str(heads["lfm2_target"]), drafter="dspark", head=str(heads["lfm2"]))
+    res = generate(pair, PROMPTS[0], max_tokens=30, num_draft_tokens=k)
+    assert res.tokens == reference(pair, PROMPTS[0], 30)
+    if k != "auto":
         assert res.stats.drafted > 0
 
 
@@ -303,7 +345,11 @@ def bad_heads(root, llama: dict) -> dict:
             "DSpark head reads target layer 4, but the target has 4 layers",
         ),
         "an empty block": (write_head(root / "empty", cfg), "at least 1 token, got -1"),
+        "a DFlash2 head": (write_head(root / "dflash2", cfg), "DFlash2 head"),
     }
+    dflash2 = cfg | {"architectures": ["DFlash2DraftModel"]}
+    dflash2["dflash_config"] = cfg["dflash_config"] | {"selector_top_k": 16, "selector_rank": 8}
+    (root / "dflash2" / "config.json").write_text(json.dumps(dflash2))
     (root / "empty" / "config.json").write_text(json.dumps(cfg | {"block_size": -1}))
     (root / "norank" / "config.json").write_text(json.dumps(no_rank))
     (root / "gated" / "config.json").write_text(json.dumps(gated))
@@ -322,3 +368,10 @@ def test_bad_heads_are_refused_in_one_line(tiny_models, heads, capsys):
         assert message in err and "\n" not in err and "Traceback" not in err, label
     with pytest.raises(SpecError, match="needs a head directory"):
         load_pair(target=target, drafter="dspark")
+    # each kind's head named as the other: pointed at the right kind
+    with pytest.raises(SpecError, match="a DSpark head .*--drafter dspark"):
+        load_pair(target=target, drafter="dflash", head=str(heads["llama"]))
+    plain_cfg = dflash_config(heads["llama_config"], [0, 2])
+    dflash_head = write_dflash(heads["root"] / "bad" / "plain", plain_cfg)
+    with pytest.raises(SpecError, match="no markov_rank .*--drafter dflash"):
+        load_pair(target=target, drafter="dspark", head=str(dflash_head))

@@ -63,6 +63,9 @@ class DFlashArgs:
     def __init__(self, cfg: dict):
         dflash = cfg.get("dflash_config") or {}
         name = self.name
+        if not isinstance(dflash, dict):
+            raise SpecError(f"the {name} config.json's dflash_config is not an object")
+        refuse_other_layouts(cfg, dflash, name)
         try:
             self.hidden_size = int(cfg["hidden_size"])
             self.num_hidden_layers = int(cfg["num_hidden_layers"])
@@ -102,6 +105,23 @@ class DFlashArgs:
         # mlx-vlm reads the pairing from `rope_is_neox_style` (split halves); MLX calls the
         # other one, interleaved pairs, "traditional"
         self.rope_traditional = not bool(cfg.get("rope_is_neox_style", self.neox_rope))
+
+
+def refuse_other_layouts(cfg: dict, dflash: dict, name: str) -> None:
+    """DFlash2 (z-lab, 2026-08) is not DFlash with other settings: its layers add two-tap
+    dynamic depthwise convolutions (`layers.N.{attention,mlp}_conv`) and a candidate selector
+    (`candidate_selector.*`, `selector_top_k`, `selector_rank`) picks among each position's top
+    candidates; refused in one line rather than as weights that do not fit. A DSpark head
+    (a Markov head: `markov_rank`) read as DFlash is pointed at its kind."""
+    arch = " ".join(str(a) for a in cfg.get("architectures") or [])
+    if "DFlash2" in arch or "selector_top_k" in dflash or "conv_kernel_size" in dflash:
+        raise SpecError(
+            "this is a DFlash2 head (candidate selector, dynamic convolutions): not supported "
+            "yet, only DFlash and DSpark heads"
+        )
+    rank = cfg.get("markov_rank", dflash.get("markov_rank"))
+    if name == "DFlash" and isinstance(rank, int) and rank > 0:
+        raise SpecError("this is a DSpark head (it has a Markov head): use --drafter dspark")
 
 
 def default_layer_ids(target_layers: int, draft_layers: int) -> list[int]:
