@@ -30,6 +30,10 @@ the `kept` ones, which always end just before the sequence's last token. A rejec
 recurrent target hands none (its next pass replays the tokens and hands them then); a stretch
 where the drafter saw nothing (a reply decoded without it) leaves a gap, which costs guesses,
 never exactness.
+
+DSpark heads (dspark.py) are this head and drafter with two hooks: the block row that guesses
+the next token (`DFlashHead.first_row`: 1 here, 0 there) and a per-position step over the guess
+drawn before (`DFlashDrafter._step_logits`, `chained`: DSpark's Markov head).
 """
 
 from __future__ import annotations
