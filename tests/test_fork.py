@@ -72,11 +72,12 @@ def pairs(tiny_models, tmp_path_factory):
         weights = head_weights(cfg, subset(320, 96, seed=1), seed=5, embed=False)
         return write_head(root / "eagle", cfg, weights, ids=[0, 1, 3])
 
-    def dflash_head(cfg, layer_ids, block_size):
-        from test_dflash import head_config, write_head
-
-        name = f"dflash-{cfg['model_type']}"
-        return write_head(root / name, head_config(cfg, layer_ids, block_size=block_size))
+    def block_head(kind, cfg, layer_ids, block_size):
+        """A random DFlash or DSpark head (test_dflash's or test_dspark's writer)."""
+        module = __import__(f"test_{kind}")
+        name = f"{kind}-{cfg['model_type']}"
+        config = module.head_config(cfg, layer_ids, block_size=block_size)
+        return module.write_head(root / name, config)
 
     def mtp_pair():
         from test_mtp import original_checkpoint
@@ -103,13 +104,13 @@ def pairs(tiny_models, tmp_path_factory):
             return load_pair(target=target, drafter=kind, **extra)
         if kind == "eagle3":
             return load_pair(target=target, drafter="eagle3", head=str(eagle_head()))
-        if kind == "dflash":
+        if kind in ("dflash", "dspark"):
             if fam:
-                head = dflash_head(cfg, [1, 2], 6)
+                head = block_head(kind, cfg, [1, 2], 6)
             else:
                 llama = json.loads((tiny_models.target / "config.json").read_text())
-                head = dflash_head(llama, [0, 2], 8)
-            return load_pair(target=target, drafter="dflash", head=str(head))
+                head = block_head(kind, llama, [0, 2], 8)
+            return load_pair(target=target, drafter=kind, head=str(head))
         if kind == "mtp":
             return mtp_pair()
         raise AssertionError(case)
@@ -133,12 +134,14 @@ CASES = [
     "ngram+model",
     "eagle3",
     "dflash",
+    "dspark",
     "mtp/qwen3_5",
     "model/gemma3_text",
     "model/gemma3_text/compacting",
     "model/mamba",
     "model/qwen3_5",
     "dflash/qwen3_5",
+    "dspark/qwen3_5",
     "plain/mamba",
     "plain/chunked",
 ]

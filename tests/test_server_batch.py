@@ -519,21 +519,19 @@ def mtp_pair_dir(tiny_models, root):
     return target, head
 
 
-@pytest.fixture(scope="module", params=["mtp", "dflash"])
+@pytest.fixture(scope="module", params=["mtp", "dflash", "dspark"])
 def own_head_server(request, tiny_models, models, tmp_path_factory):
     """A pair whose head drafts from the target's own states inside the batch
-    (decode/batch_head.py): the target's MTP layer, or a random DFlash head over the long
-    target; k fixed at 3, --max-batch 4."""
+    (decode/batch_head.py): the target's MTP layer, or a random DFlash or DSpark head over
+    the long target; k fixed at 3, --max-batch 4."""
     root = tmp_path_factory.mktemp(f"{request.param}_server")
     if request.param == "mtp":
         target, head = mtp_pair_dir(tiny_models, root)
-    else:
-        from test_dflash import head_config
-        from test_dflash import write_head as write_dflash
-
+    else:  # test_dflash's or test_dspark's writer
+        module = __import__(f"test_{request.param}")
         target = models[1]
         cfg = json.loads((target / "config.json").read_text())
-        head = write_dflash(root / "dflash", head_config(cfg, [0, 2]))
+        head = module.write_head(root / request.param, module.head_config(cfg, [0, 2]))
     args = ["--target", str(target), "--drafter", request.param, "--head", str(head),
             "--num-draft-tokens", str(K), "--max-batch", "4", "--api-key", KEY_A,
             "--admin-key", KEY_A]  # fmt: skip
