@@ -260,13 +260,8 @@ def bad_heads(root, llama: dict) -> dict:
             "hidden size is 32, the target's 64",
         ),
         "no mask token": (write_head(root / "nomask", cfg), "no dflash_config.mask_token_id"),
-        "a DFlash2 head": (write_head(root / "dflash2", cfg), "a DFlash2 head"),
     }
     (root / "nomask" / "config.json").write_text(json.dumps(no_ids))
-    # z-lab's DFlash2 config fields (tests/fixtures/dflash2-config.json in z-lab/dflash)
-    dflash2 = {**cfg, "architectures": ["DFlash2DraftModel"]}
-    dflash2["dflash_config"] = {**cfg["dflash_config"], "selector_top_k": 16, "conv_kernel_size": 2}
-    (root / "dflash2" / "config.json").write_text(json.dumps(dflash2))
     return cases
 
 

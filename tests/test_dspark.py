@@ -199,21 +199,37 @@ def rope_interleaved(x, start: int, base: float):
     return mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(x.shape)
 
 
-def reference_logits(w, cfg, ctx, embed_w, head_w, anchor, guesses):
-    """Base logits of the block [anchor, mask...] over the context features ctx (S, n*H),
-    then each position's logits with the Markov bias of the token before it (anchor, then
-    `guesses`): (len(guesses) + 1, vocab)."""
+def rope_halves(x, start: int, base: float):
+    """(heads, L, d) rotated at positions start..: halves (j, j + d/2), NeoX style."""
+    d = x.shape[-1]
+    pos = mx.arange(start, start + x.shape[-2], dtype=mx.float32)[:, None]
+    angle = pos * base ** (-mx.arange(0, d, 2, dtype=mx.float32) / d)[None]  # (L, d/2)
+    cos, sin = mx.cos(angle), mx.sin(angle)
+    x0, x1 = x[..., : d // 2], x[..., d // 2 :]
+    return mx.concatenate([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)
+
+
+def no_conv(prefix, x):
+    return x, lambda out: out
+
+
+def reference_states(w, cfg, ctx, embed_w, anchor, rope, conv=None):
+    """The backbone: the block [anchor, mask...] over the context features ctx (S, n*H) ->
+    the final norm's states (block, H). `conv(prefix, x)` (DFlash2's): the sublayer's input
+    mixed and a function that mixes its output."""
     eps, heads, kv = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d, g = cfg["head_dim"], cfg["block_size"]
-    block = mx.array([anchor] + [cfg["dflash_config"]["mask_token_id"]] * (g - 1))
+    flash = cfg["dflash_config"]
+    d, g = cfg["head_dim"], cfg.get("block_size") or flash["block_size"]
+    block = mx.array([anchor] + [flash["mask_token_id"]] * (g - 1))
     h = embed_w[block]  # (g, H)
     h_ctx = rms(ctx @ w["fc.weight"].T, w["hidden_norm.weight"], eps)  # (S, H)
     S = h_ctx.shape[0]
+    conv = conv or no_conv
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
-        x = rms(h, w[p + "input_layernorm.weight"], eps)
+        x, after = conv(p + "attention_conv.", rms(h, w[p + "input_layernorm.weight"], eps))
 
-        def proj(name, rows, n, x=x, p=p):
+        def proj(name, rows, n, p=p):
             return (rows @ w[p + f"self_attn.{name}_proj.weight"].T).reshape(-1, n, d)
 
         q = rms(proj("q", x, heads), w[p + "self_attn.q_norm.weight"], eps).transpose(1, 0, 2)
@@ -221,22 +237,25 @@ def reference_logits(w, cfg, ctx, embed_w, head_w, anchor, guesses):
         k_blk = rms(proj("k", x, kv), w[p + "self_attn.k_norm.weight"], eps)
         v = mx.concatenate([proj("v", h_ctx, kv), proj("v", x, kv)]).transpose(1, 0, 2)
         base = cfg["rope_theta"]
-        q = rope_interleaved(q, S, base)
+        q = rope(q, S, base)
         k = mx.concatenate(
-            [
-                rope_interleaved(k_ctx.transpose(1, 0, 2), 0, base),
-                rope_interleaved(k_blk.transpose(1, 0, 2), S, base),
-            ],
+            [rope(k_ctx.transpose(1, 0, 2), 0, base), rope(k_blk.transpose(1, 0, 2), S, base)],
             axis=1,
         )  # (kv, S + g, d)
         k, v = mx.repeat(k, heads // kv, axis=0), mx.repeat(v, heads // kv, axis=0)
         att = mx.softmax((q @ k.transpose(0, 2, 1)) * d**-0.5, axis=-1)  # unmasked
         o = (att @ v).transpose(1, 0, 2).reshape(g, heads * d)
-        h = h + o @ w[p + "self_attn.o_proj.weight"].T
-        x = rms(h, w[p + "post_attention_layernorm.weight"], eps)
+        h = h + after(o @ w[p + "self_attn.o_proj.weight"].T)
+        x, after = conv(p + "mlp_conv.", rms(h, w[p + "post_attention_layernorm.weight"], eps))
         gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
-        h = h + (gate * mx.sigmoid(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    base_logits = rms(h, w["norm.weight"], eps) @ head_w.T  # (g, vocab): every row guesses
+        h = h + after((gate * mx.sigmoid(gate) * up) @ w[p + "mlp.down_proj.weight"].T)
+    return rms(h, w["norm.weight"], eps)
+
+
+def reference_logits(w, cfg, ctx, embed_w, head_w, anchor, guesses):
+    """DSpark: every row's base logits, then each position's with the Markov bias of the token
+    before it (anchor, then `guesses`): (len(guesses) + 1, vocab)."""
+    base_logits = reference_states(w, cfg, ctx, embed_w, anchor, rope_interleaved) @ head_w.T
     previous = mx.array([anchor] + list(guesses))
     bias = w["markov_head.markov_w1.weight"][previous] @ w["markov_head.markov_w2.weight"].T
     return base_logits[: previous.shape[0]] + bias

@@ -111,18 +111,21 @@ class DFlashArgs:
         self.rope_traditional = not bool(cfg.get("rope_is_neox_style", self.neox_rope))
 
 
-def refuse_other_layouts(cfg: dict, dflash: dict, name: str) -> None:
-    """DFlash2 (z-lab, 2026-08) is not DFlash with other settings: its layers add two-tap
-    dynamic depthwise convolutions (`layers.N.{attention,mlp}_conv`) and a candidate selector
-    (`candidate_selector.*`, `selector_top_k`, `selector_rank`) picks among each position's top
-    candidates; refused in one line rather than as weights that do not fit. A DSpark head
-    (a Markov head: `markov_rank`) read as DFlash is pointed at its kind."""
+def is_dflash2(cfg: dict) -> bool:
+    """DFlash2 (z-lab, 2026-08; dflash2.py) is not DFlash with other settings: its layers add
+    two-tap dynamic convolutions and a candidate selector picks among each position's top
+    candidates. Its config says so (architectures, selector and convolution fields)."""
+    dflash = cfg.get("dflash_config")
+    dflash = dflash if isinstance(dflash, dict) else {}
     arch = " ".join(str(a) for a in cfg.get("architectures") or [])
-    if "DFlash2" in arch or "selector_top_k" in dflash or "conv_kernel_size" in dflash:
-        raise SpecError(
-            "this is a DFlash2 head (candidate selector, dynamic convolutions): not supported "
-            "yet, only DFlash and DSpark heads"
-        )
+    return "DFlash2" in arch or "selector_top_k" in dflash or "conv_kernel_size" in dflash
+
+
+def refuse_other_layouts(cfg: dict, dflash: dict, name: str) -> None:
+    """A DFlash2 head read as DSpark, or a DSpark head (a Markov head: `markov_rank`) read as
+    DFlash, is pointed at its kind in one line, not refused as weights that do not fit."""
+    if name == "DSpark" and is_dflash2(cfg):
+        raise SpecError("this is a DFlash2 head, not a DSpark head: use --drafter dflash")
     rank = cfg.get("markov_rank", dflash.get("markov_rank"))
     if name == "DFlash" and isinstance(rank, int) and rank > 0:
         raise SpecError("this is a DSpark head (it has a Markov head): use --drafter dspark")
@@ -188,7 +191,9 @@ class DFlashHead(nn.Module):
     """The head's own weights (no embedding, no output head: the target's are used)."""
 
     args_type = DFlashArgs
+    layer_type = DFlashLayer
     first_row = 1  # the block row that guesses the next token (DSpark's anchor row guesses)
+    own_vocab = False  # tables over the vocabulary (DSpark, DFlash2): the target's must match
 
     def __init__(self, args: DFlashArgs):
         super().__init__()
@@ -196,7 +201,7 @@ class DFlashHead(nn.Module):
         n = len(args.target_layer_ids)
         self.fc = nn.Linear(n * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.layers = [DFlashLayer(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [self.layer_type(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self._rope = initialize_rope(
             args.head_dim,
@@ -229,6 +234,11 @@ class DFlashHead(nn.Module):
                 f"{hidden}: a head for another model"
             )
         vocab = tcfg.get("vocab_size")
+        if cls.own_vocab and vocab is not None and int(vocab) != args.vocab_size:
+            raise SpecError(
+                f"the {args.name} head's vocabulary is {args.vocab_size} tokens, the target's "
+                f"{vocab}: a head for another model"
+            )
         if vocab is not None and not 0 <= args.mask_token_id < int(vocab):
             raise SpecError(
                 f"the {args.name} mask token {args.mask_token_id} is outside the target's "
@@ -361,12 +371,16 @@ class DFlashDrafter(Drafter):
             seconds = time.perf_counter() - start
         return seconds
 
-    def _block_logits(self, k: int) -> mx.array:
-        """The head's logits for the k positions after the last token (k, vocab), lazy."""
+    def _block_hidden(self, k: int) -> mx.array:
+        """The head's normed states for the k positions after the last token (k, hidden)."""
         self._flush()
         block = mx.array([self.tokens[-1]] + [self.mask] * (self.block_size - 1), mx.uint32)
         h = self.head(self.embed(block[None]), len(self.tokens) - 1, self.cache)
-        return self.lm_head(h[:, self.first_row : self.first_row + k])[0]
+        return h[0, self.first_row : self.first_row + k]
+
+    def _block_logits(self, k: int) -> mx.array:
+        """The head's logits for the k positions after the last token (k, vocab), lazy."""
+        return self.lm_head(self._block_hidden(k))
 
     def _step_logits(self, logits: mx.array, previous: mx.array) -> mx.array:
         """Position i's logits given the guess before it (`previous`, (1,)): DFlash's do
@@ -430,12 +444,16 @@ def _read_head_config(path: Path, name: str) -> dict:
     return cfg
 
 
-def load_head(path: Path, target, target_config: dict, head_type=DFlashHead) -> DFlashHead:
-    """A z-lab DFlash directory (or another block head's: `head_type`, DSpark's) -> the head,
-    checked against the target (one-line errors)."""
+def load_head(
+    path: Path, target, target_config: dict, head_type=DFlashHead, variants=()
+) -> DFlashHead:
+    """A z-lab DFlash directory (or another block head's: `head_type`, DSpark's; or one of
+    `variants` whose `matches(config)`, DFlash2's) -> the head, checked against the target
+    (one-line errors)."""
     path = Path(path)
+    config = _read_head_config(path, head_type.args_type.name)
+    head_type = next((v for v in variants if v.matches(config)), head_type)
     name = head_type.args_type.name
-    config = _read_head_config(path, name)
     args = head_type.args_type(config)
     least = 1 + head_type.first_row  # a block that guesses at least one token
     if args.block_size < least:

@@ -86,20 +86,11 @@ class DSparkHead(DFlashHead):
 
     args_type = DSparkArgs
     first_row = 0
+    own_vocab = True  # the Markov tables
 
     def __init__(self, args: DSparkArgs):
         super().__init__(args)
         self.markov_head = VanillaMarkov(args.vocab_size, args.markov_rank)
-
-    @classmethod
-    def check_target(cls, args: DSparkArgs, tcfg: dict) -> None:
-        super().check_target(args, tcfg)
-        vocab = tcfg.get("vocab_size")
-        if vocab is not None and int(vocab) != args.vocab_size:
-            raise SpecError(
-                f"the DSpark head's vocabulary is {args.vocab_size} tokens, the target's "
-                f"{vocab}: a head for another model"
-            )
 
     @staticmethod
     def sanitize(weights: dict) -> dict:

@@ -150,18 +150,24 @@ class DFlashKind(DrafterKind):
     @classmethod
     def load_head(cls, path, target, target_config: dict):
         from .dflash import load_head
+        from .dflash2 import DFlash2Head
 
-        return load_head(path, target, target_config)
+        return load_head(path, target, target_config, variants=(DFlash2Head,))
 
     @classmethod
     def build(cls, pair):
         from .dflash import DFlashDrafter
+        from .dflash2 import DFlash2Drafter, DFlash2Head
 
-        return DFlashDrafter(pair.head, pair.target)
+        drafter = DFlash2Drafter if isinstance(pair.head, DFlash2Head) else DFlashDrafter
+        return drafter(pair.head, pair.target)
 
     @classmethod
-    def batch_drafting(cls, pair) -> dict:
-        return {"head": pair.head}
+    def batch_drafting(cls, pair) -> dict | None:
+        from .dflash2 import DFlash2Head
+
+        # a DFlash2 head's batch rows (its convolutions, its selector) are not written yet
+        return None if isinstance(pair.head, DFlash2Head) else {"head": pair.head}
 
 
 class DSparkKind(DFlashKind):
