@@ -2,7 +2,8 @@
 
 Tiny random float32 models in the published layouts (the test suite's builders): a llama target
 (hidden 256, 8 layers) drafted by its 2-layer truncation, an EAGLE-3 head, a DFlash head and a
-DSpark head (DFlash's backbone and a Markov head of rank 8: its k small steps after the block); a
+DSpark head (DFlash's backbone and a Markov head of rank 8: its k small steps after the block)
+and a DFlash2 head (convolutions in every layer, the selector's k steps over 16 candidates); a
 Qwen3.5 target (hybrid) with its MTP head; a DeepSeek-V3 target (MLA, MoE; hidden 256, 8
 layers) drafted by its 2-layer truncation and by its MTP layer in the DeepSeek layout
 (`model.layers.{N}`: enorm / hnorm / eh_proj / shared_head). Random heads are nearly always
@@ -29,6 +30,8 @@ import real_configs  # noqa: E402
 import tiny  # noqa: E402
 from test_dflash import head_config  # noqa: E402
 from test_dflash import write_head as write_dflash  # noqa: E402
+from test_dflash2 import head_config as dflash2_config  # noqa: E402
+from test_dflash2 import write_head as write_dflash2  # noqa: E402
 from test_dspark import head_config as dspark_config  # noqa: E402
 from test_dspark import write_head as write_dspark  # noqa: E402
 from test_eagle import head_weights, subset  # noqa: E402
@@ -54,6 +57,7 @@ def pairs(root: Path) -> dict:
     eagle = write_eagle(root / "eagle", llama, head_weights(llama, subset(320, 96, 1), 5, False))
     dflash = write_dflash(root / "dflash", head_config(llama, [1, 4, 6], block_size=8))
     dspark = write_dspark(root / "dspark", dspark_config(llama, [1, 4, 6], block_size=8))
+    dflash2 = write_dflash2(root / "dflash2", dflash2_config(llama, [1, 4, 6], block_size=8))
     original_checkpoint(root / "qwen35", 320, tok)
     assert cli(["heads", "extract", str(root / "qwen35"), str(root / "mtp")]) == 0
     wide = {"hidden_size": 256, "num_hidden_layers": 8, "intermediate_size": 512}
@@ -71,6 +75,7 @@ def pairs(root: Path) -> dict:
             "eagle3 head": load(target=str(target), drafter="eagle3", head=str(eagle)),
             "dflash head (block 8)": load(target=str(target), drafter="dflash", head=str(dflash)),
             "dspark head (block 8)": load(target=str(target), drafter="dspark", head=str(dspark)),
+            "dflash2 head (block 8)": load(target=str(target), drafter="dflash", head=str(dflash2)),
         },
         "qwen3.5": {
             "mtp head": load(target=str(root / "qwen35"), drafter="mtp", head=str(root / "mtp"))

@@ -22,7 +22,7 @@ DRAFTER_KINDS = {
     "eagle3": "an EAGLE-3 head (--head DIR): drafts from three of the target's layers",
     "mtp": "the target's own multi-token-prediction layer (--head DIR from mlx-spec heads "
     "extract, or the original checkpoint: extracted once into the cache)",
-    "dflash": "a DFlash block-diffusion head (z-lab): one forward drafts a block",
+    "dflash": "a DFlash or DFlash2 block-diffusion head (z-lab): one forward drafts a block",
     "dspark": "a DSpark head: a DFlash block drafter with a Markov head over the previous guess",
 }
 

@@ -145,7 +145,7 @@ class MTPKind(DrafterKind):
 class DFlashKind(DrafterKind):
     name = "dflash"
     needs_head = True
-    help = "a DFlash block-diffusion head (z-lab): one forward drafts a block"
+    help = "a DFlash or DFlash2 block-diffusion head (z-lab): one forward drafts a block"
 
     @classmethod
     def load_head(cls, path, target, target_config: dict):
