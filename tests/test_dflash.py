@@ -94,7 +94,11 @@ def qwen_pair(heads):
 
 @pytest.mark.parametrize("k", [1, 4, "auto"])
 def test_greedy_equals_the_target_alone(llama_pair, k):
-    pair = llama_pair
+    assert_greedy_equals_the_target_alone(llama_pair, k)
+
+
+def assert_greedy_equals_the_target_alone(pair, k):
+    """Every test prompt, 32 tokens at k: the target's own tokens, some drafted."""
     drafted = 0
     for prompt in PROMPTS:
         res = generate(pair, prompt, max_tokens=32, num_draft_tokens=k)
@@ -205,9 +209,12 @@ def test_a_follow_up_prompt_reuses_the_context(llama_pair):
 
 
 def test_processors_and_a_grammar_stay_lossless(llama_pair):
+    assert_processors_and_a_grammar_stay_lossless(llama_pair)
+
+
+def assert_processors_and_a_grammar_stay_lossless(pair):
     """Penalties see the block's earlier guesses as `proposed`; a grammar (no pipelining) masks
     each position after them: greedy output equals the target alone under the same rules."""
-    pair = llama_pair
     penalties = (Penalties(repetition=1.3, presence=0.5),)
     for settings in ({"processors": penalties}, {"regex": r"(the|a) (quick|lazy) [a-z ]{1,24}\."}):
         plain = generate(pair, PROMPTS[0], max_tokens=24, use_draft=False, **settings)
@@ -229,8 +236,13 @@ def test_sampling_keeps_the_target_distribution(tiny_models, heads):
 
 
 def test_the_cli_drafts_with_a_head(tiny_models, heads, capsys):
-    common = ["generate", "--target", str(tiny_models.target), "--max-tokens", "20", "--json"]
-    head = ["--drafter", "dflash", "--head", str(heads["llama"])]
+    assert_the_cli_drafts(tiny_models.target, "dflash", heads["llama"], capsys)
+
+
+def assert_the_cli_drafts(target, kind: str, head, capsys):
+    """`generate --drafter KIND --head DIR --json`: the plain reply's tokens, some drafted."""
+    common = ["generate", "--target", str(target), "--max-tokens", "20", "--json"]
+    head = ["--drafter", kind, "--head", str(head)]
     assert main([*common, *head, "--num-draft-tokens", "4", PROMPTS[1]]) == 0
     drafted = json.loads(capsys.readouterr().out)
     assert main([*common, "--no-draft", PROMPTS[1]]) == 0

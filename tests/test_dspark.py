@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from test_dflash import assert_context_matches_a_fresh_prefill
+from test_dflash import (
+    assert_context_matches_a_fresh_prefill,
+    assert_greedy_equals_the_target_alone,
+    assert_processors_and_a_grammar_stay_lossless,
+    assert_the_cli_drafts,
+)
 from test_dflash import head_config as dflash_config
 from test_dflash import write_head as write_dflash
 from test_distribution import chi_square, exact_joint, first_two
@@ -20,7 +25,6 @@ from test_greedy_equality import PROMPTS, reference
 
 from mlx_spec import Decoder, SamplingParams, SpecError, generate, load_pair
 from mlx_spec.cli import main
-from mlx_spec.core.processors import Penalties
 from mlx_spec.drafters.dspark import DSparkArgs, DSparkDrafter, DSparkHead
 
 RANK = 8
@@ -128,13 +132,7 @@ def qwen_pair(heads):
 
 @pytest.mark.parametrize("k", [2, 4, "auto"])
 def test_greedy_equals_the_target_alone(llama_pair, k):
-    pair = llama_pair
-    drafted = 0
-    for prompt in PROMPTS:
-        res = generate(pair, prompt, max_tokens=32, num_draft_tokens=k)
-        assert res.tokens == reference(pair, prompt, 32)
-        drafted += res.stats.drafted
-    assert drafted > 0
+    assert_greedy_equals_the_target_alone(llama_pair, k)
 
 
 @pytest.mark.parametrize("k", [2, 4, "auto"])
@@ -310,15 +308,8 @@ def test_drafts_equal_a_reference_forward(llama_pair, heads):
 
 
 def test_processors_and_a_grammar_stay_lossless(llama_pair):
-    """Penalties see the block's earlier guesses as `proposed`; a grammar masks each position
-    after them (the Markov bias added first): greedy output equals the target alone."""
-    pair = llama_pair
-    penalties = (Penalties(repetition=1.3, presence=0.5),)
-    for settings in ({"processors": penalties}, {"regex": r"(the|a) (quick|lazy) [a-z ]{1,24}\."}):
-        plain = generate(pair, PROMPTS[0], max_tokens=24, use_draft=False, **settings)
-        res = generate(pair, PROMPTS[0], max_tokens=24, num_draft_tokens=3, **settings)
-        assert res.tokens == plain.tokens
-        assert res.stats.drafted > res.stats.forced_drafted
+    """Penalties and a grammar see each position after the Markov bias: the target's tokens."""
+    assert_processors_and_a_grammar_stay_lossless(llama_pair)
 
 
 def test_sampling_keeps_the_target_distribution(tiny_models, heads):
@@ -335,13 +326,7 @@ def test_sampling_keeps_the_target_distribution(tiny_models, heads):
 
 
 def test_the_cli_drafts_with_a_head(tiny_models, heads, capsys):
-    common = ["generate", "--target", str(tiny_models.target), "--max-tokens", "20", "--json"]
-    head = ["--drafter", "dspark", "--head", str(heads["llama"])]
-    assert main([*common, *head, "--num-draft-tokens", "4", PROMPTS[1]]) == 0
-    drafted = json.loads(capsys.readouterr().out)
-    assert main([*common, "--no-draft", PROMPTS[1]]) == 0
-    assert drafted["tokens"] == json.loads(capsys.readouterr().out)["tokens"]
-    assert drafted["stats"]["drafted"] > 0
+    assert_the_cli_drafts(tiny_models.target, "dspark", heads["llama"], capsys)
 
 
 def bad_heads(root, llama: dict) -> dict:
