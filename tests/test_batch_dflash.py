@@ -113,6 +113,10 @@ def test_rows_from_and_into_single_stream_decoders(dflash):
 
 
 def test_a_mixed_batch_gives_each_row_what_it_gets_alone(dflash):
+    assert_a_mixed_batch_as_alone(dflash)
+
+
+def assert_a_mixed_batch_as_alone(pair):
     """A schema, a regex, penalties and a logit bias, log-probabilities, a plain row and a
     seeded sampled one with a penalty (test_batch's MIXED), the head drafting for all: each
     row's tokens and log-probabilities are what it gets alone with the head."""
@@ -121,9 +125,9 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(dflash):
         for settings in MIXED.values()
     ]
     prompts = [TEXTS[i % len(TEXTS)] for i in range(len(configs))]
-    decoder = make_batch_decoder(dflash, 3)
+    decoder = make_batch_decoder(pair, 3)
     rows = {
-        decoder.add(prompt_tokens(dflash, p, c)[0], c): (label, p, c)
+        decoder.add(prompt_tokens(pair, p, c)[0], c): (label, p, c)
         for label, p, c in zip(MIXED, prompts, configs, strict=True)
     }
     got = {rid: ([], []) for rid in rows}
@@ -135,7 +139,7 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(dflash):
             drafted += u.round.drafted
     assert drafted > 0
     for rid, (label, prompt, config) in rows.items():
-        alone = list(mlx_spec.stream(dflash, prompt, config))
+        alone = list(mlx_spec.stream(pair, prompt, config))
         assert got[rid][0] == [e.token for e in alone], label
         if label == "logprobs":
             assert np.allclose(got[rid][1], [e.logprob for e in alone], atol=1e-4), label

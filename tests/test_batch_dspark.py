@@ -14,7 +14,11 @@ from test_batch import (
     assert_seeded_rows_sample_as_alone,
     pin_costs,
 )
-from test_batch_dflash import assert_rows_hand_their_heads_over, assert_seeded_rounds_as_alone
+from test_batch_dflash import (
+    assert_a_mixed_batch_as_alone,
+    assert_rows_hand_their_heads_over,
+    assert_seeded_rounds_as_alone,
+)
 from test_batch_eagle import assert_greedy_rows_equal_each_alone
 from test_dspark import heads, llama_pair  # noqa: F401 (fixtures)
 
@@ -61,3 +65,9 @@ def test_seeded_rows_sample_the_same_whatever_the_batch(dspark):
 
 def test_rows_from_and_into_single_stream_decoders(dspark):
     assert_rows_hand_their_heads_over(dspark, DSparkDrafter)
+
+
+def test_a_mixed_batch_gives_each_row_what_it_gets_alone(dspark):
+    """Processors (a schema, a regex, penalties, a logit bias) see each step's logits after the
+    Markov bias, in a batch as alone: each row's tokens and log-probabilities are its own."""
+    assert_a_mixed_batch_as_alone(dspark)
