@@ -2,7 +2,7 @@
 z-lab's published layout (config.json and tensor names as `tests/fixtures/dflash2-*.json` in
 z-lab/dflash: the codebooks without `.weight`), random weights, over tiny targets; lossless
 greedy and sampled, the guesses and q equal to a forward written apart in plain MLX ops after
-z-lab's `dflash/model.py`, refused when malformed, refused by the batch (not written yet)."""
+z-lab's `dflash/model.py`, refused when malformed (batches: test_batch_dflash2.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from test_greedy_equality import PROMPTS, reference
 
 from mlx_spec import Decoder, SamplingParams, SpecError, generate, load_pair
 from mlx_spec.cli import main
-from mlx_spec.decode.batch import make_batch_decoder
 from mlx_spec.drafters.dflash2 import DFlash2Args, DFlash2Drafter, DFlash2Head
 
 BOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
@@ -207,11 +206,6 @@ def test_processors_and_a_grammar_stay_lossless(llama_pair):
 
 def test_the_cli_drafts_with_a_head(tiny_models, heads, capsys):
     assert_the_cli_drafts(tiny_models.target, "dflash", heads["llama"], capsys)
-
-
-def test_a_batch_refuses_it_in_one_line(llama_pair):
-    with pytest.raises(SpecError, match="the dflash drafter is not batched yet"):
-        make_batch_decoder(llama_pair, 3)
 
 
 def test_bad_heads_are_refused_in_one_line(tiny_models, heads, capsys):

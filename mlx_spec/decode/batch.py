@@ -878,18 +878,17 @@ class BatchDecoder:
             y = mx.array([draft_tail(r, self.lag) for r in rows], mx.uint32)  # (B, lag)
         columns, qs = [], [[] for _ in rows]
         for j in range(width):
-            if heads is not None:  # (B, vocab)
-                logits = heads.draft_logits(j, columns[-1] if j else None, sequences, width)
-            else:
-                logits = self.draft(y, cache=self.draft_cache)[:, -1]  # (B, vocab)
-            if self.vocab is not None and logits.shape[-1] > self.vocab:
-                logits = logits[:, : self.vocab]  # padding rows the target cannot embed
             processed = [
                 b
                 for b, r in enumerate(rows)
                 if r.processors and j < requested[b] and b not in forced
             ]  # rows whose draft sees their processors, as a single stream's does
-            if processed:
+
+            def process(logits, processed=processed):  # (B, vocab) -> (B, vocab)
+                if self.vocab is not None and logits.shape[-1] > self.vocab:
+                    logits = logits[:, : self.vocab]  # padding rows the target cannot embed
+                if not processed:
+                    return logits
                 rows_logits = [logits[b] for b in range(len(rows))]
                 for b in processed:
                     so_far = mx.stack([c[b] for c in columns]) if columns else []
@@ -897,7 +896,15 @@ class BatchDecoder:
                         rows[b], apply_processors, logits[b], rows[b].processors,
                         rows[b].sequence, so_far, logits[b],
                     )  # fmt: skip
-                logits = mx.stack(rows_logits)
+                return mx.stack(rows_logits)
+
+            before = columns[-1] if j else None  # the guesses of step j - 1 (B,)
+            if heads is not None and heads.kind.selects:  # processed before it selects
+                logits = heads.draft_logits(j, before, sequences, width, process)
+            elif heads is not None:  # (B, vocab)
+                logits = process(heads.draft_logits(j, before, sequences, width))
+            else:
+                logits = process(self.draft(y, cache=self.draft_cache)[:, -1])  # (B, vocab)
             picks = mx.argmax(logits, axis=-1)  # (B,)
             if self.confidence > 0:
                 top = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1)  # (B,)

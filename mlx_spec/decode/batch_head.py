@@ -55,6 +55,7 @@ from mlx_lm.models.cache import BatchKVCache
 from ..core import caches
 from ..drafters.base import TargetOutput
 from ..drafters.dflash import DFlashDrafter, DFlashHead, target_io
+from ..drafters.dflash2 import DFlash2Drafter, DFlash2Head
 from ..drafters.dspark import DSparkDrafter, DSparkHead
 from ..drafters.eagle import Eagle3Head, EagleDrafter
 from ..drafters.mtp import MTPDrafter, target_parts
@@ -68,6 +69,7 @@ class ChainRows:
     entries pair a position's features with the next token."""
 
     block = False  # one step a token (DFlashRows: one forward a block)
+    selects = False  # (DFlash2Rows)
     max_draft = None
 
     def fed(self, note, start: int, count: int):
@@ -196,6 +198,7 @@ class DFlashRows:
 
     block = True
     chained = False  # a guess's logits depend on the guess before it (DSparkRows)
+    selects = False  # chooses among processed logits (DFlash2Rows): processors go first
     drafter_type = DFlashDrafter
 
     def __init__(self, head: DFlashHead, target):
@@ -257,13 +260,19 @@ class DFlashRows:
         block = mx.array([[t] + [self.mask] * (self.block_size - 1) for t in last], mx.uint32)
         x, offset = self.embed(block), mx.array(positions)
         for layer, c in zip(head.layers, cache, strict=True):
-            x = x + self._attend(layer.self_attn, layer.input_layernorm(x), offset, c)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(head.norm(x)[:, self.first_row : self.first_row + k])
+            x = self._layer(layer, x, offset, c)
+        return self.logits(head.norm(x)[:, self.first_row : self.first_row + k])
 
-    def step(self, logits: mx.array, previous: mx.array) -> mx.array:
-        """Every row's logits at one block position (B, vocab) given the guesses before it
-        (B,): DFlash's do not depend on them."""
+    def logits(self, states: mx.array) -> mx.array:
+        return self.lm_head(states)
+
+    def _layer(self, layer, x, offset, cache):
+        x = x + self._attend(layer.self_attn, layer.input_layernorm(x), offset, cache)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def step(self, j: int, logits: mx.array, previous: mx.array, process=None) -> mx.array:
+        """Every row's logits at block position j (B, vocab) given the guesses before it
+        (B,): DFlash's do not depend on them. (`process`: for a kind that `selects`.)"""
         return logits
 
     def _attend(self, attn, x, offset, cache):
@@ -292,8 +301,31 @@ class DSparkRows(DFlashRows):
     chained = True
     drafter_type = DSparkDrafter
 
-    def step(self, logits: mx.array, previous: mx.array) -> mx.array:
+    def step(self, j: int, logits: mx.array, previous: mx.array, process=None) -> mx.array:
         return logits + self.head.markov_head(previous)
+
+
+class DFlash2Rows(DFlashRows):
+    """A DFlash2 head (drafters/dflash2.py): DFlash's rows, each layer's convolutions over each
+    row's block, then at step j the selector among each row's processed top candidates after
+    its guess before (`DFlash2Drafter.select`, batched): logits -inf off the candidates."""
+
+    chained = selects = True
+    drafter_type = DFlash2Drafter
+
+    def logits(self, states: mx.array) -> mx.array:
+        self._projected = self.head.candidate_selector.hidden_projection(states)  # (B, k, r)
+        return self.head.scale(self.lm_head(states))
+
+    def _layer(self, layer, x, offset, cache):
+        y, later = layer.attention_conv.prepare(layer.input_layernorm(x))
+        x = x + layer.attention_conv.finish(self._attend(layer.self_attn, y, offset, cache), later)
+        y, later = layer.mlp_conv.prepare(layer.post_attention_layernorm(x))
+        return x + layer.mlp_conv.finish(layer.mlp(y), later)
+
+    def step(self, j: int, logits: mx.array, previous: mx.array, process=None) -> mx.array:
+        logits = process(logits) if process is not None else logits
+        return self.head.select(logits, previous, self._projected[:, j])
 
 
 def head_rows(head, target):
@@ -303,6 +335,8 @@ def head_rows(head, target):
         return EagleRows(head)
     if isinstance(head, DSparkHead):
         return DSparkRows(head, target)
+    if isinstance(head, DFlash2Head):
+        return DFlash2Rows(head, target)
     return DFlashRows(head, target) if isinstance(head, DFlashHead) else MTPRows(head, target)
 
 
@@ -388,18 +422,19 @@ class BatchHead:
         caches.rollback_rows(self.cache, [width - m for m in counts])
         self.pending = [None] * len(counts)
 
-    def draft_logits(self, j: int, picks, sequences: list[list[int]], width: int) -> mx.array:
+    def draft_logits(self, j, picks, sequences: list[list[int]], width: int, process=None):
         """Draft step j's logits for every row (B, vocab): a chained head's step from each
-            row's last output (j = 0) or from its own output fed `picks`, the tokens it drafted at
-            step j - 1; a block head's whole block at j = 0, then its column j (given `picks`, for
-        a DSpark head's Markov bias)."""
+        row's last output (j = 0) or from its own output fed `picks`, the tokens it drafted at
+        step j - 1; a block head's whole block at j = 0, then its column j (given `picks`, for
+        a DSpark head's Markov bias or a DFlash2 head's selector, which chooses among the
+        logits `process` gives: the rows' processors, applied first as alone)."""
         if self.kind.block:
             if j == 0:
                 last = [seq[-1] for seq in sequences]
                 positions = [len(seq) - 1 for seq in sequences]
                 self._drafts = self.kind.block_logits(last, self.cache, positions, width)
                 picks = mx.array(last, mx.uint32)  # what step 0 follows
-            return self.kind.step(self._drafts[:, j], picks)
+            return self.kind.step(j, self._drafts[:, j], picks, process)
         self._g = self.first() if j == 0 else self.chain(self._g, picks)
         return self.logits(self._g)
 

@@ -139,6 +139,18 @@ class DFlash2Head(DFlashHead):
         cap = self.args.softcap
         return mx.tanh(logits / cap) * cap if cap else logits
 
+    def select(self, logits: mx.array, previous: mx.array, projected: mx.array) -> mx.array:
+        """One position's (processed) logits (..., vocab), the guesses before it (...,) and its
+        states' projection (..., rank) -> the selector's scores on the top candidates, -inf
+        elsewhere (..., vocab): what the guess is drawn from (z-lab's `CandidateSelector`)."""
+        top, books = self.args.selector_top_k, self.candidate_selector
+        candidates = mx.argpartition(-logits, top - 1, axis=-1)[..., :top]  # (..., top)
+        pair = books.predecessor_codebook(previous) * projected  # (..., rank)
+        bilinear = (books.successor_codebook(candidates) @ pair[..., None])[..., 0]
+        scores = mx.take_along_axis(logits, candidates, axis=-1) + bilinear  # (..., top)
+        floor = mx.full(logits.shape, -mx.inf, scores.dtype)
+        return mx.put_along_axis(floor, candidates, scores, axis=-1)
+
     @staticmethod
     def sanitize(weights: dict) -> dict:
         """The codebooks are published without `.weight` (z-lab's `key_mapping` adds it)."""
@@ -158,28 +170,24 @@ class DFlash2Drafter(DFlashDrafter):
         self.steps = int(k > 0)
         if k <= 0:
             return mx.zeros((0,), mx.uint32), None
-        head, selector = self.head, self.head.candidate_selector
+        head = self.head
         h = self._block_hidden(k)  # (k, hidden)
         logits = head.scale(self.lm_head(h))  # (k, vocab)
-        projected = selector.hidden_projection(h)  # (k, rank)
-        top = head.args.selector_top_k
+        projected = head.candidate_selector.hidden_projection(h)  # (k, rank)
         keys = None if params.greedy else mx.random.split(key, k)
         drafted, qs = [], []
-        previous = mx.array([self.tokens[-1]], mx.uint32)
+        previous = mx.array(self.tokens[-1], mx.uint32)
         for i in range(k):
             row = logits[i]
-            if processors:
+            if processors:  # before the candidates are chosen (a grammar may rule some out)
                 so_far = mx.concatenate(drafted) if drafted else []
                 row = apply_processors(processors, self.tokens, so_far, row)
-            candidates = mx.argpartition(-row, top - 1)[:top]  # (top,) the best, unordered
-            pair = selector.predecessor_codebook(previous)[0] * projected[i]  # (rank,)
-            scores = row[candidates] + selector.successor_codebook(candidates) @ pair  # (top,)
+            scores = head.select(row, previous, projected[i])  # (vocab,), -inf off candidates
             if params.greedy:
-                pick = mx.argmax(scores)
+                previous = mx.argmax(scores).astype(mx.uint32)
             else:
                 q = probabilities(scores, params)
-                pick = sample(q, keys[i])
-                qs.append(mx.zeros((row.shape[-1],), q.dtype).at[candidates].add(q))
-            previous = candidates[pick].reshape(1).astype(mx.uint32)
-            drafted.append(previous)
+                previous = sample(q, keys[i]).astype(mx.uint32)
+                qs.append(q)
+            drafted.append(previous.reshape(1))
         return mx.concatenate(drafted), (mx.stack(qs) if qs else None)

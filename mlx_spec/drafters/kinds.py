@@ -163,11 +163,8 @@ class DFlashKind(DrafterKind):
         return drafter(pair.head, pair.target)
 
     @classmethod
-    def batch_drafting(cls, pair) -> dict | None:
-        from .dflash2 import DFlash2Head
-
-        # a DFlash2 head's batch rows (its convolutions, its selector) are not written yet
-        return None if isinstance(pair.head, DFlash2Head) else {"head": pair.head}
+    def batch_drafting(cls, pair) -> dict:
+        return {"head": pair.head}
 
 
 class DSparkKind(DFlashKind):
