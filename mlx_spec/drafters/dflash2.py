@@ -15,11 +15,13 @@ published layout (`tests/fixtures/dflash2-{config,safetensors-header}.json`) hav
 - A candidate selector (`candidate_selector.{predecessor_codebook, successor_codebook,
   hidden_projection}`) draws the block left to right among each position's top `selector_top_k`
   tokens: a candidate b after the guess a scores `logit(b) + <pred(a) * proj(h_i), succ(b)>`.
-  Greedy takes the best; sampled draws from those scores' distribution, and that distribution
-  (zero outside the candidates) is the q handed to the verifier.
+  Greedy takes the best; sampled draws from those scores' distribution (`select`: the scores
+  on the candidates, -inf elsewhere), and that distribution is the q handed to the verifier.
+  Processors (penalties, a grammar) apply to the logits before the candidates are chosen.
 
 Not applied: the checkpoints' sliding window (2048 for the published one): the head attends to
-the whole context, as for DFlash heads (docs/drafters.md). Not batched yet (`DFlashKind`).
+the whole context, as for DFlash heads (docs/drafters.md). In a batch: decode/batch_head.py's
+`DFlash2Rows`, the same `select` over every row.
 """
 
 from __future__ import annotations
