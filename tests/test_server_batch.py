@@ -519,23 +519,24 @@ def mtp_pair_dir(tiny_models, root):
     return target, head
 
 
-@pytest.fixture(scope="module", params=["mtp", "dflash", "dspark"])
+@pytest.fixture(scope="module", params=["mtp", "dflash", "dspark", "dflash2"])
 def own_head_server(request, tiny_models, models, tmp_path_factory):
     """A pair whose head drafts from the target's own states inside the batch
-    (decode/batch_head.py): the target's MTP layer, or a random DFlash or DSpark head over
-    the long target; k fixed at 3, --max-batch 4."""
+    (decode/batch_head.py): the target's MTP layer, or a random DFlash, DSpark or DFlash2
+    head over the long target (DFlash2's read by the dflash kind); k fixed at 3, --max-batch 4."""
     root = tmp_path_factory.mktemp(f"{request.param}_server")
+    drafter = "dflash" if request.param == "dflash2" else request.param
     if request.param == "mtp":
         target, head = mtp_pair_dir(tiny_models, root)
-    else:  # test_dflash's or test_dspark's writer
+    else:  # test_dflash's, test_dspark's or test_dflash2's writer
         module = __import__(f"test_{request.param}")
         target = models[1]
         cfg = json.loads((target / "config.json").read_text())
         head = module.write_head(root / request.param, module.head_config(cfg, [0, 2]))
-    args = ["--target", str(target), "--drafter", request.param, "--head", str(head),
+    args = ["--target", str(target), "--drafter", drafter, "--head", str(head),
             "--num-draft-tokens", str(K), "--max-batch", "4", "--api-key", KEY_A,
             "--admin-key", KEY_A]  # fmt: skip
-    pair = load_pair(target=str(target), drafter=request.param, head=str(head), num_draft_tokens=K)
+    pair = load_pair(target=str(target), drafter=drafter, head=str(head), num_draft_tokens=K)
     with serving(args, root) as (_, url):
         yield url, pair, root
 
