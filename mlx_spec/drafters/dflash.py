@@ -33,7 +33,8 @@ never exactness.
 
 DSpark heads (dspark.py) are this head and drafter with two hooks: the block row that guesses
 the next token (`DFlashHead.first_row`: 1 here, 0 there) and a per-position step over the guess
-drawn before (`DFlashDrafter._step_logits`, `chained`: DSpark's Markov head).
+drawn before (`DFlashDrafter._step_logits`, `chained`: DSpark's Markov head). DFlash2 heads
+(dflash2.py, read by this kind when the config says so) add their own layer and propose.
 """
 
 from __future__ import annotations
@@ -404,9 +405,9 @@ class DFlashDrafter(Drafter):
         drafted, qs = [], []
         previous = mx.array([self.tokens[-1]], mx.uint32)
         for i in range(k):
-            so_far = mx.concatenate(drafted) if drafted else []
             row = self._step_logits(logits[i], previous)
             if processors:
+                so_far = mx.concatenate(drafted) if drafted else []
                 row = apply_processors(processors, self.tokens, so_far, row)
             if params.greedy:
                 drafted.append(mx.argmax(row, axis=-1, keepdims=True).astype(mx.uint32))
