@@ -9,8 +9,9 @@ GPT-OSS, Mistral-style `sliding_window`), whose rows `caches.BatchWindowedKVCach
 `WindowedKVCache` holds one stream's (a window mask, absolute offsets, old tokens dropped; a
 roll-back that would cut into a row's window raises), and recurrent layers (ArraysCache:
 Qwen3.5 hybrids, Mamba) in the target (below). Refused with a one-line reason
-(`check_batchable`): chunked attention, attention sinks, a recurrent draft, and an EAGLE-3
-head beside a recurrent target.
+(`check_batchable`): chunked attention, attention sinks and a recurrent draft. A head beside a
+recurrent target takes the features of each row's kept tokens from where its last token sits
+in the pass (after its replay): `BatchHead.take`'s starts.
 Each round (`step`):
 
 1. every row proposes up to k tokens: the draft model batched the same way (one forward over the
@@ -408,12 +409,6 @@ class BatchDecoder:
             raise SpecError("a batch drafts with a head alone, not beside another drafter")
         # a recurrent target (Qwen3.5, Qwen3-Next, Mamba): rows restored and replayed
         self.recurrent = caches.is_recurrent(make_prompt_cache(target))
-        if self.recurrent and head is not None:
-            raise SpecError(
-                "a target with a recurrent state (ArraysCache: Qwen3.5, Mamba) batches with "
-                "prompt lookup or a draft model, not a head yet; use generate for "
-                "this pair"
-            )
         self.target, self.draft, self.lookup = target, draft, lookup
         # an EAGLE-3 head or an MTP layer (batch_head.py): it reads the target's layers in
         # each pass
@@ -960,6 +955,8 @@ class BatchDecoder:
         width = len(drafted[0]) if drafted else 0
         held = []  # per row, the round's draft tokens its caches keep
         restore, forget = [], []  # recurrent: rows restored, entries each row forgets
+        # where each row's last token sits in the pass (a recurrent row's replay comes first)
+        starts = [r.unfed - 1 if saved is not None else 0 for r in rows]
         for b, (r, (n, token)) in enumerate(zip(rows, out, strict=True)):
             if r.id in self.failed:  # it leaves with its error; nothing of the round is its
                 held.append(0)
@@ -1026,7 +1023,7 @@ class BatchDecoder:
             positions = [
                 0 if r.id in self.failed else h + 1 for r, h in zip(rows, held, strict=True)
             ]
-            self.heads.take(hidden, positions, [r.sequence for r in rows])
+            self.heads.take(hidden, positions, [r.sequence for r in rows], starts)
         elif steps:  # the draft fed lag + K - 1 tokens; it keeps up to sequence[:-2]
             rollback_rows(self.draft_cache, [steps - h for h in held])
         elif self.draft is not None:

@@ -3,8 +3,8 @@
 One pair is resident at a time. With it live its partitions' prompt caches and history
 indexes (a swap drops them: their caches hold the old pair's states) and, with --max-batch N,
 the `batch.BatchDecoder` the runner steps (drafting with a draft model, lookup, an EAGLE-3
-head, the target's MTP layer or a DFlash head). A pair whose drafter a batch cannot take
-(a kind that does not say how, or a head beside a recurrent target) batches plainly;
+head, the target's MTP layer or a DFlash head, beside any target a batch takes). A pair whose
+drafter a batch cannot take (a kind that does not say how) batches plainly;
 `batch_refusal` says why a pair does not batch, or does not draft in a batch.
 
 Only the engine thread changes it; the HTTP side reads `pair` and `name` to tokenise a
@@ -72,7 +72,7 @@ class Resident:
         drafting = pair.config.kind.batch_drafting(pair) if pair.speculative else {}
         if pair.speculative and (drafting is None or "head" in drafting):
             # a drafter a batch cannot take, or a head beside a target it cannot draft for in
-            # a batch (a recurrent one): the target may still batch plainly
+            # a batch: the target may still batch plainly
             try:
                 batch, self.batch_plain = make_batch_decoder(pair, plain=True), True
                 if drafting is None:
