@@ -400,9 +400,7 @@ class BatchHead:
             for c in self.cache:
                 c.trim(chained)
 
-    def take(
-        self, hidden: dict, kept: list[int], sequences: list[list[int]], starts=None
-    ) -> None:
+    def take(self, hidden: dict, kept: list[int], sequences: list[list[int]], starts=None) -> None:
         """The verify pass's captured layers (layer -> (B, width, hidden)): row b's `kept[b]`
         positions from `starts[b]` (a recurrent target's row replays its unfed tokens first:
         their features were taken in the pass that verified them) are now in its sequence;
