@@ -121,8 +121,9 @@ def test_a_long_replay_ends_with_a_pass_that_cannot_be_rejected(targets, monkeyp
 def test_kept_rows_hand_back_caches_a_single_stream_continues(tiny_models, targets, drafter):
     """A row removed mid-way (its replay pending) and one that ran to its end come back as
     Decoders (`into_decoder`, the replay in `unfed`; a draft model's cache holding exactly its
-    tokens) that continue as a fresh generate does; a kept recurrent Decoder gives a new row
-    nothing (`give_up`): the row starts afresh."""
+    tokens) that continue as a fresh generate does; a kept recurrent Decoder whose state the
+    new row's prompt does not extend (it generated past it) gives it nothing (`give_up`): the
+    row starts afresh (tests/test_batch_recurrent_heads.py: one it extends)."""
     pair = pair_of(tiny_models, targets, "qwen3_5", drafter)
     decoder = make_batch_decoder(pair, 3)
     prompts = [pair.tokenizer.encode(t) for t in REPEATS[:3]]

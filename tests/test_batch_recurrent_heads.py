@@ -20,7 +20,7 @@ from test_batch_eagle import assert_greedy_rows_equal_each_alone
 from test_heads_surfaces import head_pair, models  # noqa: F401 (fixture)
 from test_mtp import checkpoint, mtp_pair, random_pair  # noqa: F401 (fixtures)
 
-from mlx_spec import GenerationConfig, batch_generate, generate, make_decoder
+from mlx_spec import GenerationConfig, batch_generate, generate, load_pair, make_decoder
 from mlx_spec.core.caches import prefill_cache
 from mlx_spec.decode.batch import into_decoder, make_batch_decoder
 from mlx_spec.decode.batch_head import MTPRows
@@ -162,3 +162,37 @@ def test_each_rows_head_holds_its_sequence_after_replays(request, which):
             for a, e in ((got.keys, f.keys), (got.values, f.values)):
                 assert np.allclose(np.array(a[..., :n, :]), np.array(e[..., :n, :]), atol=1e-4)
         assert np.allclose(np.array(decoder.heads.last[b]), np.array(last), atol=1e-4)
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "ngram"])
+def test_a_row_continues_a_kept_recurrent_decoder_its_prompt_extends(pair, drafter):
+    """A kept single-stream decoder (the server's prompt cache keeps one per conversation)
+    whose sequence the next prompt extends gives a batch row its caches: the recurrent state
+    needs no trimming, so only the new tokens are prefilled, and the row's tokens are the
+    target's alone. A prompt that parts from it earlier gets nothing (a state cannot forget):
+    the row starts afresh."""
+    if drafter != "mtp":
+        pair = load_pair(target=pair.config.target).configured(drafter=drafter)
+    more = pair.tokenizer.encode(" and then", add_special_tokens=False)
+    d = make_decoder(pair)
+    generate(pair, TEXTS[1], GenerationConfig(max_tokens=14, num_draft_tokens=3), decoder=d)
+    held = len(d.sequence) - d.unfed
+    follow = d.sequence + more
+    decoder = make_batch_decoder(pair, 3)
+    beside = decoder.add(pair.tokenizer.encode(TEXTS[0]), GenerationConfig(max_tokens=20))
+    rid = decoder.add(follow, GenerationConfig(max_tokens=20), kept=d)
+    assert decoder.row(rid).reused == held and not d.sequence
+    parted = make_decoder(pair)
+    generate(pair, TEXTS[1], GenerationConfig(max_tokens=14), decoder=parted)
+    earlier = parted.sequence[:-3] + more
+    other = decoder.add(earlier, GenerationConfig(max_tokens=20), kept=parted)
+    assert decoder.row(other).reused == 0
+    out = {beside: [], rid: [], other: []}
+    drafted = 0
+    while len(decoder):
+        for r, u in decoder.step().items():
+            out[r] += u.tokens
+            drafted += u.round.drafted
+    assert out[rid] == generate(pair, follow, max_tokens=20, use_draft=False).tokens
+    assert out[other] == generate(pair, earlier, max_tokens=20, use_draft=False).tokens
+    assert drafted > 0

@@ -25,10 +25,12 @@ from conftest import VOCAB
 from real_configs import _llama3_rope
 from test_eagle import head_weights, subset
 from test_eagle import write_head as write_eagle
+from test_mtp import original_checkpoint
 from test_server import metrics as read_metrics
 from test_server import serving
 
 from mlx_spec import generate, load_pair
+from mlx_spec.cli import main as cli_main
 from mlx_spec.core.processors import make_processors
 
 KEY_A, KEY_B = "key-a", "key-b"
@@ -430,8 +432,9 @@ def test_a_hybrid_recurrent_pair_batches(tiny_models, tmp_path, drafter):
     or a draft model (the tiny Llama draft, an attention model):
     concurrent requests share one batch (before, such a target was served one request at a
     time), rows that reject restore their own recurrent state and replay, and every reply
-    equals `generate` alone; a conversation's turn 2 too (a kept recurrent decoder gives a
-    batch row nothing: it starts afresh). (Turn 1's reply is not sent back: a random model's
+    equals `generate` alone; a conversation's turn 2 too, its batch row continuing the
+    recurrent state the prompt cache kept at the end of turn 1's prompt (which turn 2's
+    extends: only the new tokens are prefilled). (Turn 1's reply is not sent back: a random model's
     text can hold special-token markup, which the server tokenises as plain text and
     `generate` does not: the server's prompt was 135 tokens, generate's 124.)"""
     cfg = tiny.family_configs(VOCAB)["qwen3_5"]
@@ -465,6 +468,36 @@ def test_a_hybrid_recurrent_pair_batches(tiny_models, tmp_path, drafter):
     expected = generate(hybrid, messages, max_tokens=TOKENS, temperature=0).text
     assert r.choices[0].message.content == expected
     assert r.model_extra["speculation"]["batched"] is True
+    # turn 1's prompt but its last token (the checkpoint kept where its prefill ended)
+    assert r.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+
+
+def test_a_hybrid_pair_with_its_mtp_layer_drafts_in_the_batch(tiny_models, tmp_path):
+    """Qwen3.5 with its own MTP layer (the original layout, extracted by `mlx-spec heads
+    extract`): concurrent requests share one batch in which the head drafts for every row
+    (before, such a pair batched plainly), and every reply equals `generate` alone."""
+    target, head = tmp_path / "long", tmp_path / "head"
+    original_checkpoint(target, VOCAB, tiny_models.tokenizer, agree=0.0)
+    for shard in target.glob("*.safetensors"):  # <|im_end|> never wins: rows run to the end
+        tensors = mx.load(str(shard))
+        if "lm_head.weight" in tensors:
+            tensors["lm_head.weight"][2] = 0
+            mx.save_safetensors(str(shard), tensors, metadata={"format": "pt"})
+    assert cli_main(["heads", "extract", str(target), str(head)]) == 0
+    pair = load_pair(target=str(target), drafter="mtp", head=str(head))
+    args = ["--target", str(target), "--drafter", "mtp", "--head", str(head),
+            "--num-draft-tokens", str(K), "--max-batch", "4", "--api-key", KEY_A]  # fmt: skip
+    jobs = [("completion", PROMPTS[1]), ("chat", PROMPTS[3]), ("completion", PROMPTS[2])]
+    messages = chat("Tell me a story about a fox")
+    with serving(args, tmp_path) as (_, url):
+        got, r = next_turn_beside_others(url, messages, jobs)
+    for (kind, text), g in zip(jobs, got, strict=True):
+        prompt = chat(text) if kind == "chat" else text
+        assert g["text"] == generate(pair, prompt, max_tokens=TOKENS, temperature=0).text
+        assert g["spec"]["batched"] is True and g["spec"]["drafter"] == "mtp"
+    assert sum(g["spec"]["drafted"] for g in got) > 0
+    expected = generate(pair, messages, max_tokens=TOKENS, temperature=0).text
+    assert r.choices[0].message.content == expected
 
 
 @pytest.mark.parametrize("value", ["0", "-3"])

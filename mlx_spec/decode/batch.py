@@ -279,8 +279,9 @@ def _held(cache: list, tokens: int, what: str) -> None:
         raise SpecError(f"the {what} cache holds {sorted(sizes)} tokens, not {tokens}")
 
 
-def _plain(cache: list, what: str) -> None:
-    if any(type(c) not in (KVCache, WindowedKVCache) for c in cache):
+def _plain(cache: list, what: str, recurrent: bool = False) -> None:
+    kinds = (KVCache, WindowedKVCache) + ((ArraysCache,) if recurrent else ())
+    if any(type(c) not in kinds for c in cache):
         raise SpecError(f"the kept {what} cache is not made of plain or windowed KV caches")
 
 
@@ -290,11 +291,11 @@ def kept_caches(kept, prompt: list[int], draft_held: list[int] | None):
     must hold (target: prompt[:-1]; draft: `draft_held`, the row's context but the batch's last
     `lag` tokens; None: the row does not draft, the draft's cache is not taken). The decoder
     is left empty (`Decoder.give_up`); one that may be mid-round gives nothing."""
-    given = kept.give_up()
+    given = kept.give_up(prompt)
     if given is None:
         return None, 0, None, 0
     cache, held, draft = given
-    _plain(cache, "target")
+    _plain(cache, "target", recurrent=True)  # (a recurrent state: `prompt` extends it)
     _held(cache, len(held), "kept target")
     reuse = min(common_prefix_len(held, prompt), len(prompt) - 1)
     if not caches.can_rollback(cache, len(held) - reuse):
