@@ -426,7 +426,11 @@ class BatchDecoder:
         k_max = min(k_max, most) if most else k_max  # a block head's guesses, as alone
         self.fixed_k = k_max if isinstance(length, Fixed) else None
         self.controller = (
-            BatchController(k_max, draft is not None or head is not None)
+            BatchController(
+                k_max,
+                draft is not None or head is not None,
+                block=self.heads is not None and bool(self.heads.kind.block),
+            )
             if self.fixed_k is None
             else None
         )
