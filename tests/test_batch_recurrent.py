@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 import test_batch
 import tiny
-from test_batch import TEXTS, assert_holds, assert_mixed_rows_as_alone, run_mixed, sampled_first_two
+from test_batch import (
+    TEXTS,
+    assert_holds,
+    assert_mixed_rows_as_alone,
+    assert_seeded_rows_sample_as_alone,
+    run_mixed,
+    sampled_first_two,
+)
 from test_distribution import accept_everything, chi_square, exact_joint
 
 import mlx_spec
@@ -167,10 +174,10 @@ def test_kept_rows_hand_back_caches_a_single_stream_continues(tiny_models, targe
 def test_a_sampled_row_beside_replaying_rows_follows_the_target(
     tiny_models, targets, monkeypatch, drafter
 ):
-    """Fillers change how many positions a row verifies, so a seeded recurrent row beside
-    others need not draw what it draws alone; its distribution is the target's (chi-square
-    over its first two tokens, rows joining and leaving around it; a draft model's rows
-    verified with its q, then point masses on the fillers)."""
+    """A sampled row beside rows that replay (their passes wider than its own, so its pass
+    carries fillers) draws from the target's distribution: chi-square over its first two
+    tokens, rows joining and leaving around it; a draft model's rows verified with its q. (A
+    seeded row keeps none of its fillers: it draws what it draws alone, a test below.)"""
     pair = pair_of(tiny_models, targets, "small", drafter)
 
     def no_end(pair, k):  # token 2 (the end) is likely in 16 tokens: rows run to max_tokens
@@ -194,9 +201,11 @@ def test_a_sampled_row_beside_replaying_rows_follows_the_target(
     print(f"recurrent batch: chi-square {stat:.1f} (99.9% threshold {threshold:.1f})")
     assert stat < threshold
     assert any(replays)  # rows beside it replayed (their passes wider than its own)
+    # the harness can fail: drafts kept whatever the target says, plain steps greedy
     monkeypatch.setattr(mlx_spec.decode.rounds, "verify_stochastic", accept_everything)
+    monkeypatch.setattr(mlx_spec.decode.batch, "sample", lambda p, key: mx.argmax(p, axis=-1))
     stat, threshold = chi_square(sampled_first_two(pair, params, 600), probs)
-    assert stat > threshold  # the harness can fail
+    assert stat > threshold
 
 
 def test_rows_restore_their_own_state_only():
@@ -285,3 +294,12 @@ def test_fillers_the_target_accepts(tiny_models, targets, drafter, monkeypatch):
     assert any(r.filled and r.accepted > r.drafted - r.filled for r, _ in rounds)
     cut = [r for r, done in rounds if not done and len(r.tokens) < r.accepted + 1]
     assert bool(cut) == (drafter != "ngram")  # only a draft model's rows are cut short
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model", "ngram+model"])
+def test_a_seeded_row_samples_what_it_samples_alone(tiny_models, targets, drafter):
+    """A seeded sampled row beside greedy and sampled rows that join before and after it (so
+    its passes carry fillers and it replays): it never keeps a filler and judges its replay
+    limit by what it would replay alone, so its key splits as alone's and it draws the very
+    tokens `generate` draws with the same seed and k."""
+    assert_seeded_rows_sample_as_alone(pair_of(tiny_models, targets, "qwen3_5", drafter))

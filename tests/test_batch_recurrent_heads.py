@@ -15,7 +15,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from test_batch import TEXTS, assert_mixed_rows_as_alone, run_mixed
+from test_batch import (
+    TEXTS,
+    assert_mixed_rows_as_alone,
+    assert_seeded_rows_sample_as_alone,
+    run_mixed,
+)
 from test_batch_eagle import assert_greedy_rows_equal_each_alone
 from test_heads_surfaces import head_pair, models  # noqa: F401 (fixture)
 from test_mtp import checkpoint, mtp_pair, random_pair  # noqa: F401 (fixtures)
@@ -119,6 +124,12 @@ def test_eagle_and_dflash_heads_beside_a_recurrent_target(request, kind):
     assert decoder.recurrent and decoder.heads is not None
     assert_greedy_rows_equal_each_alone(other, decoder, some_accepted=False)
     assert_rows_hand_caches_and_head_to_single_streams(other)
+    if kind == "eagle3":
+        assert_seeded_rows_sample_as_alone(other)
+
+
+def test_a_seeded_row_samples_what_it_samples_alone(pair):
+    assert_seeded_rows_sample_as_alone(pair)
 
 
 def test_mixed_rows_get_what_they_get_alone(pair):

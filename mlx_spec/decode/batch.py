@@ -54,8 +54,10 @@ model's own further picks, then its last token repeated, verified like any guess
 width; a row keeps at most what the draft model was fed (the rest is replayed); a row that
 rejected anything has its recurrent state restored for its row only (`caches.restore_rows`),
 its KV layers forget the whole pass and its kept tokens are replayed next round (`Row.unfed`,
-as `engine.Decoder.unfed`; past REPLAY_LIMIT it drafts nothing). Seeded rows keep their
-distribution, not their exact samples alone (fillers change how a row's key is split).
+as `engine.Decoder.unfed`; past REPLAY_LIMIT it drafts nothing). A seeded sampled row verifies
+its own guesses only (its fillers are never kept: it replays past them) and judges its replay
+limit by what it would replay alone, so its key splits as alone's and it draws the same samples
+(`Row.seeded`); other rows keep fillers the target agrees with.
 
 A row with nothing to propose (lookup found no match, or its reply ends next token) costs no
 draft steps; in the verify pass it is padded to the batch's widest proposal. Grouping rows by
@@ -217,6 +219,14 @@ class Row:
     # a recurrent target: the tokens at the end of `sequence` its caches have not taken in
     # (1, or 1 + a replay after a rejected round: engine.Decoder.unfed)
     unfed: int = 1
+    # a seeded sampled row on a recurrent target draws what it draws alone: its fillers are
+    # never kept (so its key splits as alone), and its replay limit counts what alone replays
+    seeded: bool = False
+    alone_unfed: int = 1
+
+    def replay(self) -> int:
+        """The replay the row's REPLAY_LIMIT is judged by (a single stream's, when seeded)."""
+        return self.alone_unfed if self.seeded else self.unfed
 
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -486,6 +496,7 @@ class BatchDecoder:
             max_tokens if max_tokens is not None else config.max_tokens,
             key,
             use_draft=config.use_draft and self.drafting and not self._draft_cannot_pay(),
+            seeded=self.recurrent and key is not None and config.seed is not None,
             prompt_tokens=len(prompt),
             keep=keep,
             k_max=row_k_max(config.num_draft_tokens),
@@ -709,7 +720,7 @@ class BatchDecoder:
         ]
         # a recurrent target: a row whose replay is long drafts nothing, so its pass cannot be
         # rejected and the replay ends (engine.REPLAY_LIMIT)
-        ending = {b for b, r in enumerate(rows) if self.recurrent and r.unfed > REPLAY_LIMIT}
+        ending = {b for b, r in enumerate(rows) if self.recurrent and r.replay() > REPLAY_LIMIT}
         for b in ending:
             requested[b] = 0
         # where a row's grammar forces the next tokens, they are its draft this round (no
@@ -788,7 +799,13 @@ class BatchDecoder:
         proposals = drafts.tolist() if any(r.processors for r in rows) else None
         outs, lps = [], []
         for b, r in enumerate(rows):
-            if passes is not None:  # its rows of logits after its replay; fillers verified too
+            if passes is not None and r.seeded:  # its own guesses only, as alone: no fillers
+                x = passes[b][: lengths[b]]
+                out, lp = self._verify(
+                    r, requested[b], lengths[b], mx.array(x, mx.uint32),
+                    logits[b, r.unfed - 1 :], qs[b], x,
+                )  # fmt: skip
+            elif passes is not None:  # its rows of logits after its replay; fillers verified too
                 x = passes[b]
                 q = filled_q(qs[b], x, lengths[b]) if qs[b] is not None else None
                 out, lp = self._verify(
@@ -970,7 +987,8 @@ class BatchDecoder:
                 rnd = Round([], 0, 0)
                 updates[r.id] = RowUpdate([], rnd, True, "error", error=self.failed[r.id])
                 continue
-            k = lengths[b] if saved is None else len(drafted[b])
+            fed = lengths[b] if saved is None else len(drafted[b])  # fillers too
+            k = lengths[b] if r.seeded else fed  # (a seeded row's fillers are never kept)
             proposal = drafted[b][:k]
             kept = proposal[:n] + [token]
             replayed = 0
@@ -983,10 +1001,12 @@ class BatchDecoder:
             if saved is not None:
                 # kept every token it fed: its state stays; else it goes back to before the
                 # pass, its KV layers forget the whole pass and the kept tokens are replayed
-                replayed, whole = r.unfed - 1, len(kept) == k + 1
+                replayed, whole = r.unfed - 1, len(kept) == fed + 1
                 restore.append(not whole)
-                forget.append(0 if whole else r.unfed + k)
+                forget.append(0 if whole else r.unfed + fed)
                 r.unfed = 1 if whole else r.unfed + len(kept)
+                alone = len(kept) == k + 1  # what a single stream would have replayed
+                r.alone_unfed = 1 if alone else r.alone_unfed + len(kept)
             if r.lookup is not None:
                 r.lookup.commit(kept)
             r.sequence += kept
@@ -1112,8 +1132,7 @@ def batch_generate(
     num_draft_tokens, `auto` rows as the batch's controller chooses). `max_batch`: rows
     decoded together at most (None: all); the others join as rows finish. Not batched yet
     (SpecError): a drafter kind that does not say how a batch drafts with it, chunked
-    targets, recurrent targets with a head (sliding windows batch; recurrent targets
-    otherwise, seeded rows then keeping the distribution, not the exact samples)."""
+    targets (sliding windows and recurrent targets batch)."""
     prompts = list(prompts)
     if isinstance(config, list | tuple):
         if len(config) != len(prompts):

@@ -113,6 +113,7 @@ class EagleRows(ChainRows):
         drafter.pending, drafter.last = pending, last
         drafter.rows = drafter.entries + (pending.shape[0] if pending is not None else 0)
         drafter.tokens = list(sequence)
+        drafter.target_at = len(sequence) - 1  # (its decoder's next prefill sets it anew)
         if drafter.rows != len(sequence) - 1:
             raise SpecError(
                 f"the head's row holds features of {drafter.rows} positions, not "
