@@ -361,6 +361,47 @@ def test_a_head_pair_drafts_alone_and_in_a_batch(head_server, pair):
     assert again["spec"]["prompt_tokens_reused"] == prompt - 1
 
 
+def test_a_head_batch_drained_to_one_row_runs_it_as_a_stream(head_server, pair):
+    """Two requests share a batch, the head drafting for both; once the short one ends the
+    long one goes on as a single stream (a head's batch of one ran at 0.68x of it), and when
+    a third request comes it joins a batch again from its caches. Its reply, seeded and
+    sampled, is what it samples alone with the head; the others' are the target's."""
+    url, head, _ = head_server
+    before = metrics(url)
+    anchor = client(url).completions.create(
+        model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
+    )
+    next(iter(anchor))  # it runs alone; the next two queue behind it and start together
+    seeded = {"temperature": 0.8, "seed": 3, "max_tokens": 800}
+    # a prompt that shares no prefix with any kept one: a row that starts from another
+    # request's caches drafts from a head state computed otherwise, so a seeded reply could
+    # sample otherwise than a fresh run (the same distribution)
+    text = "Zebras and the sea"
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        long = pool.submit(streamed, url, KEY_A, "completion", text, **seeded)
+        wait_until(lambda: metrics(url)["mlx_spec_queue_waiting"] == 1, "no queue")
+        short = pool.submit(streamed, url, KEY_A, "chat", PROMPTS[1], temperature=0, max_tokens=4)
+        wait_until(lambda: metrics(url)["mlx_spec_queue_waiting"] == 2, "no queue")
+        anchor.close()
+        first = short.result()
+        alone = "mlx_spec_batch_rows_alone_total"
+        wait_until(lambda: metrics(url)[alone] > before[alone], "the long row never went alone")
+        late = pool.submit(streamed, url, KEY_A, "chat", PROMPTS[3], temperature=0)
+        third, got = late.result(), long.result()
+    after = metrics(url)
+    rejoined = "mlx_spec_batch_rows_rejoined_total"
+    assert after[rejoined] > before[rejoined]
+    assert first["text"] == generate(pair, chat(PROMPTS[1]), max_tokens=4, temperature=0).text
+    assert third["text"] == generate(pair, chat(PROMPTS[3]), max_tokens=TOKENS).text
+    assert third["spec"]["batched"] is True
+    head_pair = load_pair(
+        target=str(pair.config.target), drafter="eagle3", head=str(head), num_draft_tokens=K
+    )
+    assert got["text"] == generate(head_pair, text, **seeded).text
+    assert got["spec"]["prompt_tokens_reused"] == 0
+    assert got["spec"]["batched"] is True and got["spec"]["drafted"] > 0
+
+
 def next_turn_beside_others(url: str, messages: list[dict], jobs: list) -> tuple:
     """A long request runs; a conversation's next turn (`messages`) and `jobs` ((kind, text)
     each, streamed) are sent while it does and share a batch: their results and the turn's
