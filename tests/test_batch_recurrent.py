@@ -30,6 +30,7 @@ import mlx_spec.decode.rounds
 from mlx_spec import GenerationConfig, SpecError, generate, load_pair
 from mlx_spec.core import caches
 from mlx_spec.decode.batch import check_batchable, into_decoder, make_batch_decoder
+from mlx_spec.server.resident import Resident
 
 FAMILIES = ["qwen3_5", "mamba"]
 REPEATS = [  # repetitive prompts: lookup finds something to draft
@@ -228,6 +229,19 @@ def test_what_stays_refused(tiny_models, targets):
         check_batchable(load_pair(target=str(tiny_models.mamba)).target)  # (a draft's check)
     with pytest.raises(SpecError, match="draft model keeps a recurrent state"):
         make_batch_decoder(load_pair(target=str(targets["qwen3_5"]), draft=str(tiny_models.mamba)))
+
+
+def test_a_recurrent_draft_models_pair_batches_plainly_in_the_server(tiny_models, targets):
+    """A Qwen3.5 target drafted by a Qwen3.5 draft model (the curated pairs: 0.8B for 27B):
+    a batch cannot roll a recurrent draft back per row yet, so the server's resident pair
+    batches its target plainly (before, it was served one request at a time) and a lone
+    request drafts as a single stream; the reason is said at start."""
+    pair = load_pair(target=str(targets["qwen3_5"]), draft=str(tiny_models.mamba))
+    resident = Resident(lambda name: None, [], max_batch=4)
+    resident.install(pair, "qwen35")
+    assert resident.batch is not None and resident.batch_plain and resident.lone_alone
+    assert "draft model keeps a recurrent state" in resident.batch_refusal
+    assert not resident.batch.drafting
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "ngram+model"])

@@ -70,9 +70,10 @@ class Resident:
         except SpecError as err:
             self.batch_refusal = str(err)
         drafting = pair.config.kind.batch_drafting(pair) if pair.speculative else {}
-        if pair.speculative and (drafting is None or "head" in drafting):
-            # a drafter a batch cannot take, or a head beside a target it cannot draft for in
-            # a batch: the target may still batch plainly
+        if pair.speculative:
+            # a drafter a batch cannot take (a kind that does not say how, a recurrent draft
+            # model: Qwen3.5-0.8B drafting for a Qwen3.5 target): the target may still batch
+            # plainly, and a lone request drafts as a single stream
             try:
                 batch, self.batch_plain = make_batch_decoder(pair, plain=True), True
                 if drafting is None:
