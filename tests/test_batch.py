@@ -24,6 +24,7 @@ from mlx_spec.core.batch_policy import (
     PROBE_ROUNDS,
     PROBE_ROUNDS_HOPELESS,
     BatchController,
+    batch_speed,
     choose_batch_k,
     interpolate,
 )
@@ -719,6 +720,25 @@ def test_k_shrinks_as_the_batch_grows_and_reaches_plain(per_row):
     assert ks[0] >= 3
     assert all(a >= b for a, b in zip(ks, ks[1:], strict=False)), ks
     assert ks[-1] == 0
+
+
+def test_a_block_heads_draft_is_priced_once_a_round():
+    """A block head (DFlash) drafts every position in one forward: its round costs one draft
+    whatever k, so at the same costs it drafts longer than a chained drafter paying k steps,
+    and a draft step dearer than a whole pass can still pay at a long k."""
+    acceptance = [0.9] * 8
+    pass_seconds = lambda rows: 1 + 0.01 * rows  # noqa: E731
+    chained = choose_batch_k(2, 8, pass_seconds, 0.3, acceptance)
+    block = choose_batch_k(2, 8, pass_seconds, 0.3, acceptance, block=True)
+    assert block == 8 > chained
+    tokens = 2 * sum(0.9**j for j in range(1, 5)) + 2  # E(4) a row, two rows
+    speed = batch_speed(4, 2, pass_seconds, 0.3, acceptance, block=True)
+    assert speed == pytest.approx(tokens / (pass_seconds(10) + 0.3))
+    assert batch_speed(0, 2, pass_seconds, 5.0, acceptance, block=True) == pytest.approx(
+        2 / pass_seconds(2)
+    )
+    assert choose_batch_k(1, 8, pass_seconds, 1.5, acceptance, block=True) > 0
+    assert choose_batch_k(1, 8, pass_seconds, 1.5, acceptance) == 0
 
 
 def test_compute_bound_passes_and_empty_lookups_choose_plain():

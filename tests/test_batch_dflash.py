@@ -43,6 +43,8 @@ def test_the_kind_batches_with_drafts(dflash):
     decoder = make_batch_decoder(dflash, 2)
     assert decoder.heads is not None and decoder.drafting
     assert isinstance(decoder.heads.kind, DFlashRows)
+    # `auto`: one forward drafts the block, so the controller prices it once a round
+    assert make_batch_decoder(dflash, "auto").controller.block
 
 
 @pytest.mark.parametrize("k", [1, 3, 9, "auto"])

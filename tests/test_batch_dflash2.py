@@ -22,10 +22,11 @@ from test_batch_dflash import (
     assert_seeded_rounds_as_alone,
 )
 from test_batch_eagle import assert_greedy_rows_equal_each_alone
+from test_batch_recurrent_heads import assert_rows_hand_caches_and_head_to_single_streams
 from test_dflash2 import heads, llama_pair  # noqa: F401 (fixtures)
 
 import mlx_spec
-from mlx_spec import GenerationConfig, generate
+from mlx_spec import GenerationConfig, generate, load_pair
 from mlx_spec.decode.batch import make_batch_decoder
 from mlx_spec.decode.batch_head import DFlash2Rows
 from mlx_spec.drafters.dflash2 import DFlash2Drafter
@@ -92,3 +93,14 @@ def test_sampled_rows_under_a_grammar_propose_what_they_do_alone(dflash2):
         assert records(res.rounds) == records(generate(dflash2, text, config).rounds)
         drafted += res.stats.drafted - res.stats.forced_drafted
     assert drafted > 0
+
+
+def test_rows_beside_a_recurrent_target(heads):  # noqa: F811
+    """Qwen3.5 (rows replay their rejected tokens): greedy rows are the target's alone and
+    rows go into single streams with their caches and head."""
+    target, head = str(heads["qwen3_5_target"]), str(heads["qwen3_5"])
+    pair = load_pair(target=target, drafter="dflash", head=head)
+    decoder = make_batch_decoder(pair, 3)
+    assert decoder.recurrent and isinstance(decoder.heads.kind, DFlash2Rows)
+    assert_greedy_rows_equal_each_alone(pair, decoder, some_accepted=False)
+    assert_rows_hand_caches_and_head_to_single_streams(pair)

@@ -29,7 +29,7 @@ from test_batch_eagle import assert_greedy_rows_equal_each_alone
 from test_mtp import checkpoint, mtp_pair  # noqa: F401 (fixtures)
 from test_mtp_nextn import build
 
-from mlx_spec import GenerationConfig, SpecError, load_pair
+from mlx_spec import GenerationConfig, load_pair
 from mlx_spec.core.caches import prefill_cache
 from mlx_spec.decode.batch import make_batch_decoder
 from mlx_spec.decode.batch_head import MTPRows
@@ -114,13 +114,11 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(mtp):
     assert_mixed_rows_as_alone(mtp, rows, got)
 
 
-def test_a_recurrent_target_with_its_mtp_layer_batches_plainly(mtp_pair):  # noqa: F811
-    """Qwen3.5 with its MTP layer (tests/test_mtp.py's): a batch takes the recurrent target
-    with lookup or a draft model, not a head yet; the server's resident pair then batches
-    plainly (a lone request drafts alone as a single stream), as before heads batched."""
-    with pytest.raises(SpecError, match="not a head yet"):
-        make_batch_decoder(mtp_pair)
+def test_a_recurrent_target_with_its_mtp_layer_drafts_in_the_batch(mtp_pair):  # noqa: F811
+    """Qwen3.5 with its MTP layer (tests/test_mtp.py's): the server's resident pair batches
+    with the head drafting (tests/test_batch_recurrent_heads.py), and a lone request runs as
+    a single stream (it keeps the prompt cache's checkpoints of the recurrent state)."""
     resident = Resident(lambda name: None, [], max_batch=4)
     resident.install(mtp_pair, "qwen35")
-    assert resident.batch is not None and resident.batch_plain and resident.lone_alone
-    assert "not a head yet" in resident.batch_refusal
+    assert resident.batch is not None and not resident.batch_plain and resident.lone_alone
+    assert resident.batch.heads is not None and resident.batch.recurrent

@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 import test_batch
 import tiny
-from test_batch import TEXTS, assert_holds, assert_mixed_rows_as_alone, run_mixed, sampled_first_two
+from test_batch import (
+    TEXTS,
+    assert_holds,
+    assert_mixed_rows_as_alone,
+    assert_seeded_rows_sample_as_alone,
+    run_mixed,
+    sampled_first_two,
+)
 from test_distribution import accept_everything, chi_square, exact_joint
 
 import mlx_spec
@@ -23,6 +30,7 @@ import mlx_spec.decode.rounds
 from mlx_spec import GenerationConfig, SpecError, generate, load_pair
 from mlx_spec.core import caches
 from mlx_spec.decode.batch import check_batchable, into_decoder, make_batch_decoder
+from mlx_spec.server.resident import Resident
 
 FAMILIES = ["qwen3_5", "mamba"]
 REPEATS = [  # repetitive prompts: lookup finds something to draft
@@ -121,8 +129,9 @@ def test_a_long_replay_ends_with_a_pass_that_cannot_be_rejected(targets, monkeyp
 def test_kept_rows_hand_back_caches_a_single_stream_continues(tiny_models, targets, drafter):
     """A row removed mid-way (its replay pending) and one that ran to its end come back as
     Decoders (`into_decoder`, the replay in `unfed`; a draft model's cache holding exactly its
-    tokens) that continue as a fresh generate does; a kept recurrent Decoder gives a new row
-    nothing (`give_up`): the row starts afresh."""
+    tokens) that continue as a fresh generate does; a kept recurrent Decoder whose state the
+    new row's prompt does not extend (it generated past it) gives it nothing (`give_up`): the
+    row starts afresh (tests/test_batch_recurrent_heads.py: one it extends)."""
     pair = pair_of(tiny_models, targets, "qwen3_5", drafter)
     decoder = make_batch_decoder(pair, 3)
     prompts = [pair.tokenizer.encode(t) for t in REPEATS[:3]]
@@ -166,10 +175,10 @@ def test_kept_rows_hand_back_caches_a_single_stream_continues(tiny_models, targe
 def test_a_sampled_row_beside_replaying_rows_follows_the_target(
     tiny_models, targets, monkeypatch, drafter
 ):
-    """Fillers change how many positions a row verifies, so a seeded recurrent row beside
-    others need not draw what it draws alone; its distribution is the target's (chi-square
-    over its first two tokens, rows joining and leaving around it; a draft model's rows
-    verified with its q, then point masses on the fillers)."""
+    """A sampled row beside rows that replay (their passes wider than its own, so its pass
+    carries fillers) draws from the target's distribution: chi-square over its first two
+    tokens, rows joining and leaving around it; a draft model's rows verified with its q. (A
+    seeded row keeps none of its fillers: it draws what it draws alone, a test below.)"""
     pair = pair_of(tiny_models, targets, "small", drafter)
 
     def no_end(pair, k):  # token 2 (the end) is likely in 16 tokens: rows run to max_tokens
@@ -193,9 +202,11 @@ def test_a_sampled_row_beside_replaying_rows_follows_the_target(
     print(f"recurrent batch: chi-square {stat:.1f} (99.9% threshold {threshold:.1f})")
     assert stat < threshold
     assert any(replays)  # rows beside it replayed (their passes wider than its own)
+    # the harness can fail: drafts kept whatever the target says, plain steps greedy
     monkeypatch.setattr(mlx_spec.decode.rounds, "verify_stochastic", accept_everything)
+    monkeypatch.setattr(mlx_spec.decode.batch, "sample", lambda p, key: mx.argmax(p, axis=-1))
     stat, threshold = chi_square(sampled_first_two(pair, params, 600), probs)
-    assert stat > threshold  # the harness can fail
+    assert stat > threshold
 
 
 def test_rows_restore_their_own_state_only():
@@ -218,6 +229,19 @@ def test_what_stays_refused(tiny_models, targets):
         check_batchable(load_pair(target=str(tiny_models.mamba)).target)  # (a draft's check)
     with pytest.raises(SpecError, match="draft model keeps a recurrent state"):
         make_batch_decoder(load_pair(target=str(targets["qwen3_5"]), draft=str(tiny_models.mamba)))
+
+
+def test_a_recurrent_draft_models_pair_batches_plainly_in_the_server(tiny_models, targets):
+    """A Qwen3.5 target drafted by a Qwen3.5 draft model (the curated pairs: 0.8B for 27B):
+    a batch cannot roll a recurrent draft back per row yet, so the server's resident pair
+    batches its target plainly (before, it was served one request at a time) and a lone
+    request drafts as a single stream; the reason is said at start."""
+    pair = load_pair(target=str(targets["qwen3_5"]), draft=str(tiny_models.mamba))
+    resident = Resident(lambda name: None, [], max_batch=4)
+    resident.install(pair, "qwen35")
+    assert resident.batch is not None and resident.batch_plain and resident.lone_alone
+    assert "draft model keeps a recurrent state" in resident.batch_refusal
+    assert not resident.batch.drafting
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "ngram+model"])
@@ -284,3 +308,12 @@ def test_fillers_the_target_accepts(tiny_models, targets, drafter, monkeypatch):
     assert any(r.filled and r.accepted > r.drafted - r.filled for r, _ in rounds)
     cut = [r for r, done in rounds if not done and len(r.tokens) < r.accepted + 1]
     assert bool(cut) == (drafter != "ngram")  # only a draft model's rows are cut short
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model", "ngram+model"])
+def test_a_seeded_row_samples_what_it_samples_alone(tiny_models, targets, drafter):
+    """A seeded sampled row beside greedy and sampled rows that join before and after it (so
+    its passes carry fillers and it replays): it never keeps a filler and judges its replay
+    limit by what it would replay alone, so its key splits as alone's and it draws the very
+    tokens `generate` draws with the same seed and k."""
+    assert_seeded_rows_sample_as_alone(pair_of(tiny_models, targets, "qwen3_5", drafter))

@@ -25,10 +25,12 @@ from conftest import VOCAB
 from real_configs import _llama3_rope
 from test_eagle import head_weights, subset
 from test_eagle import write_head as write_eagle
+from test_mtp import original_checkpoint
 from test_server import metrics as read_metrics
 from test_server import serving
 
 from mlx_spec import generate, load_pair
+from mlx_spec.cli import main as cli_main
 from mlx_spec.core.processors import make_processors
 
 KEY_A, KEY_B = "key-a", "key-b"
@@ -359,6 +361,47 @@ def test_a_head_pair_drafts_alone_and_in_a_batch(head_server, pair):
     assert again["spec"]["prompt_tokens_reused"] == prompt - 1
 
 
+def test_a_head_batch_drained_to_one_row_runs_it_as_a_stream(head_server, pair):
+    """Two requests share a batch, the head drafting for both; once the short one ends the
+    long one goes on as a single stream (a head's batch of one ran at 0.68x of it), and when
+    a third request comes it joins a batch again from its caches. Its reply, seeded and
+    sampled, is what it samples alone with the head; the others' are the target's."""
+    url, head, _ = head_server
+    before = metrics(url)
+    anchor = client(url).completions.create(
+        model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
+    )
+    next(iter(anchor))  # it runs alone; the next two queue behind it and start together
+    seeded = {"temperature": 0.8, "seed": 3, "max_tokens": 800}
+    # a prompt that shares no prefix with any kept one: a row that starts from another
+    # request's caches drafts from a head state computed otherwise, so a seeded reply could
+    # sample otherwise than a fresh run (the same distribution)
+    text = "Zebras and the sea"
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        long = pool.submit(streamed, url, KEY_A, "completion", text, **seeded)
+        wait_until(lambda: metrics(url)["mlx_spec_queue_waiting"] == 1, "no queue")
+        short = pool.submit(streamed, url, KEY_A, "chat", PROMPTS[1], temperature=0, max_tokens=4)
+        wait_until(lambda: metrics(url)["mlx_spec_queue_waiting"] == 2, "no queue")
+        anchor.close()
+        first = short.result()
+        alone = "mlx_spec_batch_rows_alone_total"
+        wait_until(lambda: metrics(url)[alone] > before[alone], "the long row never went alone")
+        late = pool.submit(streamed, url, KEY_A, "chat", PROMPTS[3], temperature=0)
+        third, got = late.result(), long.result()
+    after = metrics(url)
+    rejoined = "mlx_spec_batch_rows_rejoined_total"
+    assert after[rejoined] > before[rejoined]
+    assert first["text"] == generate(pair, chat(PROMPTS[1]), max_tokens=4, temperature=0).text
+    assert third["text"] == generate(pair, chat(PROMPTS[3]), max_tokens=TOKENS).text
+    assert third["spec"]["batched"] is True
+    head_pair = load_pair(
+        target=str(pair.config.target), drafter="eagle3", head=str(head), num_draft_tokens=K
+    )
+    assert got["text"] == generate(head_pair, text, **seeded).text
+    assert got["spec"]["prompt_tokens_reused"] == 0
+    assert got["spec"]["batched"] is True and got["spec"]["drafted"] > 0
+
+
 def next_turn_beside_others(url: str, messages: list[dict], jobs: list) -> tuple:
     """A long request runs; a conversation's next turn (`messages`) and `jobs` ((kind, text)
     each, streamed) are sent while it does and share a batch: their results and the turn's
@@ -430,8 +473,9 @@ def test_a_hybrid_recurrent_pair_batches(tiny_models, tmp_path, drafter):
     or a draft model (the tiny Llama draft, an attention model):
     concurrent requests share one batch (before, such a target was served one request at a
     time), rows that reject restore their own recurrent state and replay, and every reply
-    equals `generate` alone; a conversation's turn 2 too (a kept recurrent decoder gives a
-    batch row nothing: it starts afresh). (Turn 1's reply is not sent back: a random model's
+    equals `generate` alone; a conversation's turn 2 too, its batch row continuing the
+    recurrent state the prompt cache kept at the end of turn 1's prompt (which turn 2's
+    extends: only the new tokens are prefilled). (Turn 1's reply is not sent back: a random model's
     text can hold special-token markup, which the server tokenises as plain text and
     `generate` does not: the server's prompt was 135 tokens, generate's 124.)"""
     cfg = tiny.family_configs(VOCAB)["qwen3_5"]
@@ -465,6 +509,36 @@ def test_a_hybrid_recurrent_pair_batches(tiny_models, tmp_path, drafter):
     expected = generate(hybrid, messages, max_tokens=TOKENS, temperature=0).text
     assert r.choices[0].message.content == expected
     assert r.model_extra["speculation"]["batched"] is True
+    # turn 1's prompt but its last token (the checkpoint kept where its prefill ended)
+    assert r.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+
+
+def test_a_hybrid_pair_with_its_mtp_layer_drafts_in_the_batch(tiny_models, tmp_path):
+    """Qwen3.5 with its own MTP layer (the original layout, extracted by `mlx-spec heads
+    extract`): concurrent requests share one batch in which the head drafts for every row
+    (before, such a pair batched plainly), and every reply equals `generate` alone."""
+    target, head = tmp_path / "long", tmp_path / "head"
+    original_checkpoint(target, VOCAB, tiny_models.tokenizer, agree=0.0)
+    for shard in target.glob("*.safetensors"):  # <|im_end|> never wins: rows run to the end
+        tensors = mx.load(str(shard))
+        if "lm_head.weight" in tensors:
+            tensors["lm_head.weight"][2] = 0
+            mx.save_safetensors(str(shard), tensors, metadata={"format": "pt"})
+    assert cli_main(["heads", "extract", str(target), str(head)]) == 0
+    pair = load_pair(target=str(target), drafter="mtp", head=str(head))
+    args = ["--target", str(target), "--drafter", "mtp", "--head", str(head),
+            "--num-draft-tokens", str(K), "--max-batch", "4", "--api-key", KEY_A]  # fmt: skip
+    jobs = [("completion", PROMPTS[1]), ("chat", PROMPTS[3]), ("completion", PROMPTS[2])]
+    messages = chat("Tell me a story about a fox")
+    with serving(args, tmp_path) as (_, url):
+        got, r = next_turn_beside_others(url, messages, jobs)
+    for (kind, text), g in zip(jobs, got, strict=True):
+        prompt = chat(text) if kind == "chat" else text
+        assert g["text"] == generate(pair, prompt, max_tokens=TOKENS, temperature=0).text
+        assert g["spec"]["batched"] is True and g["spec"]["drafter"] == "mtp"
+    assert sum(g["spec"]["drafted"] for g in got) > 0
+    expected = generate(pair, messages, max_tokens=TOKENS, temperature=0).text
+    assert r.choices[0].message.content == expected
 
 
 @pytest.mark.parametrize("value", ["0", "-3"])

@@ -1,10 +1,16 @@
-"""mlx-spec models: the curated pairs, and which are already downloaded."""
+"""mlx-spec models: the curated pairs, and which are already downloaded (`--check`: each
+target, draft and head in the local cache or not, no network)."""
 
 from __future__ import annotations
 
 
 def setup_arg_parser(parser):
-    pass
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="tell, for each pair, which of its target, draft and head are in the local cache "
+        "(offline) and where its repository names were seen published",
+    )
 
 
 def describe_draft(spec) -> str:
@@ -19,17 +25,45 @@ def describe_draft(spec) -> str:
     return f"prompt lookup, then {draft}" if spec.drafter == "ngram+model" else draft
 
 
+def describe_seen(spec) -> str | None:
+    """Whether the pair's repository names were seen published (None: a pair that does not
+    say, as a user's own pair)."""
+    if spec.seen is None:
+        return None
+    return f"names seen published: {spec.seen}" if spec.seen else "names not seen published"
+
+
 def main(args):
-    from ..pairs.registry import load_registry, pair_downloaded, user_file
+    from ..pairs.registry import load_registry, pair_parts, user_file
 
     registry = load_registry()
+    if getattr(args, "check", False):
+        return check(registry)
     print(f"{'pair':<20} {'k':>4}  {'downloaded':<10}  target / draft")
     for name, spec in registry.pairs.items():
-        have = pair_downloaded(spec)
+        have = all(cached for _, _, cached in pair_parts(spec))
         k = str(spec.num_draft_tokens)
         print(f"{name:<20} {k:>4}  {'yes' if have else 'no':<10}  {spec.target}")
         print(f"{'':<38}{describe_draft(spec)}")
         if spec.note:
             print(f"{'':<38}{spec.note}")
     print(f"\nAdd or override pairs in {user_file()}")
+    return 0
+
+
+def check(registry) -> int:
+    """One line per part of each pair: in the local cache or not; offline."""
+    from ..pairs.registry import pair_parts
+
+    complete = 0
+    for name, spec in registry.pairs.items():
+        parts = pair_parts(spec)
+        complete += all(cached for _, _, cached in parts)
+        print(name)
+        for part, model, cached in parts:
+            print(f"  {part:<13} {'cached' if cached else 'missing':<8} {model}")
+        seen = describe_seen(spec)
+        if seen:
+            print(f"  {seen}")
+    print(f"\n{complete} of {len(registry.pairs)} pairs have everything in the local cache")
     return 0

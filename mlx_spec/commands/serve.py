@@ -118,8 +118,8 @@ def setup_arg_parser(parser):
         type=positive_int,
         default=DEFAULT_MAX_BATCH,
         help=f"requests decoded together in one batch that still drafts (default"
-        f" {DEFAULT_MAX_BATCH}; 1: one at a time). Requests a batch cannot take run alone; a pair"
-        " whose drafter a batch cannot take (a head) batches without drafts, a lone request drafts",
+        f" {DEFAULT_MAX_BATCH}; 1: one at a time). Requests a batch cannot take run alone, as a"
+        " lone request to a pair with a head or a recurrent target does",
     )
     g.add_argument(
         "--request-timeout", type=seconds, default=600.0, help="seconds, queue wait included"

@@ -59,13 +59,15 @@ def batch_speed(
     draft_step: float,
     acceptance: Sequence[float],
     reach: Sequence[Sequence[float]] | None = None,
+    block: bool = False,
 ) -> float:
     """Expected tokens per second, all rows together, of a round with k drafts a row:
     sum_i E_i(k) / (k * draft_step + T(B x (k+1))). `pass_seconds(rows)`: a verify pass's
-    seconds; `draft_step`: one batched draft step (0 for lookup); `acceptance`: a_i per draft
-    position; `reach[row][j]`: the chance that row proposes a j-th token (None: always)."""
+    seconds; `draft_step`: one batched draft step (0 for lookup), `block`: the whole round's
+    draft (a block head: one forward drafts every position, whatever k); `acceptance`: a_i per
+    draft position; `reach[row][j]`: the chance that row proposes a j-th token (None: always)."""
     rows = batch * (k + 1)
-    seconds = pass_seconds(rows) + k * draft_step
+    seconds = pass_seconds(rows) + (min(k, 1) if block else k) * draft_step
     reach = reach if reach is not None else [None] * batch
     tokens = sum(expected_tokens(acceptance[:k], r[:k] if r is not None else None) for r in reach)
     return tokens / seconds
@@ -78,10 +80,11 @@ def choose_batch_k(
     draft_step: float,
     acceptance: Sequence[float],
     reach: Sequence[Sequence[float]] | None = None,
+    block: bool = False,
 ) -> int:
     """argmax over k in [0, k_max] of `batch_speed` (a tie goes to the shorter draft). Pure."""
     speeds = [
-        (batch_speed(k, batch, pass_seconds, draft_step, acceptance, reach), -k)
+        (batch_speed(k, batch, pass_seconds, draft_step, acceptance, reach, block), -k)
         for k in range(k_max + 1)
     ]
     return -max(speeds)[1]
@@ -102,6 +105,7 @@ class BatchController:
 
     k_max: int = K_MAX
     draft_model: bool = True  # a draft step costs time (a draft model, a head; lookup: none)
+    block: bool = False  # a block head (DFlash): one timed "step" drafts the whole round
     passes: dict = field(default_factory=dict)  # rows -> Estimate of a verify pass's seconds
     draft_steps: dict = field(default_factory=dict)  # B -> Estimate of one draft step's
     accept: list = field(default_factory=list)
@@ -179,7 +183,9 @@ class BatchController:
         k = 0
         if warm and not hopeless:
             acceptance = self.acceptance()
-            k = choose_batch_k(batch, self.k_max, self.pass_seconds, draft, acceptance, reach)
+            k = choose_batch_k(
+                batch, self.k_max, self.pass_seconds, draft, acceptance, reach, self.block
+            )
         if k == 0:
             self.since_probe += 1
             due = self.since_probe >= (PROBE_ROUNDS_HOPELESS if hopeless else PROBE_ROUNDS)
@@ -196,7 +202,10 @@ class BatchController:
         """Whether even a draft the target always accepted could not pay at this batch size,
         by the costs known (a pass over more rows than measured: the prior slope)."""
         always = [1.0] * self.k_max
-        return choose_batch_k(batch, self.k_max, self.pass_seconds, draft, always) == 0
+        return (
+            choose_batch_k(batch, self.k_max, self.pass_seconds, draft, always, None, self.block)
+            == 0
+        )
 
     def catch_up_seconds(self, batch: int, missed: int) -> float:
         """Seconds for the draft model to take in `missed` tokens in each of `batch` rows: the

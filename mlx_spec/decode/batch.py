@@ -9,8 +9,9 @@ GPT-OSS, Mistral-style `sliding_window`), whose rows `caches.BatchWindowedKVCach
 `WindowedKVCache` holds one stream's (a window mask, absolute offsets, old tokens dropped; a
 roll-back that would cut into a row's window raises), and recurrent layers (ArraysCache:
 Qwen3.5 hybrids, Mamba) in the target (below). Refused with a one-line reason
-(`check_batchable`): chunked attention, attention sinks, a recurrent draft, and an EAGLE-3
-head beside a recurrent target.
+(`check_batchable`): chunked attention, attention sinks and a recurrent draft. A head beside a
+recurrent target takes the features of each row's kept tokens from where its last token sits
+in the pass (after its replay): `BatchHead.take`'s starts.
 Each round (`step`):
 
 1. every row proposes up to k tokens: the draft model batched the same way (one forward over the
@@ -53,8 +54,10 @@ model's own further picks, then its last token repeated, verified like any guess
 width; a row keeps at most what the draft model was fed (the rest is replayed); a row that
 rejected anything has its recurrent state restored for its row only (`caches.restore_rows`),
 its KV layers forget the whole pass and its kept tokens are replayed next round (`Row.unfed`,
-as `engine.Decoder.unfed`; past REPLAY_LIMIT it drafts nothing). Seeded rows keep their
-distribution, not their exact samples alone (fillers change how a row's key is split).
+as `engine.Decoder.unfed`; past REPLAY_LIMIT it drafts nothing). A seeded sampled row verifies
+its own guesses only (its fillers are never kept: it replays past them) and judges its replay
+limit by what it would replay alone, so its key splits as alone's and it draws the same samples
+(`Row.seeded`); other rows keep fillers the target agrees with.
 
 A row with nothing to propose (lookup found no match, or its reply ends next token) costs no
 draft steps; in the verify pass it is padded to the batch's widest proposal. Grouping rows by
@@ -216,6 +219,14 @@ class Row:
     # a recurrent target: the tokens at the end of `sequence` its caches have not taken in
     # (1, or 1 + a replay after a rejected round: engine.Decoder.unfed)
     unfed: int = 1
+    # a seeded sampled row on a recurrent target draws what it draws alone: its fillers are
+    # never kept (so its key splits as alone), and its replay limit counts what alone replays
+    seeded: bool = False
+    alone_unfed: int = 1
+
+    def replay(self) -> int:
+        """The replay the row's REPLAY_LIMIT is judged by (a single stream's, when seeded)."""
+        return self.alone_unfed if self.seeded else self.unfed
 
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -278,8 +289,9 @@ def _held(cache: list, tokens: int, what: str) -> None:
         raise SpecError(f"the {what} cache holds {sorted(sizes)} tokens, not {tokens}")
 
 
-def _plain(cache: list, what: str) -> None:
-    if any(type(c) not in (KVCache, WindowedKVCache) for c in cache):
+def _plain(cache: list, what: str, recurrent: bool = False) -> None:
+    kinds = (KVCache, WindowedKVCache) + ((ArraysCache,) if recurrent else ())
+    if any(type(c) not in kinds for c in cache):
         raise SpecError(f"the kept {what} cache is not made of plain or windowed KV caches")
 
 
@@ -289,11 +301,11 @@ def kept_caches(kept, prompt: list[int], draft_held: list[int] | None):
     must hold (target: prompt[:-1]; draft: `draft_held`, the row's context but the batch's last
     `lag` tokens; None: the row does not draft, the draft's cache is not taken). The decoder
     is left empty (`Decoder.give_up`); one that may be mid-round gives nothing."""
-    given = kept.give_up()
+    given = kept.give_up(prompt)
     if given is None:
         return None, 0, None, 0
     cache, held, draft = given
-    _plain(cache, "target")
+    _plain(cache, "target", recurrent=True)  # (a recurrent state: `prompt` extends it)
     _held(cache, len(held), "kept target")
     reuse = min(common_prefix_len(held, prompt), len(prompt) - 1)
     if not caches.can_rollback(cache, len(held) - reuse):
@@ -408,12 +420,6 @@ class BatchDecoder:
             raise SpecError("a batch drafts with a head alone, not beside another drafter")
         # a recurrent target (Qwen3.5, Qwen3-Next, Mamba): rows restored and replayed
         self.recurrent = caches.is_recurrent(make_prompt_cache(target))
-        if self.recurrent and head is not None:
-            raise SpecError(
-                "a target with a recurrent state (ArraysCache: Qwen3.5, Mamba) batches with "
-                "prompt lookup or a draft model, not a head yet; use generate for "
-                "this pair"
-            )
         self.target, self.draft, self.lookup = target, draft, lookup
         # an EAGLE-3 head or an MTP layer (batch_head.py): it reads the target's layers in
         # each pass
@@ -430,7 +436,11 @@ class BatchDecoder:
         k_max = min(k_max, most) if most else k_max  # a block head's guesses, as alone
         self.fixed_k = k_max if isinstance(length, Fixed) else None
         self.controller = (
-            BatchController(k_max, draft is not None or head is not None)
+            BatchController(
+                k_max,
+                draft is not None or head is not None,
+                block=self.heads is not None and bool(self.heads.kind.block),
+            )
             if self.fixed_k is None
             else None
         )
@@ -486,6 +496,7 @@ class BatchDecoder:
             max_tokens if max_tokens is not None else config.max_tokens,
             key,
             use_draft=config.use_draft and self.drafting and not self._draft_cannot_pay(),
+            seeded=self.recurrent and key is not None and config.seed is not None,
             prompt_tokens=len(prompt),
             keep=keep,
             k_max=row_k_max(config.num_draft_tokens),
@@ -709,7 +720,7 @@ class BatchDecoder:
         ]
         # a recurrent target: a row whose replay is long drafts nothing, so its pass cannot be
         # rejected and the replay ends (engine.REPLAY_LIMIT)
-        ending = {b for b, r in enumerate(rows) if self.recurrent and r.unfed > REPLAY_LIMIT}
+        ending = {b for b, r in enumerate(rows) if self.recurrent and r.replay() > REPLAY_LIMIT}
         for b in ending:
             requested[b] = 0
         # where a row's grammar forces the next tokens, they are its draft this round (no
@@ -788,7 +799,13 @@ class BatchDecoder:
         proposals = drafts.tolist() if any(r.processors for r in rows) else None
         outs, lps = [], []
         for b, r in enumerate(rows):
-            if passes is not None:  # its rows of logits after its replay; fillers verified too
+            if passes is not None and r.seeded:  # its own guesses only, as alone: no fillers
+                x = passes[b][: lengths[b]]
+                out, lp = self._verify(
+                    r, requested[b], lengths[b], mx.array(x, mx.uint32),
+                    logits[b, r.unfed - 1 :], qs[b], x,
+                )  # fmt: skip
+            elif passes is not None:  # its rows of logits after its replay; fillers verified too
                 x = passes[b]
                 q = filled_q(qs[b], x, lengths[b]) if qs[b] is not None else None
                 out, lp = self._verify(
@@ -967,6 +984,8 @@ class BatchDecoder:
         width = len(drafted[0]) if drafted else 0
         held = []  # per row, the round's draft tokens its caches keep
         restore, forget = [], []  # recurrent: rows restored, entries each row forgets
+        # where each row's last token sits in the pass (a recurrent row's replay comes first)
+        starts = [r.unfed - 1 if saved is not None else 0 for r in rows]
         for b, (r, (n, token)) in enumerate(zip(rows, out, strict=True)):
             if r.id in self.failed:  # it leaves with its error; nothing of the round is its
                 held.append(0)
@@ -975,7 +994,8 @@ class BatchDecoder:
                 rnd = Round([], 0, 0)
                 updates[r.id] = RowUpdate([], rnd, True, "error", error=self.failed[r.id])
                 continue
-            k = lengths[b] if saved is None else len(drafted[b])
+            fed = lengths[b] if saved is None else len(drafted[b])  # fillers too
+            k = lengths[b] if r.seeded else fed  # (a seeded row's fillers are never kept)
             proposal = drafted[b][:k]
             kept = proposal[:n] + [token]
             replayed = 0
@@ -988,10 +1008,12 @@ class BatchDecoder:
             if saved is not None:
                 # kept every token it fed: its state stays; else it goes back to before the
                 # pass, its KV layers forget the whole pass and the kept tokens are replayed
-                replayed, whole = r.unfed - 1, len(kept) == k + 1
+                replayed, whole = r.unfed - 1, len(kept) == fed + 1
                 restore.append(not whole)
-                forget.append(0 if whole else r.unfed + k)
+                forget.append(0 if whole else r.unfed + fed)
                 r.unfed = 1 if whole else r.unfed + len(kept)
+                alone = len(kept) == k + 1  # what a single stream would have replayed
+                r.alone_unfed = 1 if alone else r.alone_unfed + len(kept)
             if r.lookup is not None:
                 r.lookup.commit(kept)
             r.sequence += kept
@@ -1033,7 +1055,7 @@ class BatchDecoder:
             positions = [
                 0 if r.id in self.failed else h + 1 for r, h in zip(rows, held, strict=True)
             ]
-            self.heads.take(hidden, positions, [r.sequence for r in rows])
+            self.heads.take(hidden, positions, [r.sequence for r in rows], starts)
         elif steps:  # the draft fed lag + K - 1 tokens; it keeps up to sequence[:-2]
             rollback_rows(self.draft_cache, [steps - h for h in held])
         elif self.draft is not None:
@@ -1117,8 +1139,7 @@ def batch_generate(
     num_draft_tokens, `auto` rows as the batch's controller chooses). `max_batch`: rows
     decoded together at most (None: all); the others join as rows finish. Not batched yet
     (SpecError): a drafter kind that does not say how a batch drafts with it, chunked
-    targets, recurrent targets with a head (sliding windows batch; recurrent targets
-    otherwise, seeded rows then keeping the distribution, not the exact samples)."""
+    targets (sliding windows and recurrent targets batch)."""
     prompts = list(prompts)
     if isinstance(config, list | tuple):
         if len(config) != len(prompts):

@@ -119,6 +119,7 @@ class EagleRows(ChainRows):
         drafter.pending, drafter.last = pending, last
         drafter.rows = drafter.entries + (pending.shape[0] if pending is not None else 0)
         drafter.tokens = list(sequence)
+        drafter.target_at = len(sequence) - 1  # (its decoder's next prefill sets it anew)
         if drafter.rows != len(sequence) - 1:
             raise SpecError(
                 f"the head's row holds features of {drafter.rows} positions, not "
@@ -464,13 +465,16 @@ class BatchHead:
             for c in self.cache:
                 c.trim(chained)
 
-    def take(self, hidden: dict, kept: list[int], sequences: list[list[int]]) -> None:
-        """The verify pass's captured layers (layer -> (B, K+1, hidden)): row b's first
-        `kept[b]` positions are now in its sequence; their features become pending."""
-        fused = self.kind.features(hidden)  # (B, K+1, H)
+    def take(self, hidden: dict, kept: list[int], sequences: list[list[int]], starts=None) -> None:
+        """The verify pass's captured layers (layer -> (B, width, hidden)): row b's `kept[b]`
+        positions from `starts[b]` (a recurrent target's row replays its unfed tokens first:
+        their features were taken in the pass that verified them) are now in its sequence;
+        their features become pending."""
+        fused = self.kind.features(hidden)  # (B, width, H)
         for b, n in enumerate(kept):
             if n:
-                f = fused[b, :n]
+                start = starts[b] if starts is not None else 0
+                f = fused[b, start : start + n]
                 p = self.pending[b]
                 self.pending[b] = f if p is None else mx.concatenate([p, f])
         if max((p.shape[0] for p in self.pending if p is not None), default=0) > PENDING_MAX:

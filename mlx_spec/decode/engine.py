@@ -161,6 +161,9 @@ class Decoder:
             return 0, None  # a recurrent state (or a window) cannot forget that much
         return reuse, len(cached) - reuse
 
+    def _held_length(self) -> int:
+        return len(self.sequence) - self.unfed
+
     def reusable(self, prompt: list[int], use_draft: bool = True) -> int:
         """How many tokens of `prompt` `prefill(prompt, use_draft)` would reuse, changing
         nothing."""
@@ -229,12 +232,15 @@ class Decoder:
         self.sequence, self.unfed = list(prompt), 1
         return reuse
 
-    def give_up(self) -> tuple[list, list[int], tuple[list, list[int]] | None] | None:
+    def give_up(self, prompt: list[int] | None = None):
         """Hand the caches over (a batch row starts from them, batch.py): (the target's
         cache, the tokens it holds, the drafter's `held_cache()`). The decoder is left empty
         (its policy and key stay). None where the caches may be mid-round (stale, active) or
-        hold a recurrent state: nothing is handed over, the decoder is emptied all the same."""
-        usable = not (self.stale or self.active or self.recurrent) and self.sequence
+        hold a recurrent state that `prompt` does not simply extend (a state cannot be trimmed
+        back to a shared prefix): nothing is handed over, the decoder is emptied all the same."""
+        extends = prompt is not None and self._reuse(prompt, True) == (self._held_length(), 0)
+        usable = not (self.stale or self.active) and (extends or not self.recurrent)
+        usable = usable and self.sequence
         given = None
         if usable:
             held = self.sequence[: len(self.sequence) - self.unfed]

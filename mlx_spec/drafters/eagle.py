@@ -335,8 +335,9 @@ class EagleDrafter(Drafter):
     0..c-1 (c = `self.entries`), each made from the target's own features; `pending` holds
     the fused features of positions c..H-1, fed (batched) at the next proposal, and `last` the
     head's output at entry c-1, from which the next token is predicted. A proposal's chained
-    entries (the head's own features for tokens it drafted, or for tokens a recurrent target
-    is replaying, whose features come with the next pass) are forgotten at commit."""
+    entries (the head's own features for tokens it drafted) are forgotten at commit; the
+    features of a rejected round's kept tokens on a recurrent target come from the pass that
+    verified them (valid before the rejection), not from the one that replays them."""
 
     def __init__(self, head: Eagle3Head):
         self.head = head
@@ -352,6 +353,9 @@ class EagleDrafter(Drafter):
         self.pending: mx.array | None = None  # (rows - entries, H)
         self.last: mx.array | None = None  # (H,) the head's output at entry entries-1
         self.last_fused: mx.array | None = None  # (H,) the fused features at entries-1
+        # the position of the next pass's first row (a recurrent target's replay comes first;
+        # None: unknown until the next prefill)
+        self.target_at: int | None = None
 
     def fork(self) -> EagleDrafter:
         twin = copy.copy(self)  # the head shared; rows, entries: ints
@@ -364,11 +368,11 @@ class EagleDrafter(Drafter):
 
     # -- feeding the target's features
 
-    def _take(self, output, count: int) -> None:
+    def _take(self, output, count: int, start: int = 0) -> None:
         if count <= 0:
             return
-        fused = self.head.fuse({i: output.hidden[i][:count] for i in self.hidden_layers})
-        self._append(fused)
+        rows = {i: output.hidden[i][start : start + count] for i in self.hidden_layers}
+        self._append(self.head.fuse(rows))
 
     def _append(self, fused: mx.array) -> None:
         self.pending = fused if self.pending is None else mx.concatenate([self.pending, fused])
@@ -423,6 +427,7 @@ class EagleDrafter(Drafter):
         for part in parts:
             self._append(part)
         self._take(output, fed)
+        self.target_at = len(tokens) - 1
         self._feed()
         seconds = 0.0
         if timed and self.last is not None:  # one draft step, timed as prefill_cache does
@@ -476,9 +481,20 @@ class EagleDrafter(Drafter):
 
     def commit(self, kept, output=None):
         self._forget()
+        before = len(self.tokens)
         self.tokens += kept
-        if output is not None:
-            self._take(output, output.kept)
+        if output is None or self.target_at is None:
+            self.target_at = None  # unknown until the next prefill
+            return
+        first = self.target_at
+        # rows of tokens now in the sequence (its last but one at most), of which the head has
+        # the first `have`: a recurrent target that went back (output.kept = 0) computed them
+        # right all the same (the rows before the rejection), so they are taken now, not
+        # from the pass that replays them
+        valid, have = before - first + len(kept) - 1, self.rows - first
+        if valid > have >= 0:
+            self._take(output, valid - have, have)
+        self.target_at = first + output.kept
 
     def _cache_arrays(self) -> list:
         return [a for c in self.cache if c.keys is not None for a in (c.keys, c.values)]

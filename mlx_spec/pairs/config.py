@@ -39,6 +39,8 @@ class PairConfig:
     draft_confidence: float | None = None  # a model draft stops below it (None: off)
     name: str | None = None  # the models.toml name, if it came from there
     note: str = ""
+    # where its repository names were seen published ("" where not seen; None: not said)
+    seen: str | None = None
     source: Path | None = None  # the models.toml file it came from
 
     def __post_init__(self):

@@ -14,7 +14,9 @@ from ..errors import SpecError
 from ..models.hub import is_downloaded
 from .config import PairConfig
 
-PAIR_KEYS = {"target", "draft", "num_draft_tokens", "note", "dtype", "drafter", "draft_adapter"}
+PAIR_KEYS = {
+    "target", "draft", "num_draft_tokens", "note", "dtype", "drafter", "draft_adapter", "seen"
+}  # fmt: skip
 
 
 def builtin_file() -> Path:
@@ -95,6 +97,11 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairConfig:
         adapter = _relative_to(path, adapter)
     if drafter is not None and not isinstance(drafter, str):
         raise SpecError(f"{where}: pair {name!r}: drafter must be a string")
+    seen = entry.get("seen")
+    if seen is not None and not (isinstance(seen, str) and seen.strip() or seen is False):
+        raise SpecError(
+            f'{where}: pair {name!r}: seen must be "where the names were seen published" or false'
+        )
     try:
         return PairConfig(
             target,
@@ -108,6 +115,7 @@ def _parse_pair(name: str, entry, path: Path, text: str) -> PairConfig:
             num_draft_tokens=raw_k,
             name=name,
             note=str(entry.get("note", "")),
+            seen="" if seen is False else seen,
             source=path,
         )
     except SpecError as err:
@@ -163,9 +171,19 @@ def load_registry() -> Registry:
     return Registry(pairs)
 
 
+def pair_parts(spec) -> list[tuple[str, str, bool]]:
+    """(part, name, on this machine) for each thing a pair loads: its target, its draft model,
+    its head (an MTP head: extracted into the head cache). No network."""
+    parts = [("target", spec.target, is_downloaded(spec.target))]
+    if spec.draft:
+        parts.append(("draft", spec.draft, is_downloaded(spec.draft)))
+    if spec.head is not None:
+        parts.append(
+            (f"{spec.drafter} head", spec.head, spec.kind.head_downloaded(spec.head, spec.target))
+        )
+    return parts
+
+
 def pair_downloaded(spec) -> bool:
     """Whether every model of a models.toml pair is on this machine (nothing to download)."""
-    models = [spec.target] + [m for m in (spec.draft,) if m]
-    if not all(is_downloaded(m) for m in models):
-        return False
-    return spec.head is None or spec.kind.head_downloaded(spec.head, spec.target)
+    return all(have for _, _, have in pair_parts(spec))

@@ -289,6 +289,10 @@ def metrics_text(engine: Engine) -> str:
         ("prefill_seconds_total", "Seconds spent prefilling prompts.", round(m.prefill_seconds, 4)),
         ("cancelled_total", "Jobs stopped because their client disconnected.", m.cancelled),
         ("timeouts_total", "Jobs stopped by the request timeout.", m.timeouts),
+        ("batch_rows_alone_total",
+         "Batch rows that went on as a single stream once the others had left.", m.rows_alone),
+        ("batch_rows_rejoined_total",
+         "Of those, rows that joined a batch again when a request came.", m.rows_rejoined),
     ]  # fmt: skip
     out.each("counter", counters)
     rate = m.accepted / m.drafted if m.drafted else 0.0

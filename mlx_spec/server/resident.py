@@ -3,8 +3,8 @@
 One pair is resident at a time. With it live its partitions' prompt caches and history
 indexes (a swap drops them: their caches hold the old pair's states) and, with --max-batch N,
 the `batch.BatchDecoder` the runner steps (drafting with a draft model, lookup, an EAGLE-3
-head, the target's MTP layer or a DFlash head). A pair whose drafter a batch cannot take
-(a kind that does not say how, or a head beside a recurrent target) batches plainly;
+head, the target's MTP layer or a DFlash head, beside any target a batch takes). A pair whose
+drafter a batch cannot take (a kind that does not say how) batches plainly;
 `batch_refusal` says why a pair does not batch, or does not draft in a batch.
 
 Only the engine thread changes it; the HTTP side reads `pair` and `name` to tokenise a
@@ -55,8 +55,8 @@ class Resident:
         # a lone request runs as a single stream where a batch row does worse alone: a plain
         # batch (it would not draft), a head's (the demo pair's EAGLE-3 head at k = 1: a batch
         # of one at 0.68x the single stream, 2026-12-03, serve_batch.py), and a recurrent
-        # target's (a batch row starts afresh: the prompt cache's checkpoints of a recurrent
-        # state, which only a single stream takes and keeps, would be lost to an agent)
+        # target's (a batch row keeps no checkpoints of a recurrent state as it prefills, which
+        # a single stream does at the end of the system part: an agent's sub-tasks reuse it)
         self.lone_alone = self.batch is not None and (
             self.batch_plain or self.batch.heads is not None or self.batch.recurrent
         )
@@ -70,9 +70,10 @@ class Resident:
         except SpecError as err:
             self.batch_refusal = str(err)
         drafting = pair.config.kind.batch_drafting(pair) if pair.speculative else {}
-        if pair.speculative and (drafting is None or "head" in drafting):
-            # a drafter a batch cannot take, or a head beside a target it cannot draft for in
-            # a batch (a recurrent one): the target may still batch plainly
+        if pair.speculative:
+            # a drafter a batch cannot take (a kind that does not say how, a recurrent draft
+            # model: Qwen3.5-0.8B drafting for a Qwen3.5 target): the target may still batch
+            # plainly, and a lone request drafts as a single stream
             try:
                 batch, self.batch_plain = make_batch_decoder(pair, plain=True), True
                 if drafting is None:

@@ -82,6 +82,8 @@ class Metrics:
     batch_rows: int = 0  # requests in them, summed over passes
     batch_target_rows: int = 0  # target rows in them (B x (k+1)), summed over passes
     batch_hist: list[int] = field(default_factory=lambda: [0] * len(BATCH_BUCKETS))
+    rows_alone: int = 0  # batch rows that went on as a single stream (Engine._alone)
+    rows_rejoined: int = 0  # of them, rows that joined a batch again
 
     def add(self, stats: Stats, passes: bool = True) -> None:
         self.prompt_tokens += stats.prompt_tokens
@@ -390,6 +392,10 @@ class Engine:
                         resident.batch.step()  # drops the rows cancelled above
                     self.metrics.batch_size = 0
                     return
+                if self._goes_alone(live):  # the batch drained to one row
+                    joining = self._alone(live)
+                    pending += [joining] if joining is not None else []
+                    continue
                 self._round(live)
         except Exception as err:  # a bug: every row answers 500; the next batch starts anew
             traceback.print_exc(file=sys.stderr)
@@ -435,7 +441,7 @@ class Engine:
             maker = EventMaker(pair.tokenizer.detokenizer, stats, time.perf_counter(), max_tokens)
             reply = Reply(job, pair, tokens, self.raw_reasoning)
             live[rid] = BatchRow(
-                job, reply, stats, maker, list(tokens), time.monotonic(), cache, kept
+                job, reply, stats, maker, list(tokens), time.monotonic(), cache, kept, config
             )
             job = None  # a row now: `_leave` ends it
         except Exception as err:  # a bug (the batch starts anew): this job answers 500 too
@@ -470,6 +476,73 @@ class Engine:
             if u.done or row.reply.ended:
                 self._leave(rid, live, u.state if u.done else None)
 
+    def _goes_alone(self, live: dict) -> bool:
+        """Whether the one row left would run faster as a single stream: where a lone request
+        does (`Resident.lone_alone`: a head's batch of one ran at 0.68x the single stream on
+        the demo pair), and its request asks nothing a batch row keeps per row (processors,
+        a grammar, log-probabilities), which the single stream would start over."""
+        resident = self.resident
+        if len(live) != 1 or not resident.lone_alone or resident.batch_plain:
+            return False
+        r = resident.batch.row(next(iter(live)))
+        return not r.processors and r.logprobs is None and r.max_tokens > r.emitted
+
+    def _alone(self, live: dict):
+        """The one row left leaves the batch with its caches (and its head's state, its key)
+        and decodes on as a single stream, through its own reply, until it ends (then it
+        ends as a row does) or a batchable job is queued: then it joins the batch again from
+        its caches (nothing prefilled again) and that job is returned, to be admitted."""
+        resident, (rid, row) = self.resident, next(iter(live.items()))
+        batch = resident.batch
+        r = batch.row(rid)
+        key, remaining = r.key, r.max_tokens - r.emitted
+        decoder = into_decoder(row.kept or row.prompt_cache.new(), batch.remove(rid))
+        self.metrics.batch_size = 0
+        self.metrics.rows_alone += 1
+        pair, config = resident.pair, row.config
+        speculative = config.use_draft and pair.speculative
+        epoch = decoder.begin()
+        if key is not None:
+            decoder.key = key  # its samples go on as they would in the batch, or alone
+        decoder.prefill(decoder.sequence, use_draft=speculative)  # (a replay's tokens only)
+        policy = decoder.policy_for(config.draft_length(pair.config))
+        rounds = decoder.rounds(remaining, config.sampling, policy, use_draft=speculative)
+        joining = None
+        try:
+            for rnd in rounds:
+                row.sequence += rnd.tokens
+                remaining -= len(rnd.tokens)
+                events = row.maker.feed(rnd)
+                done = rnd.finished or remaining <= 0
+                row.reply.feed(events + (row.maker.close() if done else []))
+                if done or row.reply.ended or row.reply.check():
+                    break
+                joining = self.scheduler.take_batchable(self.batchable)
+                if joining is not None:
+                    break
+        finally:
+            rounds.close()  # between rounds: the caches hold the sequence (as stream_rounds)
+            if decoder.epoch == epoch:
+                decoder.active = decoder.stale
+                decoder.settle()
+        if joining is None:
+            live.pop(rid)
+            drafter = resident.drafter
+            self._finish(row.reply, row.stats, row.job.request.partition, decoder,
+                         row.sequence, drafter, True)  # fmt: skip
+            self.scheduler.timed(row.job.request.partition, time.monotonic() - row.started)
+            self.scheduler.done(row.job)
+            return None
+        _, history = resident.partition(row.job.request.partition)
+        again = batch.add(decoder.sequence, config, max_tokens=remaining, history=history,
+                          kept=decoder, keep=True)  # fmt: skip
+        if key is not None:
+            batch.row(again).key = decoder.key
+        self.metrics.rows_rejoined += 1
+        live.pop(rid)
+        live[again], row.kept = row, decoder
+        return joining
+
     def _leave(self, rid: int, live: dict, state=None) -> None:
         """A row's reply ends: its caches (`state`, or taken out of the batch now when it is
         still there) become a decoder for its partition's prompt cache, and it ends as a
@@ -501,3 +574,4 @@ class BatchRow:
     started: float
     prompt_cache: PromptCache  # its partition's: the row's caches go back there
     kept: object | None = None  # the copy of a kept engine.Decoder it started from (emptied)
+    config: object | None = None  # its GenerationConfig
