@@ -116,7 +116,7 @@ def test_rows_hand_their_caches_and_head_to_single_streams(pair):
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark"])
-def test_eagle_and_dflash_heads_beside_a_recurrent_target(request, kind):
+def test_the_other_heads_beside_a_recurrent_target(request, kind):
     """The other heads on the same hybrid target (random heads: mostly rejected, so rows
     replay): greedy rows are the target's alone, and rows go into single streams."""
     other = head_pair(request.getfixturevalue("models"), kind)
@@ -124,8 +124,7 @@ def test_eagle_and_dflash_heads_beside_a_recurrent_target(request, kind):
     assert decoder.recurrent and decoder.heads is not None
     assert_greedy_rows_equal_each_alone(other, decoder, some_accepted=False)
     assert_rows_hand_caches_and_head_to_single_streams(other)
-    if kind == "eagle3":
-        assert_seeded_rows_sample_as_alone(other)
+    assert_seeded_rows_sample_as_alone(other)
 
 
 def test_a_seeded_row_samples_what_it_samples_alone(pair):

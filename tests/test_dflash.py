@@ -98,13 +98,15 @@ def test_greedy_equals_the_target_alone(llama_pair, k):
 
 
 def assert_greedy_equals_the_target_alone(pair, k):
-    """Every test prompt, 32 tokens at k: the target's own tokens, some drafted."""
+    """Every test prompt, 32 tokens at k: the target's own tokens, some drafted at a fixed k
+    (`auto` follows this machine's timings: on a loaded machine it may pause a costly head,
+    DFlash2's, at once)."""
     drafted = 0
     for prompt in PROMPTS:
         res = generate(pair, prompt, max_tokens=32, num_draft_tokens=k)
         assert res.tokens == reference(pair, prompt, 32)
         drafted += res.stats.drafted
-    assert drafted > 0
+    assert drafted > 0 or k == "auto"
 
 
 @pytest.mark.parametrize("k", [5, "auto"])

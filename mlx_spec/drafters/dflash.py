@@ -26,8 +26,8 @@ the block's earlier guesses as `proposed`, as in a model draft, so a grammar is 
 
 The context cache holds the projected features of every token of the sequence but the last,
 at its position: rows come from the prefill and each verify or plain pass (`TargetOutput`), only
-the `kept` ones, which always end just before the sequence's last token. A rejected round on a
-recurrent target hands none (its next pass replays the tokens and hands them then); a stretch
+the ones of tokens now in the sequence, which always end just before its last token (after a
+rejected round on a recurrent target too: the rows before the rejection are right); a stretch
 where the drafter saw nothing (a reply decoded without it) leaves a gap, which costs guesses,
 never exactness.
 
@@ -292,6 +292,7 @@ class DFlashDrafter(Drafter):
         self.spans: list[list[int]] = []  # [first position, rows] of the cached context
         self.pending: list[tuple[int, mx.array]] = []  # (first position, features) to add
         self.tokens: list[int] = []  # the sequence as the drafter knows it
+        self.target_at: int | None = None  # the position of the next pass's first row
 
     def fork(self) -> DFlashDrafter:
         twin = copy.copy(self)  # the head, embedding and lm_head shared
@@ -329,12 +330,14 @@ class DFlashDrafter(Drafter):
             for c in self.cache:
                 c.trim(drop)
 
-    def _take(self, output) -> None:
-        """The target's `kept` rows: the tokens just before the sequence's last one."""
-        if output is None or not output.kept:
+    def _take(self, output, count: int | None = None) -> None:
+        """The target's first `count` rows (`kept`: the tokens just before the sequence's
+        last one), placed to end there."""
+        count = output.kept if output is not None and count is None else count
+        if output is None or not count:
             return
-        rows = mx.concatenate([output.hidden[i][: output.kept] for i in self.hidden_layers], -1)
-        start = len(self.tokens) - 1 - output.kept
+        rows = mx.concatenate([output.hidden[i][:count] for i in self.hidden_layers], -1)
+        start = len(self.tokens) - 1 - count
         self._cut(start)
         if self.pending and self._end() == start:  # contiguous: one pass adds them all
             first, before = self.pending[-1]
@@ -360,6 +363,7 @@ class DFlashDrafter(Drafter):
         # the target was fed prompt[reuse:-1]: context before `reuse` is the previous reply's
         self._cut(len(tokens) - 1 - fed)
         self._take(output)
+        self.target_at = len(tokens) - 1
         if not timed:
             return 0.0
         self._flush()
@@ -419,8 +423,17 @@ class DFlashDrafter(Drafter):
         return mx.concatenate(drafted), (mx.stack(qs) if qs else None)
 
     def commit(self, kept, output=None):
+        before = len(self.tokens)
         self.tokens += kept
-        self._take(output)
+        if output is None or self.target_at is None:
+            self._take(output)
+            return
+        # every row of a token now in the sequence (its last excluded): a recurrent target
+        # that went back (output.kept = 0) computed the rows before the rejection right all
+        # the same, so they are taken now, not from the pass that replays them
+        first = self.target_at
+        self._take(output, before - first + len(kept) - 1)
+        self.target_at = first + output.kept
 
     def catch_up(self) -> None:
         self._flush()
