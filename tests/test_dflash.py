@@ -112,7 +112,7 @@ def assert_greedy_equals_the_target_alone(pair, k):
 @pytest.mark.parametrize("k", [5, "auto"])
 def test_greedy_on_a_recurrent_target(qwen_pair, k):
     """Qwen3.5 (Gated-DeltaNet): rejected rounds restore the target and replay the kept tokens,
-    whose hidden rows reach the head one pass later."""
+    whose hidden rows the head takes from the pass that verified them."""
     res = generate(qwen_pair, PROMPTS[1], max_tokens=30, num_draft_tokens=k)
     assert res.tokens == reference(qwen_pair, PROMPTS[1], 30)
     if k != "auto":  # auto follows this machine's timings: it may pause a poor head at once
