@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import test_batch
 import tiny
+from mlx_lm.models.cache import ArraysCache
 from test_batch import (
     TEXTS,
     assert_holds,
@@ -225,23 +226,120 @@ def test_rows_restore_their_own_state_only():
 
 def test_what_stays_refused(tiny_models, targets):
     check_batchable(load_pair(target=str(targets["qwen3_5"])).target, recurrent=True)
+    check_batchable(load_pair(target=str(tiny_models.mamba)).target, "draft", recurrent=True)
     with pytest.raises(SpecError, match="recurrent state"):
-        check_batchable(load_pair(target=str(tiny_models.mamba)).target)  # (a draft's check)
-    with pytest.raises(SpecError, match="draft model keeps a recurrent state"):
-        make_batch_decoder(load_pair(target=str(targets["qwen3_5"]), draft=str(tiny_models.mamba)))
+        check_batchable(load_pair(target=str(tiny_models.mamba)).target)  # (not asked to)
 
 
-def test_a_recurrent_draft_models_pair_batches_plainly_in_the_server(tiny_models, targets):
-    """A Qwen3.5 target drafted by a Qwen3.5 draft model (the curated pairs: 0.8B for 27B):
-    a batch cannot roll a recurrent draft back per row yet, so the server's resident pair
-    batches its target plainly (before, it was served one request at a time) and a lone
-    request drafts as a single stream; the reason is said at start."""
-    pair = load_pair(target=str(targets["qwen3_5"]), draft=str(tiny_models.mamba))
+# ------------------------------------------------------------- a recurrent draft model
+
+
+@pytest.fixture(scope="module")
+def recurrent_drafts(tiny_models, targets, tmp_path_factory):
+    """Pairs whose draft model keeps a recurrent state: the hybrid target drafted by a noisy
+    copy of itself (agrees often, not always: rows keep different numbers of guesses), and
+    the tiny Llama drafted by that hybrid or by the Mamba (unrelated: greedy guesses rejected,
+    sampled ones kept now and then)."""
+    cfg = tiny.family_configs(320)["qwen3_5"]
+    noisy = tiny.noisy(tiny.family_weights(cfg, seed=0), 0.03)
+    root = tmp_path_factory.mktemp("recurrent_draft")
+    draft = tiny.write_model(root / "qwen3_5-noisy", cfg, noisy, tiny_models.tokenizer)
+    return {
+        "hybrid": load_pair(target=str(targets["qwen3_5"]), draft=str(draft)),
+        "llama": load_pair(target=str(tiny_models.target), draft=str(draft)),
+        "mamba": load_pair(target=str(tiny_models.target), draft=str(tiny_models.mamba)),
+    }
+
+
+def assert_state_holds(model, cache: list, tokens: list[int]) -> None:
+    """Every layer, recurrent states included, is what a fresh prefill of `tokens` makes."""
+    fresh = caches.make_cache(model, "draft")
+    caches.prefill_cache(model, fresh, tokens)
+    mx.eval([c.state for c in fresh])
+    for c, f in zip(cache, fresh, strict=True):
+        if isinstance(f, ArraysCache):
+            for a, b in zip(c.cache, f.cache, strict=True):
+                assert np.allclose(np.array(a), np.array(b), atol=1e-4)
+        else:
+            n = len(tokens)
+            assert c.offset == n
+            assert np.allclose(
+                np.array(c.keys[..., :n, :]), np.array(f.keys[..., :n, :]), atol=1e-4
+            )
+
+
+@pytest.mark.parametrize("which", ["hybrid", "mamba"])
+def test_a_recurrent_draft_drafts_in_the_batch(recurrent_drafts, which):
+    """A recurrent draft model drafts for every row in one batched pass a step: each row's
+    state goes back to the one its draft steps left after what it kept (a row that kept no
+    guess: the state before the tail's last token, fed apart). Greedy rows joining and leaving
+    equal the target alone; a row handed back holds exactly its draft tokens, recurrent state
+    included (it would propose other tokens otherwise, and the next turn with it)."""
+    pair = recurrent_drafts[which]
+    decoder = make_batch_decoder(pair, 3)
+    assert decoder.draft_recurrent and decoder.drafting
+    prompts = [pair.tokenizer.encode(t) for t in REPEATS + TEXTS[:2]]
+    budgets = [30, 12, 25, 8, 20, 16]
+    joins = {0: [0, 1], 2: [2], 3: [3, 4], 9: [5]}
+    rows, out, kept, states = {}, {}, [], {}
+    rnd = 0
+    while rnd in joins or rnd < max(joins) or len(decoder):
+        for i in joins.get(rnd, []):
+            rid = decoder.add(prompts[i], GenerationConfig(max_tokens=budgets[i]), keep=True)
+            rows[rid], out[rid] = i, []
+        for rid, u in decoder.step().items():
+            out[rid] += u.tokens
+            kept.append(min(u.round.accepted, u.round.drafted - u.round.filled))
+            if u.done:
+                states[rid] = u.state
+        rnd += 1
+    for rid, i in rows.items():
+        assert out[rid] == alone(pair, prompts[i], budgets[i]), (which, i)
+    if which == "hybrid":
+        assert len(set(kept)) > 2  # rows kept different numbers of guesses
+    checked = 0
+    for state in states.values():
+        if state.draft_cache is not None:
+            assert_state_holds(pair.draft, state.draft_cache, state.draft_tokens)
+            checked += 1
+    assert checked >= 4
+
+
+def test_a_recurrent_draft_proposes_in_a_batch_what_it_proposes_alone(recurrent_drafts):
+    """On a Llama target (its rounds are a single stream's, no replays) every row's rounds
+    (proposals and what was kept) are `generate`'s with the same hybrid draft, two rows at a
+    time and the others joining as rows finish: its state is exact whatever the rows beside
+    it kept. (A one-token prompt is left out: a batch's draft sees its token twice, see
+    BatchDecoder.add, so its guesses, not its tokens, may differ.)"""
+    pair = recurrent_drafts["llama"]
+    prompts = TEXTS + REPEATS[:2]
+    results = mlx_spec.batch_generate(pair, prompts, max_tokens=24, num_draft_tokens=3, max_batch=2)
+    drafted = 0
+    for prompt, res in zip(prompts, results, strict=True):
+        alone_res = generate(pair, prompt, max_tokens=24, num_draft_tokens=3)
+        assert res.tokens == alone_res.tokens
+        assert test_batch.records(res.rounds) == test_batch.records(alone_res.rounds)
+        drafted += res.stats.drafted
+    assert drafted > 0
+
+
+@pytest.mark.parametrize("which", ["hybrid", "llama"])
+def test_a_seeded_row_with_a_recurrent_draft_samples_as_alone(recurrent_drafts, which):
+    """Sampled guesses are kept now and then (p/q), so rows keep different numbers of them;
+    a seeded row's q is the draft's alone only if its state is: it draws the very tokens
+    `generate` draws with that seed."""
+    assert_seeded_rows_sample_as_alone(recurrent_drafts[which])
+
+
+def test_a_recurrent_draft_models_pair_batches_with_drafts_in_the_server(recurrent_drafts):
+    """The curated Qwen3.5 pairs (a Qwen3.5-0.8B draft for a Qwen3.5 target) batch with their
+    draft in the server; a lone request still runs as a single stream (a recurrent target's
+    kept checkpoints, above)."""
     resident = Resident(lambda name: None, [], max_batch=4)
-    resident.install(pair, "qwen35")
-    assert resident.batch is not None and resident.batch_plain and resident.lone_alone
-    assert "draft model keeps a recurrent state" in resident.batch_refusal
-    assert not resident.batch.drafting
+    resident.install(recurrent_drafts["hybrid"], "qwen35")
+    assert resident.batch is not None and not resident.batch_plain
+    assert resident.batch.drafting and resident.batch.draft_recurrent
+    assert resident.lone_alone
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "ngram+model"])

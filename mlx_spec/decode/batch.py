@@ -8,8 +8,10 @@ sliding-window layers (mlx-lm's `RotatingKVCache` without attention sinks: Gemma
 GPT-OSS, Mistral-style `sliding_window`), whose rows `caches.BatchWindowedKVCache` holds as
 `WindowedKVCache` holds one stream's (a window mask, absolute offsets, old tokens dropped; a
 roll-back that would cut into a row's window raises), and recurrent layers (ArraysCache:
-Qwen3.5 hybrids, Mamba) in the target (below). Refused with a one-line reason
-(`check_batchable`): chunked attention, attention sinks and a recurrent draft. A head beside a
+Qwen3.5 hybrids, Mamba) in the target (below) and in a draft model (its state after each draft
+step kept, as ModelDrafter keeps it alone: each row goes back to its own). Refused with a
+one-line reason (`check_batchable`), as mlx-lm cannot batch them either: chunked attention and
+attention sinks. A head beside a
 recurrent target takes the features of each row's kept tokens from where its last token sits
 in the pass (after its replay): `BatchHead.take`'s starts.
 Each round (`step`):
@@ -315,7 +317,7 @@ def kept_caches(kept, prompt: list[int], draft_held: list[int] | None):
     if draft_held is None or draft is None:
         return cache, reuse, None, 0
     draft_cache, cached = draft
-    _plain(draft_cache, "draft")
+    _plain(draft_cache, "draft", recurrent=True)  # (a recurrent one: draft_held extends it)
     _held(draft_cache, len(cached), "kept draft")
     draft_reuse = common_prefix_len(cached, draft_held)
     if not caches.can_rollback(draft_cache, len(cached) - draft_reuse):
@@ -415,11 +417,15 @@ class BatchDecoder:
     ):
         check_batchable(target, "target", recurrent=True)
         if draft is not None:
-            check_batchable(draft, "draft")
+            check_batchable(draft, "draft", recurrent=True)
         if head is not None and (draft is not None or lookup is not None):
             raise SpecError("a batch drafts with a head alone, not beside another drafter")
         # a recurrent target (Qwen3.5, Qwen3-Next, Mamba): rows restored and replayed
         self.recurrent = caches.is_recurrent(make_prompt_cache(target))
+        # a recurrent draft model (Qwen3.5-0.8B for a Qwen3.5 target): each row's state is
+        # restored from the snapshots its draft steps left (`_draft`, `_finish_round`)
+        self.draft_recurrent = draft is not None and caches.is_recurrent(make_prompt_cache(draft))
+        self.draft_states: list = []  # this round's snapshots of the draft's recurrent state
         self.target, self.draft, self.lookup = target, draft, lookup
         # an EAGLE-3 head or an MTP layer (batch_head.py): it reads the target's layers in
         # each pass
@@ -893,6 +899,15 @@ class BatchDecoder:
                         whole[b], sub[b] = keys[b], None
         else:
             y = mx.array([draft_tail(r, self.lag) for r in rows], mx.uint32)  # (B, lag)
+            self.draft_states = []
+            if self.draft_recurrent:
+                # a recurrent state cannot forget, and a row that keeps none of this round's
+                # guesses must go back to before the tail's last token: the tail's other
+                # tokens go in a pass of their own (one extra draft pass a round), then every
+                # step's state is kept (draft_states[h]: sequence[:-2] of a row that keeps h)
+                self.draft(y[:, :-1], cache=self.draft_cache)
+                y = y[:, -1:]
+                self.draft_states.append(caches.snapshot(self.draft_cache))
         columns, qs = [], [[] for _ in rows]
         for j in range(width):
             processed = [
@@ -922,6 +937,8 @@ class BatchDecoder:
                 logits = process(heads.draft_logits(j, before, sequences, width))
             else:
                 logits = process(self.draft(y, cache=self.draft_cache)[:, -1])  # (B, vocab)
+                if self.draft_recurrent:
+                    self.draft_states.append(caches.snapshot(self.draft_cache))
             picks = mx.argmax(logits, axis=-1)  # (B,)
             if self.confidence > 0:
                 top = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1)  # (B,)
@@ -1058,6 +1075,11 @@ class BatchDecoder:
             self.heads.take(hidden, positions, [r.sequence for r in rows], starts)
         elif steps:  # the draft fed lag + K - 1 tokens; it keeps up to sequence[:-2]
             rollback_rows(self.draft_cache, [steps - h for h in held])
+            for h in set(held) if self.draft_recurrent else ():  # (steps: the state now)
+                if h < steps:
+                    rows_of_h = [x == h for x in held]
+                    caches.restore_rows(self.draft_cache, self.draft_states[h], rows_of_h)
+            self.draft_states = []
         elif self.draft is not None:
             self.lag += 1  # a plain round: every row grew by one token the draft has not seen
         for b, r in enumerate(rows):

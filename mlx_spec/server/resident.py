@@ -71,9 +71,8 @@ class Resident:
             self.batch_refusal = str(err)
         drafting = pair.config.kind.batch_drafting(pair) if pair.speculative else {}
         if pair.speculative:
-            # a drafter a batch cannot take (a kind that does not say how, a recurrent draft
-            # model: Qwen3.5-0.8B drafting for a Qwen3.5 target): the target may still batch
-            # plainly, and a lone request drafts as a single stream
+            # a drafter a batch cannot take (a kind that does not say how): the target may
+            # still batch plainly, and a lone request drafts as a single stream
             try:
                 batch, self.batch_plain = make_batch_decoder(pair, plain=True), True
                 if drafting is None:
