@@ -70,17 +70,18 @@ def head_config(target_text: dict, ordered: bool = False, layers=TYPES, **top) -
 
 def head_weights(config: dict, target_embed: mx.array, seed: int = 1, layer_scale=0.15):
     """Weights under the published names, "trained" enough to agree with the target often:
-    the drafter's tied embedding is the target's, `pre_projection` passes the target's state
-    through (plus a little of the token's embedding), `post_projection` is the identity, and
-    the layers add a `layer_scale` share of their random attention and MLP outputs (1:
-    a random head whose guesses depend on what it attends to)."""
+    the tiny targets (tiny.gemma4_weights) often repeat their last token, so this drafter
+    guesses the token it is fed again — its tied embedding is the target's, `pre_projection`
+    passes the token's embedding through (plus a little of the state), `post_projection` is
+    the identity — and the layers add a `layer_scale` share of their random attention and
+    MLP outputs (1: a random head whose guesses depend on what it attends to)."""
     mx.random.seed(seed)
     args = AssistantArgs(config)
     weights = dict(tree_flatten(AssistantHead(args).parameters()))
     hidden = args.hidden_size
     eye = mx.eye(hidden)
     noise = mx.random.normal((hidden, hidden)) * 0.05
-    weights["pre_projection.weight"] = mx.concatenate([noise, eye], axis=1)
+    weights["pre_projection.weight"] = mx.concatenate([eye, noise], axis=1)
     weights["post_projection.weight"] = eye
     weights["model.embed_tokens.weight"] = target_embed
     for k in weights:

@@ -489,7 +489,7 @@ def gemma4_config(vocab_size: int, moe: bool = False, hidden: int = 64) -> dict:
     }
 
 
-def gemma4_weights(config: dict, seed: int, scale: float = 3.0) -> dict[str, mx.array]:
+def gemma4_weights(config: dict, seed: int, scale: float = 2.0) -> dict[str, mx.array]:
     """Random float32 weights in the HF layout (`model.language_model.*`); the norms after
     attention and MLP scaled up so the layers, not the (tied) input embedding, decide the
     next token (a tiny tied model otherwise echoes its input), the end-of-sequence row muted."""
