@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from test_dflash import assert_the_cli_drafts
-from test_distribution import PROMPT as SMALL_PROMPT
+from test_dflash import assert_the_cli_drafts, oracle
 from test_distribution import chi_square, exact_joint, first_two
 from test_greedy_equality import PROMPTS, reference
 
@@ -313,3 +312,95 @@ def test_drafts_equal_a_reference_forward(random_pair, models):
     short = [(kk[:, :-1], vv[:, :-1]) for kk, vv in kvs]
     moved = mx.softmax(reference_logits(w, cfg, embed_t, state, short, drawn, tiny.WINDOW), -1)
     assert float(mx.abs(moved - want).max()) > 1e-3
+
+
+def assert_state_matches_a_fresh_prefill(pair, prompt: str, tokens: int = 40):
+    """After rounds that accept all, part and none of their guesses, past the window: the
+    drafter's state row and the keys and values it attends to are a fresh prefill's, and so
+    are its next guesses."""
+    start = pair.tokenizer.encode(prompt)
+    truth = start + reference(pair, prompt, tokens)
+    drafter = oracle(AssistantDrafter)(pair.head, pair.target, truth)
+    decoder = Decoder(pair.target, drafter, ())
+    decoder.prefill(start)
+    rounds = list(decoder.rounds(tokens, SamplingParams(), 4))
+    assert decoder.sequence == truth[: len(decoder.sequence)]
+    accepted = [r.accepted for r in rounds if r.drafted]
+    assert 0 in accepted and 4 in accepted and set(accepted) - {0, 4}  # none, part, all
+    drafter.settle()
+    fresh = AssistantDrafter(pair.head, pair.target)
+    Decoder(pair.target, fresh, ()).prefill(decoder.sequence)
+    at = len(decoder.sequence) - 1
+    assert drafter.target_at == fresh.target_at == at > 2 * tiny.WINDOW
+    np.testing.assert_allclose(np.array(drafter.state), np.array(fresh.state), atol=1e-5)
+    mine, theirs = drafter._shared(at), fresh._shared(at)
+    assert mine.keys() == theirs.keys() == {"sliding_attention", "full_attention"}
+    assert mine["sliding_attention"][0].shape[2] == tiny.WINDOW - 1
+    assert mine["full_attention"][0].shape[2] == at
+    for kind in mine:
+        for a, b in zip(mine[kind], theirs[kind], strict=True):
+            np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5)
+    params = SamplingParams()
+    guesses = AssistantDrafter.propose(drafter, 4, params, None)[0]
+    assert guesses.tolist() == fresh.propose(4, params, None)[0].tolist()
+
+
+def test_the_state_matches_a_fresh_prefill_after_mixed_rounds(dense_pair):
+    assert_state_matches_a_fresh_prefill(dense_pair, PROMPTS[0])
+
+
+def test_the_state_matches_after_plain_stretches_and_a_follow_up(dense_pair):
+    """`auto` decodes plainly at times (the drafter fed one pass at a time, pipelined); a
+    second turn that extends the first reuses the target's cache (no rows of the reused
+    part): still the target's tokens."""
+    pair = dense_pair
+    decoder = Decoder(pair.target, AssistantDrafter(pair.head, pair.target), ())
+    first = pair.tokenizer.encode(PROMPTS[2])
+    decoder.prefill(first)
+    list(decoder.rounds(6, SamplingParams(), 0))  # plain steps, each committed
+    list(decoder.rounds(10, SamplingParams(), 3))
+    follow = decoder.sequence + pair.tokenizer.encode(" and", add_special_tokens=False)
+    assert decoder.prefill(follow) > len(first)
+    got = [t for r in decoder.rounds(20, SamplingParams(), 3) for t in r.tokens]
+    plain = Decoder(pair.target, None, ())
+    plain.prefill(follow)
+    assert got == [t for r in plain.rounds(20, SamplingParams(), 1) for t in r.tokens]
+
+
+class SoftenedQ(AssistantDrafter):
+    """Wrong: hands the verifier a flatter q than the one its guesses were drawn from."""
+
+    def propose(self, k, params, key, *, processors=()):
+        tokens, q = super().propose(k, params, key, processors=processors)
+        if q is not None:
+            q = mx.sqrt(q)
+            q = q / q.sum(-1, keepdims=True)
+        return tokens, q
+
+
+def test_sampling_keeps_the_target_distribution(tiny_models, tmp_path):
+    """Temperature 1 on a 16-token vocabulary, past the window (a 12-token prompt): the first
+    two tokens' joint frequencies match the target's exact joint distribution (a chi-square
+    test at 99.9 %). The target repeats itself often (post-norm scale 0.7), so the second
+    token is often a kept guess (17 of 48 guesses kept in a seeded 60-token reply); a drafter
+    handing over a q other than the one it drew from fails the same test (measured: 161
+    against a threshold of 36; the real one 23)."""
+    target = tiny.write_gemma4(tmp_path / "small", tiny_models.tokenizer, 16, scale=0.7)
+    head = write_head(tmp_path / "head", head_config(text_of(target)), target_embedding(target))
+    pair = load_pair(target=str(target), drafter="assistant", head=str(head))
+    params = SamplingParams(temperature=1.0)
+    prompt = [5, 9, 3, 12, 7, 1, 4, 8, 10, 11, 6, 13]
+    exact = exact_joint(pair, params, prompt)
+    stats = {}
+    for drafter_type in (AssistantDrafter, SoftenedQ):
+        drafted = []
+        drafter = drafter_type(pair.head, pair.target)
+        counts = first_two(
+            pair, params, 600, k=3, drafter=drafter, prompt=prompt, drafted=drafted, max_tokens=4
+        )
+        assert max(drafted) == 3
+        stats[drafter_type] = chi_square(counts, exact)
+    stat, threshold = stats[AssistantDrafter]
+    assert stat < threshold, (stat, threshold)
+    stat, threshold = stats[SoftenedQ]
+    assert stat > threshold, (stat, threshold)  # the test has the power to see a wrong q

@@ -503,6 +503,6 @@ def gemma4_weights(config: dict, seed: int, scale: float = 2.0) -> dict[str, mx.
 
 
 def write_gemma4(path: Path, tokenizer_from: Path, vocab_size: int = 320, moe: bool = False,
-                 seed: int = 0, hidden: int = 64) -> Path:  # fmt: skip
+                 seed: int = 0, hidden: int = 64, scale: float = 2.0) -> Path:  # fmt: skip
     cfg = gemma4_config(vocab_size, moe, hidden)
-    return write_model(path, cfg, gemma4_weights(cfg, seed), tokenizer_from)
+    return write_model(path, cfg, gemma4_weights(cfg, seed, scale), tokenizer_from)
