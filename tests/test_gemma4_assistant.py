@@ -11,6 +11,7 @@ refused in one line."""
 from __future__ import annotations
 
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -130,7 +131,10 @@ def models(tiny_models, tmp_path_factory):
         root / "random_head", head_config(text_of(dense)), target_embedding(dense), layer_scale=1
     )
     out["ordered_head"] = write_head(
-        root / "ordered_head", head_config(text_of(dense), ordered=True), target_embedding(dense)
+        root / "ordered_head",
+        head_config(text_of(dense), ordered=True),
+        target_embedding(dense),
+        layer_scale=1,
     )
     return out
 
@@ -173,6 +177,13 @@ def test_greedy_equals_the_target_alone(dense_pair, k):
 def test_greedy_on_a_moe_target(moe_pair, k):
     """26B-A4B's layout: routed experts beside the dense MLP in every layer."""
     assert_greedy_equals_the_target_alone(moe_pair, k)
+
+
+def test_greedy_with_a_centroid_head(models):
+    """E2B / E4B's ordered embeddings: the guesses come from the top clusters' tokens."""
+    head = str(models["ordered_head"])
+    pair = load_pair(target=str(models["dense"]), drafter="assistant", head=head)
+    assert_greedy_equals_the_target_alone(pair, 3)
 
 
 def test_drafting_happens_at_a_fixed_k(dense_pair):
@@ -267,25 +278,30 @@ def reference_logits(w, cfg, embed_t, state, kvs, tokens, window):
             m = (gelu_tanh(g) * u) @ w[p + "mlp.down_proj.weight"].T
             h = (h + rms(m, w[p + "post_feedforward_layernorm.weight"])) * w[p + "layer_scalar"]
         hn = rms(h, w["model.norm.weight"])
-        out.append(hn @ w["model.embed_tokens.weight"].T)  # tied, no soft-cap
+        logits = hn @ w["model.embed_tokens.weight"].T  # tied, no soft-cap
+        if cfg["use_ordered_embeddings"]:  # HF's Gemma4AssistantMaskedEmbedder
+            top = np.argsort(np.array(hn @ w["masked_embedding.centroids.weight"].T))
+            top = top[-cfg["centroid_intermediate_top_k"] :]
+            ordering = np.array(w["masked_embedding.token_ordering"])
+            ids = ordering.reshape(cfg["num_centroids"], -1)[top].ravel()
+            kept = np.array(logits)[ids]
+            full = np.full(logits.shape, kept.min() - 1, np.float32)
+            full[ids] = kept
+            logits = mx.array(full)
+        out.append(logits)
         state = hn @ w["post_projection.weight"].T
     return mx.stack(out)
 
 
-@pytest.fixture(scope="module")
-def random_pair(models):
-    return load_pair(
-        target=str(models["dense"]), drafter="assistant", head=str(models["random_head"])
-    )
-
-
-def test_drafts_equal_a_reference_forward(random_pair, models):
+@pytest.mark.parametrize("name", ["random_head", "ordered_head"])
+def test_drafts_equal_a_reference_forward(models, name):
     """Past the window (a 40-token sequence, window 8): greedy guesses equal the reference's
     chain, and each sampled position's q equals the reference's softmax given the guesses
-    drawn before it. Largest difference in q measured here: ~1e-7 (float32)."""
-    pair = random_pair
-    cfg = json.loads((models["random_head"] / "config.json").read_text())
-    w = mx.load(str(models["random_head"] / "model.safetensors"))
+    drawn before it. Largest difference in q measured here: 7.5e-8 (float32). The ordered
+    head (E2B / E4B's centroids): its q is the softmax of the masked logits it drew from."""
+    pair = load_pair(target=str(models["dense"]), drafter="assistant", head=str(models[name]))
+    cfg = json.loads((models[name] / "config.json").read_text())
+    w = mx.load(str(models[name] / "model.safetensors"))
     embed_t = pair.target.language_model.model.embed_tokens.weight
     prompt = pair.tokenizer.encode(PROMPTS[0])
     seq = prompt + reference(pair, PROMPTS[0], 30)
@@ -378,21 +394,25 @@ class SoftenedQ(AssistantDrafter):
         return tokens, q
 
 
-def test_sampling_keeps_the_target_distribution(tiny_models, tmp_path):
+@pytest.mark.parametrize("ordered", [False, True])
+def test_sampling_keeps_the_target_distribution(tiny_models, tmp_path, ordered):
     """Temperature 1 on a 16-token vocabulary, past the window (a 12-token prompt): the first
     two tokens' joint frequencies match the target's exact joint distribution (a chi-square
     test at 99.9 %). The target repeats itself often (post-norm scale 0.7), so the second
     token is often a kept guess (17 of 48 guesses kept in a seeded 60-token reply); a drafter
     handing over a q other than the one it drew from fails the same test (measured: 161
-    against a threshold of 36; the real one 23)."""
+    against a threshold of 36; the real one 23). The ordered (centroid) head too: 4 clusters
+    of 4 tokens, the best 2 scored, the others at the floor."""
     target = tiny.write_gemma4(tmp_path / "small", tiny_models.tokenizer, 16, scale=0.7)
-    head = write_head(tmp_path / "head", head_config(text_of(target)), target_embedding(target))
+    top = {"num_centroids": 4, "centroid_intermediate_top_k": 2} if ordered else {}
+    cfg = head_config(text_of(target), ordered=ordered, **top)
+    head = write_head(tmp_path / "head", cfg, target_embedding(target))
     pair = load_pair(target=str(target), drafter="assistant", head=str(head))
     params = SamplingParams(temperature=1.0)
     prompt = [5, 9, 3, 12, 7, 1, 4, 8, 10, 11, 6, 13]
     exact = exact_joint(pair, params, prompt)
     stats = {}
-    for drafter_type in (AssistantDrafter, SoftenedQ):
+    for drafter_type in (AssistantDrafter,) if ordered else (AssistantDrafter, SoftenedQ):
         drafted = []
         drafter = drafter_type(pair.head, pair.target)
         counts = first_two(
@@ -402,5 +422,77 @@ def test_sampling_keeps_the_target_distribution(tiny_models, tmp_path):
         stats[drafter_type] = chi_square(counts, exact)
     stat, threshold = stats[AssistantDrafter]
     assert stat < threshold, (stat, threshold)
+    if ordered:
+        return
     stat, threshold = stats[SoftenedQ]
     assert stat > threshold, (stat, threshold)  # the test has the power to see a wrong q
+
+
+def test_the_cli_drafts_with_the_head(models, capsys):
+    assert_the_cli_drafts(models["dense"], "assistant", models["dense_head"], capsys)
+
+
+def bad_heads(root, models) -> dict:
+    text = text_of(models["dense"])
+    embed = target_embedding(models["dense"])
+    cfg = head_config(text)
+    narrow = head_config({**text, "hidden_size": 32})
+    cases = {
+        "missing weights": (
+            write_head(root / "missing", cfg, embed, drop="model.layers.1.self_attn.q_proj.weight"),
+            "head's weights do not fit its config",
+        ),
+        "another backbone": (
+            write_head(root / "narrow", narrow, embed[:, :32]),
+            "backbone_hidden_size is 32, the target's hidden size 64",
+        ),
+        "another head size": (
+            write_head(root / "heads", head_config({**text, "global_head_dim": 16}), embed),
+            "full_attention layers (4 heads of 16) cannot attend to the target's (1 key/value "
+            "heads of 32)",
+        ),
+        "another vocabulary": (
+            write_head(root / "vocab", cfg, embed),
+            "vocabulary is 400 tokens, the target's 320",
+        ),
+        "not an assistant": (write_head(root / "type", cfg, embed), "not 'gemma4_assistant'"),
+        "no text_config": (write_head(root / "notext", cfg, embed), "has no text_config"),
+        "a layer type of its own": (
+            write_head(root / "types", cfg, embed),
+            "text_config.layer_types must name 2 layers",
+        ),
+        "no weights": (write_head(root / "empty", cfg, embed), "has no .safetensors weights"),
+    }
+    edits = {
+        "vocab": lambda c: c["text_config"].update(vocab_size=400),
+        "type": lambda c: c.update(model_type="gemma4_text"),
+        "notext": lambda c: c.pop("text_config"),
+        "types": lambda c: c["text_config"].update(layer_types=["chunked_attention"] * 2),
+    }
+    for name, edit in edits.items():
+        changed = json.loads(json.dumps(cfg))
+        edit(changed)
+        (root / name / "config.json").write_text(json.dumps(changed))
+    (root / "empty" / "model.safetensors").unlink()
+    return cases
+
+
+def test_bad_heads_are_refused_in_one_line(tiny_models, models, capsys):
+    cases = bad_heads(models["root"] / "bad", models)
+    target = str(models["dense"])
+    for label, (path, message) in cases.items():
+        with pytest.raises(SpecError, match=re.escape(message)):
+            load_pair(target=target, drafter="assistant", head=str(path))
+        args = ["generate", "--target", target, "--drafter", "assistant", "--head", str(path)]
+        assert main([*args, "x"]) == 2, label
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err and "Traceback" not in err, label
+    with pytest.raises(SpecError, match="needs a head directory"):
+        load_pair(target=target, drafter="assistant")
+    # a non-Gemma-4 target (the tiny Llama)
+    llama = str(tiny_models.target)
+    args = ["generate", "--target", llama, "--drafter", "assistant"]
+    assert main([*args, "--head", str(models["dense_head"]), "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "drafts for a Gemma 4 target (gemma4, gemma4_text), not llama" in err
+    assert "\n" not in err
