@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from test_dflash import assert_the_cli_drafts, oracle
+from test_dflash import assert_processors_and_a_grammar_stay_lossless, assert_the_cli_drafts, oracle
 from test_distribution import chi_square, exact_joint, first_two
 from test_greedy_equality import PROMPTS, reference
 
@@ -426,6 +426,11 @@ def test_sampling_keeps_the_target_distribution(tiny_models, tmp_path, ordered):
         return
     stat, threshold = stats[SoftenedQ]
     assert stat > threshold, (stat, threshold)  # the test has the power to see a wrong q
+
+
+def test_processors_and_a_grammar_stay_lossless(dense_pair):
+    """Penalties see each step's earlier guesses; a grammar masks each step after them."""
+    assert_processors_and_a_grammar_stay_lossless(dense_pair)
 
 
 def test_the_cli_drafts_with_the_head(models, capsys):

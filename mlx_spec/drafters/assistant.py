@@ -216,7 +216,7 @@ class AssistantDrafter(Drafter):
 
     def fork(self) -> AssistantDrafter:
         twin = copy.copy(self)  # head and embedding shared; the arrays are never written
-        twin.tokens = list(self.tokens)
+        twin.tokens, twin.layers = list(self.tokens), dict(self.layers)
         twin.state = caches.fresh(self.state)
         twin.kv = {i: (*caches.fresh(kv[:2]), kv[2]) for i, kv in self.kv.items()}
         return twin
