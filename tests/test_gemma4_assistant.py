@@ -53,6 +53,11 @@ def head_config(target_text: dict, ordered: bool = False, layers=TYPES, **top) -
         "final_logit_softcapping": 30.0,
         "max_position_embeddings": 512,
         "tie_word_embeddings": True,
+        # as HF's Gemma4AssistantConfig requires them
+        "hidden_size_per_layer_input": 0,
+        "vocab_size_per_layer_input": 0,
+        "enable_moe_block": False,
+        "use_double_wide_mlp": False,
     }
     cfg = {
         "architectures": ["Gemma4AssistantForCausalLM"],
@@ -467,12 +472,19 @@ def bad_heads(root, models) -> dict:
             "text_config.layer_types must name 2 layers",
         ),
         "no weights": (write_head(root / "empty", cfg, embed), "has no .safetensors weights"),
+        "layers of their own keys": (
+            write_head(root / "unshared", cfg, embed),
+            "text_config.num_kv_shared_layers is 1: an assistant's layers share every key",
+        ),
+        "a MoE layer": (write_head(root / "moe", cfg, embed), "text_config.enable_moe_block"),
     }
     edits = {
         "vocab": lambda c: c["text_config"].update(vocab_size=400),
         "type": lambda c: c.update(model_type="gemma4_text"),
         "notext": lambda c: c.pop("text_config"),
         "types": lambda c: c["text_config"].update(layer_types=["chunked_attention"] * 2),
+        "unshared": lambda c: c["text_config"].update(num_kv_shared_layers=1),
+        "moe": lambda c: c["text_config"].update(enable_moe_block=True),
     }
     for name, edit in edits.items():
         changed = json.loads(json.dumps(cfg))

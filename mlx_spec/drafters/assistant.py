@@ -55,10 +55,8 @@ from .base import Drafter
 
 NAME = "Gemma 4 assistant"
 TYPES = ("full_attention", "sliding_attention")
-# read, not used: the tied head's copy (tie_word_embeddings), and per-layer-input gates
-# (mlx-vlm's forward passes no per-layer input, so they never act)
+# read, not used: the tied head's copy (tie_word_embeddings)
 DROPPED = ("lm_head.",)
-PER_LAYER = ("per_layer_input_gate.", "per_layer_projection.", "post_per_layer_input_norm.")
 
 
 class AssistantArgs:
@@ -101,8 +99,23 @@ class AssistantArgs:
             )
         if self.ordered and not 1 <= self.top_k <= self.num_centroids:
             raise SpecError(f"the {NAME} head's centroid_intermediate_top_k is {self.top_k}")
-        # every layer shares the target's keys and values; no per-layer inputs (see DROPPED)
+        # what HF's Gemma4AssistantConfig.validate_architecture requires
+        shared = text.get("num_kv_shared_layers") or layers
+        for field, ok in (
+            ("num_kv_shared_layers", shared == layers),
+            ("hidden_size_per_layer_input", not text.get("hidden_size_per_layer_input")),
+            ("enable_moe_block", not text.get("enable_moe_block")),
+            ("use_double_wide_mlp", not text.get("use_double_wide_mlp")),
+        ):
+            if not ok:
+                raise SpecError(
+                    f"the {NAME} head's text_config.{field} is {text.get(field)!r}: an "
+                    f"assistant's layers share every key and value, with plain MLPs and no "
+                    "per-layer inputs"
+                )
+        # every layer shares the target's keys and values; no per-layer inputs
         text = {**text, "num_kv_shared_layers": layers, "hidden_size_per_layer_input": 0}
+        text["use_double_wide_mlp"] = False
         text["tie_word_embeddings"] = True
         try:
             self.text = gemma4_text.ModelArgs.from_dict(text)
@@ -179,7 +192,7 @@ class AssistantHead(nn.Module):
     def sanitize(weights: dict) -> dict:
         out = {}
         for k, v in weights.items():
-            if k.startswith(DROPPED) or any(f".{p}" in k for p in PER_LAYER):
+            if k.startswith(DROPPED):
                 continue
             if k == "masked_embedding.token_ordering":
                 v = v.astype(mx.int32)
