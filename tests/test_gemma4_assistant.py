@@ -515,29 +515,13 @@ def test_bad_heads_are_refused_in_one_line(tiny_models, models, capsys):
     assert "\n" not in err
 
 
-def test_a_batch_decodes_the_target_plainly(dense_pair):
-    """Not batched with drafts yet: batch_generate refuses the pair by name (one line), and
-    the server's resident pair batches its Gemma 4 target plainly (each row the target's own
-    tokens, what the drafting single stream gives too) while a lone request drafts alone."""
-    from mlx_spec import batch_generate
-    from mlx_spec.decode.batch import make_batch_decoder
-    from mlx_spec.drafters import batched_kinds
+def test_the_server_batches_with_the_head(dense_pair):
+    """The server's resident pair batches with the assistant drafting (tests/
+    test_batch_gemma4_assistant.py: rows as alone); a lone request drafts as a single stream."""
+    from mlx_spec.decode.batch_head import AssistantBatch
     from mlx_spec.server.resident import Resident
 
-    pair = dense_pair
-    assert "assistant" not in batched_kinds()
-    with pytest.raises(SpecError, match="the assistant drafter is not batched yet"):
-        batch_generate(pair, PROMPTS, max_tokens=8)
     resident = Resident(lambda name: None, [], max_batch=4)
-    resident.install(pair, "gemma4")
-    assert resident.batch is not None and resident.batch_plain and resident.lone_alone
-    assert "the assistant drafter is not batched yet" in resident.batch_refusal
-    assert not resident.batch.drafting
-    plain = make_batch_decoder(pair, plain=True)
-    assert not plain.drafting
-    prompts = [*PROMPTS, [7]]
-    target_only = load_pair(target=str(pair.target_path))
-    rows = batch_generate(target_only, prompts, max_tokens=TOKENS, max_batch=2)
-    for prompt, row in zip(prompts, rows, strict=True):
-        alone = generate(pair, prompt, max_tokens=TOKENS, num_draft_tokens=3)
-        assert row.tokens == alone.tokens and alone.stats.drafted > 0
+    resident.install(dense_pair, "gemma4")
+    assert resident.batch is not None and not resident.batch_plain and resident.lone_alone
+    assert isinstance(resident.batch.heads, AssistantBatch) and resident.batch.drafting

@@ -174,19 +174,23 @@ class AssistantHead(nn.Module):
         self.window = 0
         self.embed_scale = 1.0
 
-    def step(self, x: mx.array, kv: dict, position: int) -> tuple[mx.array, mx.array]:
-        """One draft step: x = [embedding, state] (1, 1, 2·backbone), kv {type: (keys,
-        values)} (1, heads, S, d) -> (logits (vocab,), the next state (1, 1, backbone))."""
+    def step(self, x: mx.array, kv: dict, position, masks=None) -> tuple[mx.array, mx.array]:
+        """One draft step for B rows: x = [embedding, state] (B, 1, 2·backbone), kv {type:
+        (keys, values)} (B, heads, S, d), `position` the queries' (an int, or (B,) per row),
+        `masks` {type: additive (B, 1, 1, S)} where rows hold different keys (a batch) ->
+        (logits (B, vocab), the next state (B, 1, backbone))."""
         h = self.pre_projection(x)
         for layer in self.model.layers:
-            h, _, _ = layer(h, None, None, shared_kv=kv[layer.layer_type], offset=position)
+            kind = layer.layer_type
+            mask = masks.get(kind) if masks else None
+            h, _, _ = layer(h, mask, None, shared_kv=kv[kind], offset=position)
         h = self.model.norm(h)
         embed = self.model.embed_tokens
         if self.args.ordered:
             logits = self.masked_embedding(h, embed.weight)
         else:
             logits = embed.as_linear(h)
-        return logits[0, 0], self.post_projection(h)
+        return logits[:, 0], self.post_projection(h)
 
     @staticmethod
     def sanitize(weights: dict) -> dict:
@@ -306,6 +310,7 @@ class AssistantDrafter(Drafter):
             e = self.embed(token)[None] * self.head.embed_scale
             x = mx.concatenate([e.astype(state.dtype), state], axis=-1)
             logits, state = self.head.step(x, kv, at - 1)
+            logits = logits[0]
             if self.vocab is not None and logits.shape[-1] > self.vocab:
                 logits = logits[: self.vocab]
             if processors:  # after the sequence + x1..xi, as the target's row i

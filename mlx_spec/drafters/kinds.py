@@ -203,3 +203,7 @@ class AssistantKind(DrafterKind):
         from .assistant import AssistantDrafter
 
         return AssistantDrafter(pair.head, pair.target, pair.vocab_size)
+
+    @classmethod
+    def batch_drafting(cls, pair) -> dict:
+        return {"head": pair.head}
