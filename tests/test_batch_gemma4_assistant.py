@@ -108,3 +108,27 @@ def test_rows_from_and_into_single_stream_decoders(pair):
                 assert np.allclose(np.array(a), np.array(b), atol=1e-4), kind
 
     assert_a_row_comes_from_and_goes_into_single_streams(pair, inspect)
+
+
+def test_rows_past_a_compacting_window(pair, monkeypatch):
+    """The sliding layers' buffers drop their front every few tokens (a margin of 7 beyond
+    the window, 3 of slack, as test_batch_window's): rows still see their last window - 1
+    keys, greedy rows and seeded rounds as alone."""
+    from mlx_spec.core import caches
+
+    monkeypatch.setattr(caches, "WINDOW_MARGIN", 7)
+    monkeypatch.setattr(caches, "WINDOW_SLACK", 3)
+    compactions = []
+    update = caches.BatchWindowedKVCache.update_and_fetch
+
+    def spy(self, keys, values):
+        before = self._idx
+        out = update(self, keys, values)
+        if self._idx < before + keys.shape[2]:
+            compactions.append(before)
+        return out
+
+    monkeypatch.setattr(caches.BatchWindowedKVCache, "update_and_fetch", spy)
+    assert_greedy_rows_equal_each_alone(pair, make_batch_decoder(pair, 3))
+    assert_seeded_rounds_as_alone(pair)
+    assert compactions
