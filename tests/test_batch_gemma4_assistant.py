@@ -1,4 +1,4 @@
-"""Gemma 4's assistant drafting inside a batch (decode/batch_head.py's AssistantBatch): every
+"""Gemma 4's assistant drafting inside a batch (decode/batch_assistant.py's AssistantBatch): every
 row's guesses come from one step over all rows, each attending (through a mask) to its own
 keys and values in the batch's target cache at its own position; every row's output is what
 it is alone, greedy (mlx-lm on the target alone) and seeded (the single stream's rounds),
@@ -22,7 +22,7 @@ from test_gemma4_assistant import dense_pair, models, moe_pair  # noqa: F401 (fi
 
 from mlx_spec import Decoder, load_pair
 from mlx_spec.decode.batch import make_batch_decoder
-from mlx_spec.decode.batch_head import AssistantBatch
+from mlx_spec.decode.batch_assistant import AssistantBatch
 from mlx_spec.drafters import batched_kinds
 from mlx_spec.drafters.assistant import AssistantDrafter
 

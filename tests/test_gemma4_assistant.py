@@ -518,7 +518,7 @@ def test_bad_heads_are_refused_in_one_line(tiny_models, models, capsys):
 def test_the_server_batches_with_the_head(dense_pair):
     """The server's resident pair batches with the assistant drafting (tests/
     test_batch_gemma4_assistant.py: rows as alone); a lone request drafts as a single stream."""
-    from mlx_spec.decode.batch_head import AssistantBatch
+    from mlx_spec.decode.batch_assistant import AssistantBatch
     from mlx_spec.server.resident import Resident
 
     resident = Resident(lambda name: None, [], max_batch=4)

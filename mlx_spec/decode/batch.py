@@ -111,7 +111,7 @@ from ..core.stats import Stats
 from ..drafters import batched_kinds
 from ..drafters.ngram import NGramDrafter
 from ..errors import SpecError
-from .batch_head import batch_head
+from .batch_assistant import batch_head
 from .config import GenerationConfig
 from .engine import REPLAY_LIMIT  # a recurrent row's replay past which it drafts nothing
 from .events import Result, RoundRecord, token_kind
