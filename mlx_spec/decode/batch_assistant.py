@@ -107,6 +107,9 @@ class AssistantBatch:
         e = self.embed(tokens)[:, None] * self.head.embed_scale
         x = mx.concatenate([e.astype(self._state.dtype), self._state], axis=-1)
         logits, self._state = self.head.step(x, self._kv, self._positions, self._masks)
+        if j == width - 1:  # the last step: hold no view of the target's cache past it (a
+            # held view would make the verify pass's write copy the whole buffer)
+            self._kv = self._masks = self._state = None
         return logits
 
     def take(self, hidden: dict, kept: list[int], sequences, starts=None) -> None:
