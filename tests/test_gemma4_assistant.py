@@ -525,3 +525,30 @@ def test_the_server_batches_with_the_head(dense_pair):
     resident.install(dense_pair, "gemma4")
     assert resident.batch is not None and not resident.batch_plain and resident.lone_alone
     assert isinstance(resident.batch.heads, AssistantBatch) and resident.batch.drafting
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "4-bit target"])
+def test_as_published_dtypes(models, case):
+    """The published heads are bfloat16 and the curated targets 4-bit conversions: a bfloat16
+    target and head, or a 4-bit target (quantized here, group 32) with the float head — the
+    dense head and the centroid one, greedy at k 3, single stream and batch."""
+    import mlx.nn as nn
+
+    from mlx_spec import batch_generate
+
+    for head in ("dense_head", "ordered_head"):
+        pair = load_pair(target=str(models["dense"]), drafter="assistant", head=str(models[head]))
+        if case == "bfloat16":
+            pair.target.set_dtype(mx.bfloat16)
+            pair.head.set_dtype(mx.bfloat16)
+        else:
+            nn.quantize(pair.target, group_size=32, bits=4)
+        drafted = 0
+        for prompt in PROMPTS:
+            res = generate(pair, prompt, max_tokens=24, num_draft_tokens=3)
+            assert res.tokens == reference(pair, prompt, 24), (case, head)
+            drafted += res.stats.drafted
+        assert drafted > 0
+        rows = batch_generate(pair, PROMPTS, max_tokens=24, num_draft_tokens=3)
+        for prompt, row in zip(PROMPTS, rows, strict=True):
+            assert row.tokens == reference(pair, prompt, 24), (case, head, "batch")

@@ -135,16 +135,19 @@ class MaskedEmbedder(nn.Module):
         self.centroids = nn.Linear(args.hidden_size, args.num_centroids, bias=False)
         self.token_ordering = mx.zeros((args.vocab_size,), dtype=mx.int32)
 
-    def __call__(self, h: mx.array, embed: mx.array) -> mx.array:
-        """h (..., hidden), embed (vocab, hidden) -> logits (..., vocab)."""
+    def __call__(self, h: mx.array, embed: nn.Module) -> mx.array:
+        """h (..., hidden), embed the tied embedding (quantized or not) -> logits (...,
+        vocab); the floor is each row's own (HF takes one over the whole batch: the same
+        for one row, which is what a batch row is alone)."""
         scores = self.centroids(h)
         top = mx.argpartition(scores, kth=-self.top_k, axis=-1)[..., -self.top_k :]
         ordering = self.token_ordering.reshape(self.num_centroids, self.per_centroid)
         ids = ordering[top].reshape(*h.shape[:-1], -1)  # (..., top_k * per_centroid)
-        rows = embed[ids]  # (..., n, hidden)
+        rows = embed(ids)  # (..., n, hidden)
         selected = (rows @ h[..., None])[..., 0]  # (..., n)
         floor = mx.min(selected, axis=-1, keepdims=True) - 1
-        out = mx.broadcast_to(floor, (*h.shape[:-1], embed.shape[0])).astype(h.dtype)
+        vocab = self.token_ordering.shape[0]
+        out = mx.broadcast_to(floor, (*h.shape[:-1], vocab)).astype(h.dtype)
         return mx.put_along_axis(out, ids, selected.astype(h.dtype), axis=-1)
 
 
@@ -187,7 +190,7 @@ class AssistantHead(nn.Module):
         h = self.model.norm(h)
         embed = self.model.embed_tokens
         if self.args.ordered:
-            logits = self.masked_embedding(h, embed.weight)
+            logits = self.masked_embedding(h, embed)
         else:
             logits = embed.as_linear(h)
         return logits[:, 0], self.post_projection(h)
