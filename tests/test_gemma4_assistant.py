@@ -527,21 +527,45 @@ def test_the_server_batches_with_the_head(dense_pair):
     assert isinstance(resident.batch.heads, AssistantBatch) and resident.batch.drafting
 
 
-@pytest.mark.parametrize("case", ["bfloat16", "4-bit target"])
+def quantized_head(source, path):
+    """The head at `source` converted as mlx-lm converts a model: 4-bit (group 32) weights,
+    the config's `quantization` saying so."""
+    import mlx.nn as nn
+
+    cfg = json.loads((source / "config.json").read_text())
+    head = AssistantHead(AssistantArgs(cfg))
+    head.load_weights(
+        list(AssistantHead.sanitize(mx.load(str(source / "model.safetensors"))).items())
+    )
+    nn.quantize(head, group_size=32, bits=4)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(head.parameters())))
+    cfg["quantization"] = {"group_size": 32, "bits": 4}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "4-bit target", "4-bit head"])
 def test_as_published_dtypes(models, case):
     """The published heads are bfloat16 and the curated targets 4-bit conversions: a bfloat16
-    target and head, or a 4-bit target (quantized here, group 32) with the float head — the
-    dense head and the centroid one, greedy at k 3, single stream and batch."""
+    target and head, a 4-bit target (quantized here, group 32) with the float head, or a
+    4-bit conversion of the head — the dense head and the centroid one, greedy at k 3,
+    single stream and batch."""
     import mlx.nn as nn
 
     from mlx_spec import batch_generate
 
     for head in ("dense_head", "ordered_head"):
-        pair = load_pair(target=str(models["dense"]), drafter="assistant", head=str(models[head]))
-        if case == "bfloat16":
+        path = models[head]
+        if case == "4-bit head":
+            path = quantized_head(path, models["root"] / f"{head}-4bit")
+        pair = load_pair(target=str(models["dense"]), drafter="assistant", head=str(path))
+        if case == "4-bit head":
+            assert isinstance(pair.head.model.embed_tokens, nn.QuantizedEmbedding)
+        elif case == "bfloat16":
             pair.target.set_dtype(mx.bfloat16)
             pair.head.set_dtype(mx.bfloat16)
-        else:
+        elif case == "4-bit target":
             nn.quantize(pair.target, group_size=32, bits=4)
         drafted = 0
         for prompt in PROMPTS:
