@@ -29,6 +29,12 @@ ones). It reads the target twice over, never running a pass of its own over the 
   Those full-vocabulary logits are what a guess is drawn from, so they are the q the verifier
   divides by.
 
+Positions as mlx-vlm's `_mtp_rounds` has them (query at P-1, keys of 0..P-1). Hugging Face's
+`SinglePositionMultiTokenCandidateGenerator` rotates the query at P (`input_ids.shape[1] - 1`,
+the last token's own position) and, after a rejection, cuts the keys at P + 1 (one row of the
+rejected guess included): a difference of one rotary position that can move acceptance, never
+exactness (the verifier checks every guess); not measured here (no checkpoint offline).
+
 The layers are mlx-lm's own `gemma4_text.DecoderLayer`, built from the drafter's
 `text_config` with `num_kv_shared_layers = num_hidden_layers` (no key/value projections;
 called with `shared_kv=` and `offset=`). Semantics after mlx-vlm's
