@@ -349,6 +349,11 @@ def assert_state_matches_a_fresh_prefill(pair, prompt: str, tokens: int = 40):
     accepted = [r.accepted for r in rounds if r.drafted]
     assert 0 in accepted and 4 in accepted and set(accepted) - {0, 4}  # none, part, all
     drafter.settle()
+    # it holds the target's layers themselves, not views of their buffers (a held view
+    # would make every pass's write into them copy the whole buffer)
+    assert {i: kv for i, kv in drafter.kv.items()} == {
+        i: (decoder.cache[i],) for i in set(pair.head.reads.values())
+    }
     fresh = AssistantDrafter(pair.head, pair.target)
     Decoder(pair.target, fresh, ()).prefill(decoder.sequence)
     at = len(decoder.sequence) - 1

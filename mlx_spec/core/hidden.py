@@ -27,10 +27,18 @@ KV = "kv"
 def kv_of(layer: int) -> tuple:
     """The name a drafter asks for a layer's keys and values by (Gemma 4's assistant attends
     to them): what the layer's attention read in the pass, i.e. its cache's whole content
-    after the pass wrote to it — one (keys, values) pair per batch row, each (kv heads,
+    after the pass wrote to it — one `LayerKV` (keys, values) per batch row, each (kv heads,
     positions held, head dim), the last column the pass's last token. Layers that return
     (hidden, (keys, values), ...) only (mlx-lm's gemma4_text)."""
     return (KV, layer)
+
+
+class LayerKV(tuple):
+    """(keys, values) of one row, and `cache`: the layer's cache object the pass wrote them
+    into (None if it had none), so a drafter may read its content later instead of holding
+    these arrays — views of the cache's buffer, which a held view makes the next write copy."""
+
+    cache = None
 
 
 def is_kv(name) -> bool:
@@ -71,7 +79,13 @@ class _Kept:
             if not (isinstance(kv, tuple) and len(kv) == 2):
                 raise SpecError(f"this {type(self._layer).__name__} returns no keys and values")
             keys, values = kv
-            self._out[self._kv_name] = [(keys[b], values[b]) for b in range(keys.shape[0])]
+            cache = args[2] if len(args) > 2 else kwargs.get("cache")
+            rows = []
+            for b in range(keys.shape[0]):
+                row = LayerKV((keys[b], values[b]))
+                row.cache = cache
+                rows.append(row)
+            self._out[self._kv_name] = rows
         return y
 
     def __getattr__(self, name):  # models read layer attributes (is_linear, use_sliding…)

@@ -51,6 +51,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma4_text
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..core import caches
 from ..core.hidden import FINAL_NORM, decoder_stack, kv_of
@@ -219,10 +220,11 @@ class AssistantHead(nn.Module):
 class AssistantDrafter(Drafter):
     """State between rounds: `tokens` is the sequence, `target_at` the number of positions
     the target's cache holds (the last token, at `target_at`, not yet fed); `state` the
-    target's final-norm row at `target_at - 1`; `kv` {target layer: (keys, values, first
-    position)} from the last pass the target ran, which hold every position below
-    `target_at` (and maybe rejected ones after: never read). None: nothing to draft from
-    until the target's next pass."""
+    target's final-norm row at `target_at - 1`; `kv` {target layer: (its cache,)} — read when
+    drafting, after the round's roll-back, and refused (SpecError) unless it holds exactly
+    `target_at` positions — or (keys, values, first position) arrays (a fork's, a batch
+    row's) holding every position below `target_at` (and maybe rejected ones after: never
+    read). None: nothing to draft from until the target's next pass."""
 
     def __init__(self, head: AssistantHead, target, vocab: int | None = None):
         self.head = head
@@ -241,29 +243,52 @@ class AssistantDrafter(Drafter):
         self.kv: dict[int, tuple] = {}
 
     def fork(self) -> AssistantDrafter:
+        """The twin holds the keys and values as they are now (views: the twin decoder's
+        cache is a copy of these layers, not the layers this drafter reads)."""
         twin = copy.copy(self)  # head and embedding shared; the arrays are never written
         twin.tokens, twin.layers = list(self.tokens), dict(self.layers)
         twin.state = caches.fresh(self.state)
-        twin.kv = {i: (*caches.fresh(kv[:2]), kv[2]) for i, kv in self.kv.items()}
+        twin.kv = {i: self._held(i) for i in self.kv}
         return twin
 
     # -------------------------------------------------------------------------- helpers
 
     def _take(self, output, end: int) -> None:
-        """The keys and values of the pass in `output`, whose last column is position end-1."""
+        """The keys and values of the pass in `output`, whose last column is position end-1:
+        the target layer's cache itself where the pass names it (read when drafting, after
+        the round's roll-back: no view of its buffer is held across the next pass, which
+        would make that pass's write copy the whole buffer), else the arrays."""
         for i in set(self.layers.values()):
             got = output.hidden.get(kv_of(i))
             if got is None:
                 raise SpecError(f"the target's pass handed no keys and values of layer {i}")
-            keys, values = got
-            self.kv[i] = (keys, values, end - keys.shape[-2])
+            cache = getattr(got, "cache", None)
+            if isinstance(cache, KVCache) and not isinstance(cache, BatchKVCache):
+                self.kv[i] = (cache,)
+            else:
+                keys, values = got
+                self.kv[i] = (keys, values, end - keys.shape[-2])
+
+    def _held(self, i: int) -> tuple:
+        """Layer i's keys and values now (views) and the position of their first column."""
+        held = self.kv[i]
+        if len(held) == 3:
+            return (*caches.fresh(held[:2]), held[2])
+        cache = held[0]
+        n = cache.size()  # (a windowed layer's: the tokens it still holds)
+        keys, values = cache.keys[0, :, :n, :], cache.values[0, :, :n, :]
+        return keys, values, cache.offset - n
 
     def _shared(self, at: int) -> dict:
         """{type: (keys, values)} (1, heads, S, d) the drafter attends to with `at` positions
         held: all of them (full attention), the last window - 1 (sliding)."""
         out = {}
         for kind, i in self.layers.items():
-            keys, values, first = self.kv[i]
+            if len(self.kv[i]) == 1 and self.kv[i][0].offset != at:
+                raise SpecError(
+                    f"the target's layer {i} holds {self.kv[i][0].offset} positions, not {at}"
+                )
+            keys, values, first = self._held(i)
             lo = max(0, at - (self.head.window - 1)) if kind == "sliding_attention" else 0
             if first > lo or at - first > keys.shape[-2]:
                 raise SpecError(
@@ -352,11 +377,11 @@ class AssistantDrafter(Drafter):
         self.state = rows[output.kept - 1 : output.kept]
 
     def settle(self) -> None:
-        arrays = [a for kv in self.kv.values() for a in kv[:2]]
+        arrays = [a for kv in self.kv.values() if len(kv) == 3 for a in kv[:2]]
         mx.eval(*arrays, *([self.state] if self.state is not None else []))
 
     def cache_bytes(self) -> int:
-        # the keys and values are the target cache's own arrays (views), counted there
+        # the keys and values are the target cache's own (its layers, or views), counted there
         return self.state.nbytes if self.state is not None else 0
 
 
