@@ -19,9 +19,10 @@ ones). It reads the target twice over, never running a pass of its own over the 
   state `post_projection` (hidden → backbone). k steps chain on the tokens drawn.
 - The keys and values: a full-attention layer's of positions 0..P-1; a sliding one's of the
   last `sliding_window - 1` positions (what the target's own next query sees besides itself;
-  HF's sliding cache keeps window - 1). They are read from the pass that verified the last
-  round (`hidden.kv_of`: the target layer's cache content as its attention read it), its
-  rejected tail sliced off — exact after any mix of accepts and rejects, with nothing copied.
+  HF's sliding cache keeps window - 1). The pass that verified the last round names the
+  target layers' caches (`hidden.kv_of`); the drafter reads them when it drafts, after the
+  round's roll-back — exact after any mix of accepts and rejects, nothing copied, and no view
+  of their buffers held across a pass (a held view makes the pass's write copy the buffer).
 - E2B / E4B (`use_ordered_embeddings`): a centroid head (`masked_embedding`): the hidden
   state scores `num_centroids` token clusters, the `centroid_intermediate_top_k` best
   clusters' tokens (`token_ordering`) get their logits and every other token the smallest of
