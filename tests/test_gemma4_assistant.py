@@ -581,3 +581,23 @@ def test_as_published_dtypes(models, case):
         rows = batch_generate(pair, PROMPTS, max_tokens=24, num_draft_tokens=3)
         for prompt, row in zip(PROMPTS, rows, strict=True):
             assert row.tokens == reference(pair, prompt, 24), (case, head, "batch")
+
+
+def test_the_target_cache_is_written_in_place(dense_pair):
+    """The drafter holds the target layers it reads, never a view of their buffers across a
+    pass (a held view makes MLX copy the whole buffer at the next write: 22 ms against
+    0.03 ms for a 64 MB layer on this machine). Plain steps (pipelined) and drafting rounds
+    within one allocation step: each layer's buffer stays at one address."""
+    pair = dense_pair
+    decoder = Decoder(pair.target, AssistantDrafter(pair.head, pair.target), ())
+    decoder.prefill(pair.tokenizer.encode(PROMPTS[0]))
+
+    def address(a) -> int:
+        return np.asarray(memoryview(a)).__array_interface__["data"][0]
+
+    seen = {i: set() for i in set(pair.head.reads.values())}
+    for k in (0, 2, 4):
+        for _ in decoder.rounds(8, SamplingParams(), k):
+            for i in seen:
+                seen[i].add(address(decoder.cache[i].keys))
+    assert all(len(s) == 1 for s in seen.values()), seen

@@ -27,16 +27,17 @@ KV = "kv"
 def kv_of(layer: int) -> tuple:
     """The name a drafter asks for a layer's keys and values by (Gemma 4's assistant attends
     to them): what the layer's attention read in the pass, i.e. its cache's whole content
-    after the pass wrote to it — one `LayerKV` (keys, values) per batch row, each (kv heads,
-    positions held, head dim), the last column the pass's last token. Layers that return
-    (hidden, (keys, values), ...) only (mlx-lm's gemma4_text)."""
+    after the pass wrote to it — one `LayerKV` per batch row. Layers that return (hidden,
+    (keys, values), ...) only (mlx-lm's gemma4_text)."""
     return (KV, layer)
 
 
 class LayerKV(tuple):
-    """(keys, values) of one row, and `cache`: the layer's cache object the pass wrote them
-    into (None if it had none), so a drafter may read its content later instead of holding
-    these arrays — views of the cache's buffer, which a held view makes the next write copy."""
+    """One row's keys and values of a layer in a pass. With a cache (`cache`: the layer's
+    cache object, which the drafter reads when it needs to) it is empty: the arrays the
+    attention read are views of the cache's buffer, and a view still held when a later pass
+    writes into the buffer makes that write copy the whole buffer. Without one, (keys,
+    values), each (kv heads, positions, head dim), the last column the pass's last token."""
 
     cache = None
 
@@ -82,7 +83,7 @@ class _Kept:
             cache = args[2] if len(args) > 2 else kwargs.get("cache")
             rows = []
             for b in range(keys.shape[0]):
-                row = LayerKV((keys[b], values[b]))
+                row = LayerKV(() if cache is not None else (keys[b], values[b]))
                 row.cache = cache
                 rows.append(row)
             self._out[self._kv_name] = rows

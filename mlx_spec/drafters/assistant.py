@@ -264,11 +264,13 @@ class AssistantDrafter(Drafter):
             if got is None:
                 raise SpecError(f"the target's pass handed no keys and values of layer {i}")
             cache = getattr(got, "cache", None)
-            if isinstance(cache, KVCache) and not isinstance(cache, BatchKVCache):
-                self.kv[i] = (cache,)
-            else:
+            if cache is None:
                 keys, values = got
                 self.kv[i] = (keys, values, end - keys.shape[-2])
+            elif isinstance(cache, KVCache) and not isinstance(cache, BatchKVCache):
+                self.kv[i] = (cache,)
+            else:
+                raise SpecError(f"a {type(cache).__name__} layer cannot be read by the drafter")
 
     def _held(self, i: int) -> tuple:
         """Layer i's keys and values now (views) and the position of their first column."""
