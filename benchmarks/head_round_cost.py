@@ -6,11 +6,15 @@ DSpark head (DFlash's backbone and a Markov head of rank 8: its k small steps af
 and a DFlash2 head (convolutions in every layer, the selector's k steps over 16 candidates); a
 Qwen3.5 target (hybrid) with its MTP head; a DeepSeek-V3 target (MLA, MoE; hidden 256, 8
 layers) drafted by its 2-layer truncation and by its MTP layer in the DeepSeek layout
-(`model.layers.{N}`: enorm / hnorm / eh_proj / shared_head). Random heads are nearly always
+(`model.layers.{N}`: enorm / hnorm / eh_proj / shared_head); a Gemma 4 target (hidden 256,
+6 layers: sliding and full, the last two sharing keys and values) drafted by a 2-layer Gemma 4
+(its layers 0 and 2) and by a 2-layer assistant head (k steps over the target's keys and
+values). Random heads are nearly always
 rejected, so what this compares is cost, not acceptance: the median ms of a round at fixed
 k = 3 (the draft and one verify pass of 4 rows) divided by the median ms of a plain target
 step on the same target, interleaved runs in one process.
-Run: flock /tmp/bench.lock python benchmarks/head_round_cost.py
+Run: flock /tmp/bench.lock python benchmarks/head_round_cost.py [TARGET ...] (llama, qwen3.5,
+dsv3, gemma4; all when none is named)
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import mlx_spec  # noqa: E402, I001  (first: OpenBLAS before mlx.core)
 
 # isort: split
+import mlx.core as mx  # noqa: E402
+
+# isort: split
 import real_configs  # noqa: E402
 import tiny  # noqa: E402
 from test_dflash import head_config  # noqa: E402
@@ -36,6 +43,9 @@ from test_dspark import head_config as dspark_config  # noqa: E402
 from test_dspark import write_head as write_dspark  # noqa: E402
 from test_eagle import head_weights, subset  # noqa: E402
 from test_eagle import write_head as write_eagle  # noqa: E402
+from test_gemma4_assistant import head_config as assistant_config  # noqa: E402
+from test_gemma4_assistant import target_embedding, text_of  # noqa: E402
+from test_gemma4_assistant import write_head as write_assistant  # noqa: E402
 from test_mtp import original_checkpoint  # noqa: E402
 from test_mtp_nextn import write_original  # noqa: E402
 
@@ -68,6 +78,24 @@ def pairs(root: Path) -> dict:
     dw, dc = tiny.truncated(ds_weights, ds, layers=2)
     ds_draft = tiny.write_model(root / "dsv3-draft", dc, dw, tok)
     assert cli(["heads", "extract", str(root / "dsv3-original"), str(root / "dsv3-mtp")]) == 0
+    gemma4 = tiny.write_gemma4(root / "gemma4", tok, hidden=256)
+    g4_cfg = json.loads((gemma4 / "config.json").read_text())
+    g4_text = g4_cfg["text_config"]
+    g4_text |= {"num_hidden_layers": 2, "num_kv_shared_layers": 0}
+    g4_text["layer_types"] = ["sliding_attention", "full_attention"]  # layers 0 and 2
+    layer = {"0": "0", "2": "1"}
+    g4_weights = {}
+    for k, v in mx.load(str(gemma4 / "model.safetensors")).items():
+        if ".layers." not in k:
+            g4_weights[k] = v
+        elif k.split(".")[3] in layer:
+            parts = k.split(".")
+            parts[3] = layer[parts[3]]
+            g4_weights[".".join(parts)] = v
+    g4_draft = tiny.write_model(root / "gemma4-draft", g4_cfg, g4_weights, tok)
+    assistant = write_assistant(
+        root / "assistant", assistant_config(text_of(gemma4)), target_embedding(gemma4)
+    )
     load = mlx_spec.load_pair
     return {
         "llama": {
@@ -86,6 +114,12 @@ def pairs(root: Path) -> dict:
                 target=str(ds_target), drafter="mtp", head=str(root / "dsv3-mtp")
             ),
         },
+        "gemma4": {
+            "draft model (2 of 6 layers)": load(target=str(gemma4), draft=str(g4_draft)),
+            "assistant head (2 layers)": load(
+                target=str(gemma4), drafter="assistant", head=str(assistant)
+            ),
+        },
     }
 
 
@@ -97,6 +131,8 @@ def seconds_per_pass(pair, **settings) -> float:
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for target, kinds in pairs(Path(tmp)).items():
+            if sys.argv[1:] and target not in sys.argv[1:]:
+                continue
             any_pair = next(iter(kinds.values()))
             times = {"plain step": [], **{name: [] for name in kinds}}
             for run in range(RUNS + 1):

@@ -88,9 +88,22 @@ def pairs(tiny_models, tmp_path_factory):
         assert main(["heads", "extract", str(root / "qwen35"), str(root / "mtp")]) == 0
         return load_pair(target=str(root / "qwen35"), drafter="mtp", head=str(root / "mtp"))
 
+    def assistant_pair():
+        """A Gemma 4 target (sliding and full layers, shared keys and values) and its
+        assistant (test_gemma4_assistant's writer)."""
+        from test_gemma4_assistant import head_config, target_embedding, text_of, write_head
+
+        target = tiny.write_gemma4(root / "gemma4", tok)
+        head = write_head(
+            root / "assistant", head_config(text_of(target)), target_embedding(target)
+        )
+        return load_pair(target=str(target), drafter="assistant", head=str(head))
+
     def build(case):
         target, draft = str(tiny_models.target), str(tiny_models.draft)
         kind, _, fam = case.partition("/")
+        if kind == "assistant":
+            return assistant_pair()
         if fam == "chunked":  # Llama 4's chunked attention: plain decoding only
             target = str(tiny_models.chunked)
         elif fam and kind != "mtp":
@@ -136,6 +149,8 @@ CASES = [
     "dflash",
     "dspark",
     "mtp/qwen3_5",
+    "assistant/gemma4",
+    "assistant/gemma4/compacting",
     "model/gemma3_text",
     "model/gemma3_text/compacting",
     "model/mamba",

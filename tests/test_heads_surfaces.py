@@ -1,7 +1,8 @@
-"""Drafting heads (MTP, EAGLE-3, DFlash, DSpark) through every surface a draft model goes through:
-`mlx-spec serve`, the chat app, bench, probe, the `auto` controller, a models.toml pair and
-the memory check. One tiny Qwen3.5 target (the original layout, its MTP head extracted) and
-one tiny head of each kind over it, built once for the module."""
+"""Drafting heads (MTP, EAGLE-3, DFlash, DSpark, Gemma 4's assistant) through every surface a
+draft model goes through: `mlx-spec serve`, the chat app, bench, probe, the `auto`
+controller, a models.toml pair and the memory check. One tiny Qwen3.5 target (the original
+layout, its MTP head extracted) and one tiny head of each kind over it, built once for the
+module; the assistant over a tiny Gemma 4 target (what it drafts for)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from test_dspark import head_config as dspark_config
 from test_dspark import write_head as write_dspark
 from test_eagle import head_weights, subset
 from test_eagle import write_head as write_eagle
+from test_gemma4_assistant import head_config as assistant_config
+from test_gemma4_assistant import target_embedding, text_of
+from test_gemma4_assistant import write_head as write_assistant
 from test_mtp import original_checkpoint
 from test_server import serving
 from test_tui import finish, send
@@ -26,7 +30,7 @@ from mlx_spec.core.policies import Controller
 from tui.app import ChatApp
 from tui.widgets import StatsPanel
 
-KINDS = ["mtp", "eagle3", "dflash", "dspark"]
+KINDS = ["mtp", "eagle3", "dflash", "dspark", "assistant"]
 CHAT = [{"role": "user", "content": "Tell me a story"}]
 TOKENS = 20
 
@@ -44,28 +48,50 @@ def models(tiny_models, tmp_path_factory):
     write_eagle(root / "eagle3", eagle_cfg, weights, ids=[0, 1, 3])
     write_dflash(root / "dflash", head_config(cfg, [1, 2], block_size=6))
     write_dspark(root / "dspark", dspark_config(cfg, [1, 2], block_size=5))
-    return {"target": root / "q35", **{kind: root / kind for kind in KINDS}}
+    gemma4 = tiny.write_gemma4(root / "gemma4", tiny_models.tokenizer)
+    write_assistant(root / "assistant", assistant_config(text_of(gemma4)), target_embedding(gemma4))
+    return {"target": root / "q35", "gemma4": gemma4, **{kind: root / kind for kind in KINDS}}
+
+
+def target_of(models, kind: str):
+    """The target a kind's head drafts for: Gemma 4's for the assistant, Qwen3.5's else."""
+    return models["gemma4"] if kind == "assistant" else models["target"]
 
 
 @pytest.fixture(scope="module")
-def plain(models):
-    return load_pair(target=str(models["target"]))
+def plains(models):
+    """Each target alone, loaded once, and its greedy reply to the chat prompt."""
+    loaded = {}
+
+    def get(kind: str):
+        target = target_of(models, kind)
+        if target not in loaded:
+            pair = load_pair(target=str(target))
+            loaded[target] = (pair, generate(pair, CHAT, max_tokens=TOKENS, temperature=0.0))
+        return loaded[target]
+
+    return get
 
 
-@pytest.fixture(scope="module")
-def expected(plain):
+@pytest.fixture
+def plain(plains, kind):
+    return plains(kind)[0]
+
+
+@pytest.fixture
+def expected(plains, kind):
     """The target alone, greedy, on the chat prompt."""
-    return generate(plain, CHAT, max_tokens=TOKENS, temperature=0.0)
+    return plains(kind)[1]
 
 
 def head_pair(models, kind, k=3):
-    return load_pair(
-        target=str(models["target"]), drafter=kind, head=str(models[kind]), num_draft_tokens=k
-    )
+    target = str(target_of(models, kind))
+    return load_pair(target=target, drafter=kind, head=str(models[kind]), num_draft_tokens=k)
 
 
 def head_args(models, kind) -> list[str]:
-    return ["--target", str(models["target"]), "--drafter", kind, "--head", str(models[kind])]
+    target = str(target_of(models, kind))
+    return ["--target", target, "--drafter", kind, "--head", str(models[kind])]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -74,7 +100,7 @@ def test_serve_with_a_head(models, expected, kind, tmp_path):
     with serving(args, tmp_path) as (_, url):
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
         resp = client.chat.completions.create(
-            model="q35", messages=CHAT, max_tokens=TOKENS, temperature=0
+            model=target_of(models, kind).name, messages=CHAT, max_tokens=TOKENS, temperature=0
         )
     assert resp.choices[0].message.content == expected.text
     assert resp.usage.completion_tokens == len(expected.tokens)
@@ -151,7 +177,7 @@ def toml_pairs(models, tmp_path, monkeypatch):
         (tmp_path / kind).symlink_to(models[kind])
     path.write_text(
         "".join(
-            f'[pairs."tiny-{kind}"]\ntarget = "{models["target"]}"\n'
+            f'[pairs."tiny-{kind}"]\ntarget = "{target_of(models, kind)}"\n'
             f'draft = {{ head = "{kind}", path = "{kind}" }}\nnum_draft_tokens = 3\n\n'
             for kind in KINDS
         )
@@ -182,7 +208,7 @@ def test_the_memory_check_counts_the_head(models, kind, monkeypatch, capsys):
     import mlx_spec.models.memory as memory
     from mlx_spec.models.model_dir import context_length
 
-    target = models["target"]
+    target = target_of(models, kind)
     config = json.loads((target / "config.json").read_text())
     context = min(context_length(config) or 4096, memory.DEFAULT_MEMORY_CONTEXT)
     alone = memory.weights_bytes(target) + memory.kv_cache_bytes(config, context)

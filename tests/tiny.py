@@ -424,3 +424,85 @@ def write_babbling_tool_models(root: Path) -> tuple[Path, Path]:
     target = write_model(root / "babbler", cfg, weights, tok_dir)
     draft = write_model(root / "babbler_draft", cfg, noisy(weights, 0.05), tok_dir)
     return target, draft
+
+
+# ------------------------------------------------------------------------- Gemma 4 targets
+# What the published Gemma 4 checkpoints ship (31B, 26B-A4B, E2B), in miniature: sliding and
+# full layers with an 8-token window, the last layers sharing earlier layers' keys and values
+# (num_kv_shared_layers), a wider head for full attention (global_head_dim) whose keys are
+# its values (attention_k_eq_v, num_global_key_value_heads), proportional partial rotary
+# embeddings for full attention, a soft-capped output, tied embeddings.
+GEMMA4_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+
+
+def gemma4_text_config(vocab_size: int, moe: bool = False, hidden: int = 64) -> dict:
+    cfg = {
+        "model_type": "gemma4_text",
+        "vocab_size": vocab_size,
+        "vocab_size_per_layer_input": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": len(GEMMA4_TYPES),
+        "num_attention_heads": 4,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "num_key_value_heads": 2,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "num_kv_shared_layers": 2,  # layers 4 and 5 read layers 3's and 2's keys and values
+        "hidden_size_per_layer_input": 0,
+        "layer_types": GEMMA4_TYPES,
+        "sliding_window": WINDOW,
+        "rope_parameters": {
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+        "final_logit_softcapping": 30.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512,
+        "use_double_wide_mlp": True,
+        "tie_word_embeddings": True,
+    }
+    if moe:  # 26B-A4B: a dense MLP and routed experts beside it in every layer
+        cfg |= {
+            "enable_moe_block": True,
+            "num_experts": 4,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+        }
+    return cfg
+
+
+def gemma4_config(vocab_size: int, moe: bool = False, hidden: int = 64) -> dict:
+    """A multimodal Gemma 4 checkpoint's config.json (as mlx-community's): the text model
+    under text_config."""
+    return {
+        "model_type": "gemma4",
+        "vocab_size": vocab_size,
+        "eos_token_id": 2,
+        "tie_word_embeddings": True,
+        "text_config": gemma4_text_config(vocab_size, moe, hidden),
+    }
+
+
+def gemma4_weights(config: dict, seed: int, scale: float = 2.0) -> dict[str, mx.array]:
+    """Random float32 weights in the HF layout (`model.language_model.*`); the norms after
+    attention and MLP scaled up so the layers, not the (tied) input embedding, decide the
+    next token (a tiny tied model otherwise echoes its input), the end-of-sequence row muted."""
+    weights = family_weights(config, seed, head_scale=1.0)
+    out = {}
+    for k, v in weights.items():
+        if k.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")):
+            v = v * scale
+        out[k.replace("language_model.model.", "model.language_model.", 1)] = v
+    return out
+
+
+def write_gemma4(path: Path, tokenizer_from: Path, vocab_size: int = 320, moe: bool = False,
+                 seed: int = 0, hidden: int = 64, scale: float = 2.0) -> Path:  # fmt: skip
+    cfg = gemma4_config(vocab_size, moe, hidden)
+    return write_model(path, cfg, gemma4_weights(cfg, seed, scale), tokenizer_from)

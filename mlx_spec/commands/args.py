@@ -24,6 +24,8 @@ DRAFTER_KINDS = {
     "extract, or the original checkpoint: extracted once into the cache)",
     "dflash": "a DFlash or DFlash2 block-diffusion head (z-lab): one forward drafts a block",
     "dspark": "a DSpark head: a DFlash block drafter with a Markov head over the previous guess",
+    "assistant": "a Gemma 4 assistant (MTP) drafter (--head DIR or hub id, model_type "
+    "gemma4_assistant): attends to the target's own keys and values",
 }
 
 DEFAULT_PAIR = "smollm2-demo"

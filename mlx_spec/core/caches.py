@@ -46,7 +46,7 @@ from mlx_lm.models.cache import (
 )
 
 from ..errors import Aborted, SpecError
-from .hidden import capturing
+from .hidden import capturing, is_kv
 
 # Past tokens a sliding-window layer keeps beyond its window: the longest roll-back it allows
 # (a verify pass of k+1 tokens, or the end of a previous turn that a chat template re-renders).
@@ -472,7 +472,8 @@ def prefill_cache(
 ) -> float | None:
     """Run `tokens` through `model`, filling `cache`, in chunks that bound peak memory.
     `abort()`, asked before each chunk, stops it with `errors.Aborted`. `hidden`: a dict
-    {layer: None} whose layers' outputs over the tokens are filled in, (len(tokens), hidden).
+    {layer: None} whose layers' outputs over the tokens are filled in, (len(tokens), hidden);
+    a `hidden.kv_of` name gets the last chunk's (keys, values): the layer's whole cache.
 
     `timed`: the last TIMED_STEPS tokens (at least two; fewer if the prompt is short) go in one
     at a time, as decoding steps, and the median wall time of all but the first is returned (the
@@ -504,5 +505,8 @@ def prefill_cache(
         run([token], step=True)
         seconds.append(time.perf_counter() - start)
     for i in layers:
-        hidden[i] = mx.concatenate(parts[i]) if parts[i] else None
+        if is_kv(i):  # each chunk's keys and values hold the earlier ones
+            hidden[i] = parts[i][-1] if parts[i] else None
+        else:
+            hidden[i] = mx.concatenate(parts[i]) if parts[i] else None
     return statistics.median(seconds[1:]) if timed else None

@@ -21,6 +21,29 @@ from ..errors import SpecError
 _CHILDREN = ("language_model", "model", "backbone", "transformer")
 # the name a drafter asks for the final norm's output by (MTP heads read it), beside layer ids
 FINAL_NORM = "norm"
+KV = "kv"
+
+
+def kv_of(layer: int) -> tuple:
+    """The name a drafter asks for a layer's keys and values by (Gemma 4's assistant attends
+    to them): what the layer's attention read in the pass, i.e. its cache's whole content
+    after the pass wrote to it — one `LayerKV` per batch row. Layers that return (hidden,
+    (keys, values), ...) only (mlx-lm's gemma4_text)."""
+    return (KV, layer)
+
+
+class LayerKV(tuple):
+    """One row's keys and values of a layer in a pass. With a cache (`cache`: the layer's
+    cache object, which the drafter reads when it needs to) it is empty: the arrays the
+    attention read are views of the cache's buffer, and a view still held when a later pass
+    writes into the buffer makes that write copy the whole buffer. Without one, (keys,
+    values), each (kv heads, positions, head dim), the last column the pass's last token."""
+
+    cache = None
+
+
+def is_kv(name) -> bool:
+    return isinstance(name, tuple) and len(name) == 2 and name[0] == KV
 
 
 def decoder_stack(model) -> nn.Module:
@@ -42,14 +65,28 @@ def layer_list(model) -> list:
 
 
 class _Kept:
-    """Stands in for one layer (or the final norm) during a call: runs it, keeps its output."""
+    """Stands in for one layer (or the final norm) during a call: runs it, keeps its output
+    (under `name`) and, asked for (`kv_name`), the keys and values its attention read."""
 
-    def __init__(self, layer, out: dict, name):
-        self._layer, self._out, self._name = layer, out, name
+    def __init__(self, layer, out: dict, name, kv_name=None):
+        self._layer, self._out, self._name, self._kv_name = layer, out, name, kv_name
 
     def __call__(self, *args, **kwargs):
         y = self._layer(*args, **kwargs)
-        self._out[self._name] = y[0] if isinstance(y, tuple) else y
+        if self._name is not None:
+            self._out[self._name] = y[0] if isinstance(y, tuple) else y
+        if self._kv_name is not None:
+            kv = y[1] if isinstance(y, tuple) and len(y) > 1 else None
+            if not (isinstance(kv, tuple) and len(kv) == 2):
+                raise SpecError(f"this {type(self._layer).__name__} returns no keys and values")
+            keys, values = kv
+            cache = args[2] if len(args) > 2 else kwargs.get("cache")
+            rows = []
+            for b in range(keys.shape[0]):
+                row = LayerKV(() if cache is not None else (keys[b], values[b]))
+                row.cache = cache
+                rows.append(row)
+            self._out[self._kv_name] = rows
         return y
 
     def __getattr__(self, name):  # models read layer attributes (is_linear, use_sliding…)
@@ -60,7 +97,8 @@ class _Kept:
 def capturing(model, layers: tuple):
     """`with capturing(model, (2, -1, FINAL_NORM)) as hidden: model(x, cache=c)`: after the
     block, hidden[2], hidden[-1] are those layers' outputs and hidden["norm"] the final
-    norm's (batch, rows, hidden size), lazy. No layers: a plain call."""
+    norm's (batch, rows, hidden size), lazy; hidden[kv_of(3)] layer 3's keys and values, a
+    list of (keys, values) per batch row (see kv_of). No layers: a plain call."""
     out: dict = {}
     if not layers:
         yield out
@@ -72,14 +110,20 @@ def capturing(model, layers: tuple):
         if i == FINAL_NORM:
             if not isinstance(stack.get("norm"), nn.Module):
                 raise SpecError(f"this {type(model).__name__} has no final norm to read")
-        elif isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
+            continue
+        j = i[1] if is_kv(i) else i
+        if isinstance(j, bool) or not isinstance(j, int) or not -n <= j < n:
             raise SpecError(f"the target has {n} layers; cannot read layer {i!r}")
-    saved = {i % n: blocks[i % n] for i in layers if i != FINAL_NORM}
+    outputs = {i % n for i in layers if isinstance(i, int)}
+    keys = {i[1] % n for i in layers if is_kv(i)}
+    saved = {i: blocks[i] for i in sorted(outputs | keys)}
     kept: dict = {}
     norm = stack["norm"] if FINAL_NORM in layers else None
     try:
         for i, layer in saved.items():
-            blocks[i] = _Kept(layer, kept, i)
+            blocks[i] = _Kept(
+                layer, kept, i if i in outputs else None, (KV, i) if i in keys else None
+            )
         if norm is not None:
             stack[FINAL_NORM] = _Kept(norm, kept, FINAL_NORM)
         yield out
@@ -89,6 +133,6 @@ def capturing(model, layers: tuple):
         if norm is not None:
             stack[FINAL_NORM] = norm
         for i in layers:  # under the names the drafter asked for (-1 as -1)
-            key = i if i == FINAL_NORM else i % n
+            key = i if i == FINAL_NORM else (KV, i[1] % n) if is_kv(i) else i % n
             if key in kept:
                 out[i] = kept[key]

@@ -113,7 +113,7 @@ from ..core.stats import Stats
 from ..drafters import batched_kinds
 from ..drafters.ngram import NGramDrafter
 from ..errors import SpecError
-from .batch_head import BatchHead
+from .batch_assistant import batch_head
 from .config import GenerationConfig
 from .engine import REPLAY_LIMIT  # a recurrent row's replay past which it drafts nothing
 from .events import Result, RoundRecord, token_kind
@@ -429,7 +429,7 @@ class BatchDecoder:
         self.target, self.draft, self.lookup = target, draft, lookup
         # an EAGLE-3 head or an MTP layer (batch_head.py): it reads the target's layers in
         # each pass
-        self.heads = BatchHead(head, target) if head is not None else None
+        self.heads = batch_head(head, target, lambda: self.cache) if head is not None else None
         self.hidden_layers = self.heads.hidden_layers if self.heads is not None else ()
         # a row's draft stops after a guess the draft is less sure of (ModelDrafter's rule)
         self.confidence = draft_confidence

@@ -14,6 +14,7 @@ from __future__ import annotations
 from ..errors import SpecError
 from .base import Drafter, DrafterKind, TargetOutput
 from .kinds import (
+    AssistantKind,
     DFlashKind,
     DSparkKind,
     EagleKind,
@@ -54,5 +55,6 @@ register(EagleKind)
 register(MTPKind)
 register(DFlashKind)
 register(DSparkKind)
+register(AssistantKind)
 
 __all__ = ["KINDS", "Drafter", "DrafterKind", "TargetOutput", "batched_kinds", "kind", "register"]

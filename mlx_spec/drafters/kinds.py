@@ -182,3 +182,28 @@ class DSparkKind(DFlashKind):
         from .dspark import DSparkDrafter
 
         return DSparkDrafter(pair.head, pair.target)
+
+
+class AssistantKind(DrafterKind):
+    name = "assistant"
+    needs_head = True
+    help = (
+        "a Gemma 4 assistant (MTP) drafter (--head DIR or hub id, model_type gemma4_assistant): "
+        "attends to the target's own keys and values"
+    )
+
+    @classmethod
+    def load_head(cls, path, target, target_config: dict):
+        from .assistant import load_head
+
+        return load_head(path, target, target_config)
+
+    @classmethod
+    def build(cls, pair):
+        from .assistant import AssistantDrafter
+
+        return AssistantDrafter(pair.head, pair.target, pair.vocab_size)
+
+    @classmethod
+    def batch_drafting(cls, pair) -> dict:
+        return {"head": pair.head}
