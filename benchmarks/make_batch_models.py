@@ -12,7 +12,8 @@ chat template that has tools, so mlx-lm's `json_tools` parser and `tool_choice` 
   target's first layers, would make the server batch plainly; and a `qwen3_5` of attention
   layers only does not run in mlx-lm 0.32, whose ssm mask reads layer 0's cache).
 - `sliding`: a Gemma-3-shaped target (`gemma3_text`, `--window`-token sliding window on every
-  layer but each `--pattern`th) and as its draft its first two layers (one sliding, one global).
+  layer but each `--pattern`th) and as its draft its first `--draft-layers` (2: one sliding,
+  one global).
 
 Weights are random float32; every layer's output projection is scaled by `--residual` so the
 embedding dominates the residual stream and the draft agrees with the target often, and the
@@ -199,7 +200,7 @@ def sliding(root: Path, tok: Path, vocab: int, a) -> tuple[Path, Path]:
         "model_type": "gemma3_text",
         "hidden_size": a.hidden,
         "intermediate_size": a.intermediate,
-        "num_hidden_layers": a.layers,
+        "num_hidden_layers": a.sliding_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": max(1, heads // 4),
         "head_dim": 128,
@@ -216,9 +217,10 @@ def sliding(root: Path, tok: Path, vocab: int, a) -> tuple[Path, Path]:
     draft = {
         k: v
         for k, v in weights.items()
-        if not k.startswith("model.layers.") or int(k.split(".")[2]) < 2
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < a.draft_layers
     }
-    dconfig = {**config, "num_hidden_layers": 2, "sliding_window_pattern": 2}
+    # (gemma3_text reads the cache of layer `sliding_window_pattern - 1`: at least that many)
+    dconfig = {**config, "num_hidden_layers": a.draft_layers, "sliding_window_pattern": 2}
     target = save(root / "sliding" / "target", config, weights, tok)
     return target, save(root / "sliding" / "draft", dconfig, draft, tok)
 
@@ -242,10 +244,12 @@ def main():
     p.add_argument("--pairs", default="hybrid,sliding")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--intermediate", type=int, default=2816)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=8, help="qwen3_5: the target's")
     p.add_argument("--interval", type=int, default=4, help="qwen3_5: full attention every N")
     p.add_argument("--window", type=int, default=64, help="gemma3_text: sliding window")
-    p.add_argument("--pattern", type=int, default=4, help="gemma3_text: every Nth layer global")
+    p.add_argument("--pattern", type=int, default=6, help="gemma3_text: every Nth layer global")
+    p.add_argument("--sliding-layers", type=int, default=12, help="gemma3_text: the target's")
+    p.add_argument("--draft-layers", type=int, default=2, help="gemma3_text: the draft's")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--residual", type=float, default=0.01)
     p.add_argument("--head-scale", type=float, default=8.0)
