@@ -27,7 +27,7 @@ name and arguments.
 Run (the machine is shared: one benchmark at a time):
     flock /tmp/bench.lock python benchmarks/serve_batch.py [--reps 3] [--max-tokens 128]
         [--skip "mlx-lm draft"]   (servers left out by the start of their names)
-        [--target PATH --draft PATH] [--workload chat|agent] [--label NAME]
+        [--target PATH --draft PATH] [--workload chat|agent] [--label NAME] [--fresh]
 """
 
 from __future__ import annotations
@@ -160,12 +160,21 @@ def agent_body(i: int) -> dict:
 
 
 def one_request(
-    url: str, model: str, i: int, max_tokens: int, go: threading.Event, workload: str = "chat"
+    url: str,
+    model: str,
+    i: int,
+    max_tokens: int,
+    go: threading.Event,
+    workload: str = "chat",
+    tag: str = "",
 ) -> dict:
     if workload == "agent":
         body = agent_body(i)
     else:
         body = {"messages": [{"role": "user", "content": PROMPTS[i]}]}
+    if tag:  # a prompt no server has seen (--fresh): no prompt cache reused across cells
+        last = body["messages"][-1]
+        last["content"] = f"(request {tag}) {last['content']}"
     body.update(model=model, max_tokens=max_tokens, temperature=0.0, stream=True,
                 stream_options={"include_usage": True})  # fmt: skip
     go.wait()
@@ -195,12 +204,14 @@ def one_request(
             "tokens": tokens if tokens is not None else pieces}  # fmt: skip
 
 
-def run_cell(url: str, model: str, clients: int, max_tokens: int, workload: str = "chat") -> dict:
+def run_cell(
+    url: str, model: str, clients: int, max_tokens: int, workload: str = "chat", tag: str = ""
+) -> dict:
     go = threading.Event()
     results: list = [None] * clients
 
     def work(i):
-        results[i] = one_request(url, model, i, max_tokens, go, workload)
+        results[i] = one_request(url, model, i, max_tokens, go, workload, tag)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
     for t in threads:
@@ -213,6 +224,16 @@ def run_cell(url: str, model: str, clients: int, max_tokens: int, workload: str 
     return {"wall": wall, "results": results}
 
 
+def counters(url: str) -> dict[str, float]:
+    """The server's unlabelled counters from /metrics (mlx-spec only)."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.endswith("_total") and "{" not in name and not line.startswith("#"):
+            out[name.split("mlx_spec_")[-1]] = float(value)
+    return out
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
@@ -220,10 +241,11 @@ def percentile(values: list[float], q: float) -> float:
 
 def report(args, servers: dict, clients: list[int], cells: dict, done: int) -> None:
     """The table so far (after every repetition: a cut-short run still leaves one)."""
-    reference = {}  # prompt index -> the serial mlx-spec server's text
-    for cell in cells[("mlx-spec serial", max(clients))]:
-        for i, r in enumerate(cell["results"]):
-            reference.setdefault(i, r["text"])
+    reference = {}  # (clients, rep, prompt index) -> the serial mlx-spec server's text
+    for c in clients:  # (the same prompts in every cell unless --fresh: then per cell)
+        for rep, cell in enumerate(cells[("mlx-spec serial", c if args.fresh else max(clients))]):
+            for i, r in enumerate(cell["results"]):
+                reference[(c, rep, i)] = r["text"]
     print(f"\n{args.label}, {args.workload}, greedy, {args.max_tokens} max tokens a request,"
           f" {done} reps (medians)\n")  # fmt: skip
     print("| clients | server | aggregate tok/s | × serial | TTFT p50 / p95 (s) |"
@@ -247,7 +269,11 @@ def report(args, servers: dict, clients: list[int], cells: dict, done: int) -> N
             ]
             t50, t95 = statistics.median(ttft[0::2]), statistics.median(ttft[1::2])
             l50, l95 = statistics.median(lat[0::2]), statistics.median(lat[1::2])
-            same = sum(r["text"] == reference[i] for x in reps for i, r in enumerate(x["results"]))
+            same = sum(
+                r["text"] == reference[(c, rep if args.fresh else 0, i)]
+                for rep, x in enumerate(reps)
+                for i, r in enumerate(x["results"])
+            )
             total = sum(len(x["results"]) for x in reps)
             mean_tokens = statistics.mean(r["tokens"] for x in reps for r in x["results"])
             serial = serial or rate
@@ -256,6 +282,26 @@ def report(args, servers: dict, clients: list[int], cells: dict, done: int) -> N
             rows.append({"clients": c, "server": name, "tokens_per_second": rate,
                          "ttft_p50": t50, "ttft_p95": t95, "latency_p50": l50,
                          "latency_p95": l95, "identical": same, "requests": total})  # fmt: skip
+    spec = [(c, n) for c in clients for n in servers if all("metrics" in x for x in cells[(n, c)])]
+    if spec:  # what the mlx-spec servers counted during the cells (/metrics), summed over reps
+        print("\n| clients | server | drafted / accepted | acceptance | tokens / target pass |"
+              " batched passes | prefill s | generation s (summed over requests) |")  # fmt: skip
+        print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for c, name in spec:
+        m = {}
+        for x in cells[(name, c)]:
+            for k, v in x["metrics"].items():
+                m[k] = m.get(k, 0) + v
+        drafted, accepted = m.get("drafted_tokens_total", 0), m.get("accepted_tokens_total", 0)
+        passes = m.get("target_passes_total", 0)
+        per_pass = m.get("generated_tokens_total", 0) / passes if passes else 0.0
+        rate = accepted / drafted if drafted else 0.0
+        print(f"| {c} | {name} | {drafted:.0f} / {accepted:.0f} | {rate:.2f} | {per_pass:.2f} |"
+              f" {m.get('batch_passes_total', 0):.0f} | {m.get('prefill_seconds_total', 0):.1f} |"
+              f" {m.get('generation_seconds_total', 0):.1f} |")  # fmt: skip
+        for row in rows:
+            if row["clients"] == c and row["server"] == name:
+                row["counters"] = m
     if args.json:
         meta = {"pair": args.label, "workload": args.workload, "max_tokens": args.max_tokens,
                 "reps": done, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -276,6 +322,12 @@ def main():
     p.add_argument("--draft", help="the draft's path")
     p.add_argument("--label", help="the pair's name in the table (default: --pair or the path)")
     p.add_argument("--workload", choices=["chat", "agent"], default="chat")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="a new prompt in every cell ('(request REP.CLIENTS) ' before the user's text):"
+        " no server reuses a kept prompt cache from an earlier cell",
+    )
     p.add_argument("--json", type=Path, help="write every measurement here")
     p.add_argument("--plain-json", action="store_true", help="the rows alone, as before")
     p.add_argument(
@@ -325,7 +377,15 @@ def main():
             for c in clients:
                 order = list(servers) if rep % 2 == 0 else list(reversed(servers))
                 for name in order:
-                    cell = run_cell(urls[name], servers[name][1], c, args.max_tokens, args.workload)
+                    ours = name.startswith("mlx-spec")
+                    before = counters(urls[name]) if ours else None
+                    tag = f"{rep}.{c}" if args.fresh else ""
+                    cell = run_cell(
+                        urls[name], servers[name][1], c, args.max_tokens, args.workload, tag
+                    )
+                    if ours:
+                        after = counters(urls[name])
+                        cell["metrics"] = {k: v - before.get(k, 0) for k, v in after.items()}
                     cells.setdefault((name, c), []).append(cell)
                     tokens = sum(r["tokens"] for r in cell["results"])
                     print(f"rep {rep} c={c} {name}: {tokens / cell['wall']:.1f} tok/s",
