@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -280,6 +281,8 @@ def report(args, servers: dict, clients: list[int], cells: dict, done: int) -> N
             print(f"| {c} | {name} | {rate:.1f} | {rate / serial:.2f} | {t50:.2f} / {t95:.2f} |"
                   f" {l50:.2f} / {l95:.2f} | {mean_tokens:.0f} | {same}/{total} |")  # fmt: skip
             rows.append({"clients": c, "server": name, "tokens_per_second": rate,
+                         "tokens_per_second_reps": [sum(r["tokens"] for r in x["results"])
+                                                    / x["wall"] for x in reps],
                          "ttft_p50": t50, "ttft_p95": t95, "latency_p50": l50,
                          "latency_p95": l95, "identical": same, "requests": total})  # fmt: skip
     spec = [(c, n) for c in clients for n in servers if all("metrics" in x for x in cells[(n, c)])]
@@ -305,7 +308,7 @@ def report(args, servers: dict, clients: list[int], cells: dict, done: int) -> N
     if args.json:
         meta = {"pair": args.label, "workload": args.workload, "max_tokens": args.max_tokens,
                 "reps": done, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "command": " ".join(sys.argv)}  # fmt: skip
+                "command": shlex.join(["python", *sys.argv])}  # fmt: skip
         args.json.write_text(json.dumps(rows if args.plain_json else {**meta, "rows": rows},
                                         indent=2))  # fmt: skip
 
