@@ -14,7 +14,12 @@ For each repetition, each concurrency (1, 2, 4, 8) and each server in turn: that
 streaming chat requests start at once (greedy, --max-tokens each, different prompts); we
 record the wall time, every request's time to first token and latency, and its text.
 Reported: medians over repetitions of aggregate tokens/s, p50/p95 TTFT and latency, and
-whether every reply equals the serial mlx-spec server's for the same prompt.
+whether every reply equals the serial mlx-spec server's for the same prompt; then what the
+mlx-spec servers' /metrics counted during those cells (drafted, accepted, tokens per target pass,
+batched passes, prefill seconds). `--json` keeps every row, each repetition's tokens/s, the
+counters, the date and the command line. `--fresh`: every cell sends new prompts (a tag before the
+user's text), so no server reuses a prompt cache kept in an earlier cell (without it the serial
+server may reuse kept recurrent checkpoints that batch rows do not keep).
 
 Any pair by its paths: `--target PATH --draft PATH` (the servers are given the same paths; mlx-lm
 reads them as they are), e.g. the random pairs of `benchmarks/make_batch_models.py` (issue 46: a
