@@ -8,9 +8,10 @@ chat template that has tools, so mlx-lm's `json_tools` parser and `tool_choice` 
   attention every `--interval`th layer; checkpoint keys `model.language_model.*`, conv1d
   weights `[C, 1, K]` and zero-centred norms, as Qwen's checkpoints, which mlx-lm's `sanitize`
   converts) and as its draft the target's embedding, final norm and head around one dense
-  `qwen3` layer of its own (plain KV caches, so a batch drafts with it: a recurrent draft, the
-  target's first layers, would make the server batch plainly; and a `qwen3_5` of attention
-  layers only does not run in mlx-lm 0.32, whose ssm mask reads layer 0's cache).
+  `qwen3` layer of its own (plain KV caches; a `qwen3_5` of attention layers only does not run
+  in mlx-lm 0.32, whose ssm mask reads layer 0's cache); and in `hybrid/draft-recurrent` a
+  recurrent draft, as the curated Qwen3.5 pairs' 0.8B is: the target's first `--interval`
+  layers (Gated-DeltaNet layers and one full-attention layer), its embedding, norm and head.
 - `sliding`: a Gemma-3-shaped target (`gemma3_text`, `--window`-token sliding window on every
   layer but each `--pattern`th) and as its draft its first `--draft-layers` (2: one sliding,
   one global).
@@ -191,6 +192,14 @@ def hybrid(root: Path, tok: Path, vocab: int, a) -> tuple[Path, Path]:
     for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
         draft[k] = weights["language_model." + k]
     target = save(root / "hybrid" / "target", config, qwen35_hf(weights), tok)
+    prefix = "language_model.model.layers."
+    first = {
+        k: v
+        for k, v in weights.items()
+        if not k.startswith(prefix) or int(k[len(prefix) :].split(".")[0]) < a.interval
+    }
+    rconfig = {**config, "num_hidden_layers": a.interval}
+    save(root / "hybrid" / "draft-recurrent", rconfig, qwen35_hf(first), tok)
     return target, save(root / "hybrid" / "draft", dconfig, draft, tok)
 
 
@@ -262,6 +271,8 @@ def main():
     for name in a.pairs.split(","):
         made[name] = {"hybrid": hybrid, "sliding": sliding}[name](a.out, tok, vocab, a)
         print(f"{name}: --target {made[name][0]} --draft {made[name][1]}")
+        if name == "hybrid":  # (its recurrent draft: the target's first layers)
+            print(f"hybrid, recurrent draft: --draft {made[name][1].parent / 'draft-recurrent'}")
     if a.check:
         for target, draft in made.values():
             check(target, draft)

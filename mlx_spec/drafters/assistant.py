@@ -60,6 +60,7 @@ from ..core.processors import apply as apply_processors
 from ..core.sampling import probabilities, sample
 from ..errors import SpecError
 from .base import Drafter
+from .head_weights import load_head_weights
 
 NAME = "Gemma 4 assistant"
 TYPES = ("full_attention", "sliding_attention")
@@ -465,28 +466,7 @@ def load_head(path: Path, target, target_config: dict) -> AssistantHead:
                 f"the {NAME} head's {kind} layers ({layer.n_heads} heads of {layer.head_dim}) "
                 f"cannot attend to the target's ({heads} key/value heads of {dim})"
             )
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise SpecError(f"the {NAME} head {path} has no .safetensors weights")
-    weights = {}
-    for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except Exception as err:  # noqa: BLE001 - mlx raises bare RuntimeErrors
-            raise SpecError(f"cannot read {f.name}: {err}") from None
-    weights = head.sanitize(weights)
-    quant = cfg.get("quantization")
-    if isinstance(quant, dict):  # an mlx conversion: quantize what the checkpoint quantized
-        nn.quantize(
-            head,
-            group_size=int(quant.get("group_size", 64)),
-            bits=int(quant.get("bits", 4)),
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
-        )
-    try:
-        head.load_weights(list(weights.items()))
-    except ValueError as err:
-        raise SpecError(f"the {NAME} head's weights do not fit its config: {err}") from None
+    load_head_weights(head, path, cfg, NAME, head.sanitize)
     head.reads = {t: reads[t] for t in sorted(set(args.layer_types))}
     head.window = int(targs.sliding_window)
     head.embed_scale = float(getattr(decoder_stack(target), "embed_scale", 1.0))

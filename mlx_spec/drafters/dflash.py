@@ -57,6 +57,7 @@ from ..core.sampling import SamplingParams, probabilities, sample
 from ..errors import SpecError
 from ..models.model_dir import text_config
 from .base import Drafter
+from .head_weights import load_head_weights
 
 
 class DFlashArgs:
@@ -479,27 +480,6 @@ def load_head(
             f"the {name} head reads target layer {bad[0]}, but the target has {depth} layers"
         )
     head_type.check_target(args, text_config(target_config))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise SpecError(f"the {name} head {path} has no .safetensors weights")
-    weights = {}
-    for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except Exception as err:  # noqa: BLE001 - mlx raises bare RuntimeErrors
-            raise SpecError(f"cannot read {f.name}: {err}") from None
-    weights = head_type.sanitize(weights)
     head = head_type(args)
-    quant = config.get("quantization")
-    if isinstance(quant, dict):  # an mlx conversion: quantize what the checkpoint quantized
-        nn.quantize(
-            head,
-            group_size=int(quant.get("group_size", 64)),
-            bits=int(quant.get("bits", 4)),
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
-        )
-    try:
-        head.load_weights(list(weights.items()))
-    except ValueError as err:
-        raise SpecError(f"the {name} head's weights do not fit its config: {err}") from None
+    load_head_weights(head, path, config, name, head_type.sanitize)
     return head
