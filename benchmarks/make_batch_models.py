@@ -10,8 +10,8 @@ chat template that has tools, so mlx-lm's `json_tools` parser and `tool_choice` 
   converts) and as its draft the target's embedding, final norm and head around one dense
   `qwen3` layer of its own (plain KV caches; a `qwen3_5` of attention layers only does not run
   in mlx-lm 0.32, whose ssm mask reads layer 0's cache); and in `hybrid/draft-recurrent` a
-  recurrent draft, as the curated Qwen3.5 pairs' 0.8B is: the target's first `--interval`
-  layers (Gated-DeltaNet layers and one full-attention layer), its embedding, norm and head.
+  recurrent draft, as the curated Qwen3.5 pairs' 0.8B is: the target's layer 0 (Gated-DeltaNet)
+  and its first full-attention layer, its embedding, norm and head (a quarter of its layers).
 - `sliding`: a Gemma-3-shaped target (`gemma3_text`, `--window`-token sliding window on every
   layer but each `--pattern`th) and as its draft its first `--draft-layers` (2: one sliding,
   one global).
@@ -192,13 +192,19 @@ def hybrid(root: Path, tok: Path, vocab: int, a) -> tuple[Path, Path]:
     for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
         draft[k] = weights["language_model." + k]
     target = save(root / "hybrid" / "target", config, qwen35_hf(weights), tok)
+    # the recurrent draft: the target's layer 0 (Gated-DeltaNet) and its first full-attention
+    # layer, as a 2-layer qwen3_5 (full attention every 2nd layer): a quarter of the target
     prefix = "language_model.model.layers."
-    first = {
-        k: v
-        for k, v in weights.items()
-        if not k.startswith(prefix) or int(k[len(prefix) :].split(".")[0]) < a.interval
-    }
-    rconfig = {**config, "num_hidden_layers": a.interval}
+    picked = {0: 0, a.interval - 1: 1}  # target layer -> draft layer
+    first = {}
+    for k, v in weights.items():
+        if not k.startswith(prefix):
+            first[k] = v
+            continue
+        layer, rest = k[len(prefix) :].split(".", 1)
+        if int(layer) in picked:
+            first[f"{prefix}{picked[int(layer)]}.{rest}"] = v
+    rconfig = {**config, "num_hidden_layers": 2, "full_attention_interval": 2}
     save(root / "hybrid" / "draft-recurrent", rconfig, qwen35_hf(first), tok)
     return target, save(root / "hybrid" / "draft", dconfig, draft, tok)
 

@@ -2,11 +2,14 @@
 
 Servers, all on the same pair (default smollm2-self: SmolLM2 135M drafted by itself at 4 bits;
 docs/serve.md's first figures were measured on it, as smollm2-demo before the demo pair shipped a
-head; `--pair smollm2-demo --num-draft-tokens 1` measures the head pair, which batches plainly):
+head; `--pair smollm2-demo --num-draft-tokens 1` measures the head pair, whose head drafts in
+the batch):
 - mlx-spec serial: `mlx-spec serve --max-batch 1` (one stream at a time, drafting: today's);
 - mlx-spec batched: `mlx-spec serve --max-batch 8` (a batch that still drafts);
 - mlx-lm batched: `python -m mlx_lm.server` on the target alone (its BatchGenerator);
 - mlx-lm draft: `python -m mlx_lm.server --draft-model` (mlx-lm turns batching off with a draft).
+- with `--plain-batch`, plain mlx-spec batched: `mlx-spec serve --max-batch 8 --no-draft` (the
+  same batch without drafts: what drafting inside the batch adds).
 mlx-lm's server reads MLX directories, so the pair's target and draft are written as such
 first (same weights: the target as loaded, the draft as quantized).
 
@@ -33,6 +36,7 @@ Run (the machine is shared: one benchmark at a time):
     flock /tmp/bench.lock python benchmarks/serve_batch.py [--reps 3] [--max-tokens 128]
         [--skip "mlx-lm draft"]   (servers left out by the start of their names)
         [--target PATH --draft PATH] [--workload chat|agent] [--label NAME] [--fresh]
+        [--plain-batch]
 """
 
 from __future__ import annotations
@@ -336,6 +340,11 @@ def main():
         help="a new prompt in every cell ('(request REP.CLIENTS) ' before the user's text):"
         " no server reuses a kept prompt cache from an earlier cell",
     )
+    p.add_argument(
+        "--plain-batch",
+        action="store_true",
+        help="also `mlx-spec serve --max-batch 8 --no-draft`: the same batch without drafts",
+    )
     p.add_argument("--json", type=Path, help="write every measurement here")
     p.add_argument("--plain-json", action="store_true", help="the rows alone, as before")
     p.add_argument(
@@ -362,6 +371,11 @@ def main():
         "mlx-spec batched": (spec + ["--max-batch", "8"], None),
         "mlx-lm batched (no draft)": (lm, str(target)),
     }
+    if args.plain_batch:  # (after mlx-lm's: a name that --skip "mlx-spec batched" leaves)
+        servers["plain mlx-spec batched (no draft)"] = (
+            spec + ["--max-batch", "8", "--no-draft"],
+            None,
+        )
     if draft is not None:  # (a head pair: mlx-lm's server has no heads)
         servers["mlx-lm draft (serial)"] = (
             lm + ["--draft-model", str(draft), "--num-draft-tokens", mlx_lm_k],
@@ -385,7 +399,7 @@ def main():
             for c in clients:
                 order = list(servers) if rep % 2 == 0 else list(reversed(servers))
                 for name in order:
-                    ours = name.startswith("mlx-spec")
+                    ours = "mlx-spec" in name
                     before = counters(urls[name]) if ours else None
                     tag = f"{rep}.{c}" if args.fresh else ""
                     cell = run_cell(
