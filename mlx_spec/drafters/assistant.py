@@ -45,7 +45,6 @@ called with `shared_kv=` and `offset=`). Semantics after mlx-vlm's
 from __future__ import annotations
 
 import copy
-import json
 import time
 from pathlib import Path
 
@@ -60,7 +59,7 @@ from ..core.processors import apply as apply_processors
 from ..core.sampling import probabilities, sample
 from ..errors import SpecError
 from .base import Drafter
-from .head_weights import load_head_weights
+from .head_weights import load_head_weights, read_head_config
 
 NAME = "Gemma 4 assistant"
 TYPES = ("full_attention", "sliding_attention")
@@ -399,18 +398,6 @@ _GREEDY = _Greedy()
 # ------------------------------------------------------------------------------- loading
 
 
-def _read_config(path: Path) -> dict:
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise SpecError(f"the {NAME} head {path} has no config.json") from None
-    except (OSError, ValueError) as err:
-        raise SpecError(f"the {NAME} head's config.json cannot be read: {err}") from None
-    if not isinstance(cfg, dict):
-        raise SpecError(f"the {NAME} head's config.json is not an object")
-    return cfg
-
-
 def target_facts(target, target_config: dict) -> tuple[object, dict[str, int]]:
     """The target's gemma4_text settings and, per layer type, the last layer that computes
     its own keys and values (mlx-lm's kvs_by_type); refused for any other model."""
@@ -442,7 +429,7 @@ def load_head(path: Path, target, target_config: dict) -> AssistantHead:
     """A gemma4_assistant directory (config.json + safetensors as published) -> the head,
     checked against the target (one-line errors)."""
     path = Path(path)
-    cfg = _read_config(path)
+    cfg = read_head_config(path, NAME)
     args = AssistantArgs(cfg)
     targs, reads = target_facts(target, target_config)
     if args.backbone_hidden_size != targs.hidden_size:

@@ -40,7 +40,6 @@ drawn before (`DFlashDrafter._step_logits`, `chained`: DSpark's Markov head). DF
 from __future__ import annotations
 
 import copy
-import json
 import time
 from pathlib import Path
 
@@ -57,7 +56,7 @@ from ..core.sampling import SamplingParams, probabilities, sample
 from ..errors import SpecError
 from ..models.model_dir import text_config
 from .base import Drafter
-from .head_weights import load_head_weights
+from .head_weights import load_head_weights, read_head_config
 
 
 class DFlashArgs:
@@ -447,18 +446,6 @@ class DFlashDrafter(Drafter):
         return caches.nbytes(self.cache)
 
 
-def _read_head_config(path: Path, name: str) -> dict:
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise SpecError(f"the {name} head {path} has no config.json") from None
-    except (OSError, ValueError) as err:
-        raise SpecError(f"the {name} head's config.json cannot be read: {err}") from None
-    if not isinstance(cfg, dict):
-        raise SpecError(f"the {name} head's config.json is not an object")
-    return cfg
-
-
 def load_head(
     path: Path, target, target_config: dict, head_type=DFlashHead, variants=()
 ) -> DFlashHead:
@@ -466,7 +453,7 @@ def load_head(
     `variants` whose `matches(config)`, DFlash2's) -> the head, checked against the target
     (one-line errors)."""
     path = Path(path)
-    config = _read_head_config(path, head_type.args_type.name)
+    config = read_head_config(path, head_type.args_type.name)
     head_type = next((v for v in variants if v.matches(config)), head_type)
     name = head_type.args_type.name
     args = head_type.args_type(config)

@@ -1,8 +1,10 @@
-"""A drafting head's safetensors, read into its module: the one loader DFlash-style and
-assistant heads share (an mlx conversion's quantized layers quantized first, as mlx-lm does)."""
+"""A drafting head's directory read: its config.json and its safetensors, into its module (the
+one reader DFlash-style and assistant heads share; an mlx conversion's quantized layers
+quantized first, as mlx-lm does)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,3 +38,16 @@ def load_head_weights(head: nn.Module, path: Path, config: dict, name: str, sani
         head.load_weights(list(weights.items()))
     except ValueError as err:
         raise SpecError(f"the {name} head's weights do not fit its config: {err}") from None
+
+
+def read_head_config(path: Path, name: str) -> dict:
+    """The head's config.json as a dict, or one SpecError line."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise SpecError(f"the {name} head {path} has no config.json") from None
+    except (OSError, ValueError) as err:
+        raise SpecError(f"the {name} head's config.json cannot be read: {err}") from None
+    if not isinstance(cfg, dict):
+        raise SpecError(f"the {name} head's config.json is not an object")
+    return cfg
