@@ -233,11 +233,14 @@ class BatchController:
         """Whether a lone row's prefill should time its steps (see `calibrate`)."""
         return 1 not in self.passes or (self.draft_model and 1 not in self.draft_steps)
 
-    def update(self, batch: int, timing, outcomes) -> None:
+    def update(self, batch: int, timing, outcomes, timed: bool = True) -> None:
         """A drafting round: `timing` (batch.BatchTiming) and per row (k asked, drafted,
-        accepted)."""
-        self.passes.setdefault(timing.rows, Estimate(0.25, warmup=True)).add(timing.verify_seconds)
-        if timing.draft_steps and self.draft_model:
+        accepted); `timed=False`: its costs are not a round's (rows just joined or left),
+        only what was accepted is learnt."""
+        if timed:
+            passes = self.passes.setdefault(timing.rows, Estimate(0.25, warmup=True))
+            passes.add(timing.verify_seconds)
+        if timed and timing.draft_steps and self.draft_model:
             step = timing.draft_seconds / timing.draft_steps
             self.draft_steps.setdefault(batch, Estimate(0.25, warmup=True)).add(step)
         # one estimate update per position a round, over the rows that got there: the
