@@ -63,6 +63,15 @@ def sample(probs: mx.array, key: mx.array) -> mx.array:
     return mx.random.categorical(mx.log(probs), key=key)
 
 
+def draw(logits: mx.array, params: SamplingParams, key) -> tuple[mx.array, mx.array | None]:
+    """A drafter's one guess from (vocab,) logits: (1,) uint32, and the q it was drawn from
+    (None when greedy: the argmax, a point mass)."""
+    if params.greedy:
+        return mx.argmax(logits, axis=-1, keepdims=True).astype(mx.uint32), None
+    q = probabilities(logits, params)
+    return sample(q, key)[None].astype(mx.uint32), q
+
+
 SEED_LIMIT = 2**64  # MLX's random keys take an unsigned 64-bit seed
 
 

@@ -56,7 +56,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from ..core import caches
 from ..core.hidden import FINAL_NORM, decoder_stack, kv_of
 from ..core.processors import apply as apply_processors
-from ..core.sampling import probabilities, sample
+from ..core.sampling import draw
 from ..errors import SpecError
 from .base import Drafter
 from .head_weights import load_head_weights, read_head_config
@@ -353,11 +353,8 @@ class AssistantDrafter(Drafter):
             if processors:  # after the sequence + x1..xi, as the target's row i
                 so_far = mx.concatenate(drafted) if drafted else []
                 logits = apply_processors(processors, self.tokens, so_far, logits)
-            if params.greedy:
-                token = mx.argmax(logits, axis=-1, keepdims=True).astype(mx.uint32)
-            else:
-                q = probabilities(logits, params)
-                token = sample(q, keys[i])[None].astype(mx.uint32)
+            token, q = draw(logits, params, None if keys is None else keys[i])
+            if q is not None:
                 qs.append(q)
             drafted.append(token)
             self.steps += 1

@@ -42,7 +42,7 @@ from mlx_lm.utils import common_prefix_len
 from ..core import caches
 from ..core.hidden import decoder_stack
 from ..core.processors import apply as apply_processors
-from ..core.sampling import probabilities, sample
+from ..core.sampling import draw
 from ..errors import SpecError
 from ..models.model_dir import json_object, text_config
 from .base import Drafter
@@ -469,11 +469,8 @@ class EagleDrafter(Drafter):
                 so_far = mx.concatenate(drafted) if drafted else []
                 logits = apply_processors(processors, context, so_far, logits)
             self.steps += 1
-            if params.greedy:
-                y = mx.argmax(logits, axis=-1, keepdims=True).astype(mx.uint32)
-            else:
-                q = probabilities(logits, params)
-                y = sample(q, keys[i])[None].astype(mx.uint32)
+            y, q = draw(logits, params, None if keys is None else keys[i])
+            if q is not None:
                 qs.append(q)
             mx.async_eval(y)
             drafted.append(y)

@@ -16,7 +16,7 @@ from mlx_lm.utils import common_prefix_len
 from ..core import caches
 from ..core.hidden import FINAL_NORM, decoder_stack
 from ..core.processors import apply as apply_processors
-from ..core.sampling import probabilities, sample
+from ..core.sampling import draw
 from ..errors import SpecError
 from .base import Drafter
 from .mtp_head import MTPHead
@@ -164,11 +164,8 @@ class MTPDrafter(Drafter):
             if processors:  # after the sequence + x1..xi, as the target's row i
                 so_far = mx.concatenate(drafted) if drafted else []
                 logits = apply_processors(processors, self.tokens, so_far, logits)
-            if params.greedy:
-                y = mx.argmax(logits, axis=-1, keepdims=True)
-            else:
-                q = probabilities(logits, params)
-                y = sample(q, keys[i])[None]
+            y, q = draw(logits, params, None if keys is None else keys[i])
+            if q is not None:
                 qs.append(q)
             drafted.append(y)
             if i < k - 1:
