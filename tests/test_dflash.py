@@ -55,12 +55,7 @@ def write_head(path, config: dict, seed: int = 1, drop: str | None = None):
     mx.random.seed(seed)
     weights = dict(tree_flatten(DFlashHead(DFlashArgs(config)).parameters()))
     weights = {k: v * 3 if k.endswith("o_proj.weight") else v for k, v in weights.items()}
-    if drop:
-        weights.pop(drop)
-    path.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(path / "model.safetensors"), weights)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return tiny.write_head(path, config, weights, drop)
 
 
 @pytest.fixture(scope="module")

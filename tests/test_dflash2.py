@@ -65,12 +65,7 @@ def write_head(path, config: dict, seed: int = 1, drop: str | None = None):
     weights = {k: v * 3 if k.endswith("o_proj.weight") else v for k, v in weights.items()}
     for book in BOOKS:  # published without `.weight`; scaled so the selector matters
         weights[book] = weights.pop(book + ".weight") * 3
-    if drop:
-        weights.pop(drop)
-    path.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(path / "model.safetensors"), weights)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return tiny.write_head(path, config, weights, drop)
 
 
 @pytest.fixture(scope="module")

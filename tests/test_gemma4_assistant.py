@@ -104,12 +104,7 @@ def head_weights(config: dict, target_embed: mx.array, seed: int = 1, layer_scal
 def write_head(path, config: dict, target_embed, drop: str | None = None, **kw):
     weights = head_weights(config, target_embed, **kw)
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # the tied copy
-    if drop:
-        weights.pop(drop)
-    path.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(path / "model.safetensors"), weights)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return tiny.write_head(path, config, weights, drop)
 
 
 def target_embedding(target_dir) -> mx.array:

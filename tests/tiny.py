@@ -90,6 +90,18 @@ def write_model(path: Path, config: dict, weights: dict[str, mx.array], tokenize
     return path
 
 
+def write_head(path: Path, config: dict, weights: dict, drop: str | None = None) -> Path:
+    """A drafting head's directory in its published layout: config.json and model.safetensors
+    (`drop`: a weight left out, for the refusal tests)."""
+    if drop:
+        weights = dict(weights)
+        weights.pop(drop)  # (a name that is not there: a KeyError, not a silent no-op)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 def truncated(weights: dict, config: dict, layers: int) -> tuple[dict, dict]:
     """A smaller draft: the target's first `layers` blocks with its embedding and head."""
     keep = {
