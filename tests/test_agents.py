@@ -437,7 +437,7 @@ def test_round_robin_between_keys_and_a_per_key_limit(queue_server):
 
     def ask(key, name):
         c = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=30)
-        r = c.completions.create(model="long", prompt=f"Paris {name}", max_tokens=3)
+        r = c.completions.create(model="long", prompt=f"Paris {name}", max_tokens=3, temperature=0)
         finished.append(name)
         return r
 

@@ -156,7 +156,7 @@ def test_text_format_json_schema(client):
 def test_hosted_tools_are_left_out_and_images_are_400(client):
     # Codex sends web_search and `namespace` tools: left out of the prompt, named in a header
     raw = client.responses.with_raw_response.create(
-        model="target", input="hi", max_output_tokens=2,
+        model="target", input="hi", max_output_tokens=2, temperature=0,
         tools=[{"type": "web_search"}, {"type": "namespace", "name": "ns", "tools": []}],
     )  # fmt: skip
     assert raw.headers["x-ignored-fields"] == "tools[0]:web_search, tools[1]:namespace"

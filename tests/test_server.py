@@ -575,7 +575,7 @@ def test_another_pair_loads_on_demand_one_resident(client, server, tiny_models):
     assert resp.choices[0].text == expected.text
     assert resp.model == "tiny2"
     assert [m.id for m in client.models.list().data][0] == "tiny2"
-    back = client.completions.create(model="target", prompt="Paris is", max_tokens=5)
+    back = client.completions.create(model="target", prompt="Paris is", max_tokens=5, temperature=0)
     assert back.usage.completion_tokens == 5  # the startup pair, loaded again
 
 
@@ -637,7 +637,7 @@ def test_the_queue_is_first_in_first_out_and_past_its_limit_429(queueing):
     finished = []
 
     def ask(i):
-        r = c.completions.create(model="long", prompt=f"Paris {i}", max_tokens=5)
+        r = c.completions.create(model="long", prompt=f"Paris {i}", max_tokens=5, temperature=0)
         finished.append(i)
         return r
 
