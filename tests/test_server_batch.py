@@ -37,6 +37,7 @@ KEY_A, KEY_B = "key-a", "key-b"
 K = 3
 TOKENS = 40
 LONG = 200  # a reply that runs for a second or so (the grace period is 10 s)
+ANCHOR_TOKENS = 400  # next_turn_beside_others' long request
 PROMPTS = [
     "The quick brown fox",
     "def add(a, b):\n    return",
@@ -309,6 +310,17 @@ def head_server(models):
         yield url, head, log
 
 
+def holding_anchor(url: str):
+    """A long greedy stream that holds the queue of a pair whose lone request runs alone (a
+    head's): it asks for log-probabilities, which a lone stream cannot take into the batch,
+    so the requests sent while it runs queue behind it. Decoding when this returns."""
+    anchor = client(url).completions.create(
+        model="long", prompt="The", max_tokens=5000, stream=True, temperature=0, logprobs=1
+    )
+    next(iter(anchor))
+    return anchor
+
+
 def test_a_head_pair_drafts_alone_and_in_a_batch(head_server, pair):
     """The default demo pair drafts with an EAGLE-3 head. A lone request runs as a single
     stream (a batch of one ran at 0.68x of it); requests that queue while one runs share
@@ -323,10 +335,7 @@ def test_a_head_pair_drafts_alone_and_in_a_batch(head_server, pair):
     lone = streamed(url, KEY_A, "chat", PROMPTS[1], temperature=0)
     assert lone["text"] == generate(pair, chat(PROMPTS[1]), max_tokens=TOKENS, temperature=0).text
     assert lone["spec"]["batched"] is False and lone["spec"]["drafted"] > 0
-    anchor = client(url).completions.create(
-        model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
-    )
-    next(iter(anchor))  # the anchor drafts alone; the next ones queue behind it
+    anchor = holding_anchor(url)  # the anchor drafts alone; the next ones queue behind it
     seeded = {"temperature": 0.8, "seed": 7}
     short = 4  # the first row's reply: its prompt is most of what its caches hold
     jobs = [(PROMPTS[1], {"temperature": 0, "max_tokens": short})]
@@ -368,10 +377,7 @@ def test_a_head_batch_drained_to_one_row_runs_it_as_a_stream(head_server, pair):
     sampled, is what it samples alone with the head; the others' are the target's."""
     url, head, _ = head_server
     before = metrics(url)
-    anchor = client(url).completions.create(
-        model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
-    )
-    next(iter(anchor))  # it runs alone; the next two queue behind it and start together
+    anchor = holding_anchor(url)  # it runs alone; the next two queue behind it, start together
     seeded = {"temperature": 0.8, "seed": 3, "max_tokens": 800}
     # a prompt that shares no prefix with any kept one: a row that starts from another
     # request's caches drafts from a head state computed otherwise, so a seeded reply could
@@ -402,14 +408,46 @@ def test_a_head_batch_drained_to_one_row_runs_it_as_a_stream(head_server, pair):
     assert got["spec"]["batched"] is True and got["spec"]["drafted"] > 0
 
 
+def test_a_lone_stream_moves_into_the_batch_when_another_comes(head_server, pair):
+    """A lone request decodes as a single stream (a head's batch of one is slower); one that
+    comes while it runs does not wait for its whole reply (once, an 8-token reply of the demo
+    pair waited 6 s behind a 150-token one): the stream pauses between rounds and goes on as
+    a batch row from its caches beside the newcomer. Each reply is what it is alone: the
+    newcomer's the target's, the seeded sampled stream's what it samples alone with the head."""
+    url, head, _ = head_server
+    before = metrics(url)
+    seeded = {"temperature": 0.8, "seed": 11, "max_tokens": 1000}
+    text = "Otters and the moon"  # no kept prefix: a fresh run's head state
+    stream = client(url, KEY_A).completions.create(
+        model="long", prompt=text, stream=True, stream_options={"include_usage": True}, **seeded
+    )
+    chunks = iter(stream)
+    got = [next(chunks)]  # decoding alone now
+    short = streamed(url, KEY_A, "chat", PROMPTS[1], temperature=0, max_tokens=4)
+    assert metrics(url)["mlx_spec_running"] == 1  # the long reply goes on: it was not waited for
+    got += list(chunks)
+    assert short["text"] == generate(pair, chat(PROMPTS[1]), max_tokens=4, temperature=0).text
+    assert short["spec"]["batched"] is True
+    head_pair = load_pair(
+        target=str(pair.config.target), drafter="eagle3", head=str(head), num_draft_tokens=K
+    )
+    out = "".join(ch.choices[0].text for ch in got if ch.choices)
+    assert out == generate(head_pair, text, **seeded).text
+    spec = got[-1].model_extra["speculation"]
+    assert spec["batched"] is True and spec["drafted"] > 0 and spec["prompt_tokens_reused"] == 0
+    rejoined = "mlx_spec_batch_rows_rejoined_total"
+    assert metrics(url)[rejoined] == before[rejoined] + 1
+
+
 def next_turn_beside_others(url: str, messages: list[dict], jobs: list) -> tuple:
     """A long request runs; a conversation's next turn (`messages`) and `jobs` ((kind, text)
-    each, streamed) are sent while it does and share a batch: their results and the turn's
-    response."""
+    each, streamed) are sent while it does and share a batch: their results, the turn's
+    response and the long request's whole text (greedy: ANCHOR_TOKENS of PROMPTS[0])."""
     anchor = client(url).completions.create(
-        model="long", prompt=PROMPTS[0], max_tokens=400, stream=True, temperature=0
+        model="long", prompt=PROMPTS[0], max_tokens=ANCHOR_TOKENS, stream=True, temperature=0
     )
-    next(iter(anchor))  # a row runs; the next ones join it, or batch once it is done
+    chunks = iter(anchor)
+    text = [next(chunks)]  # a row runs (or a lone stream, which moves into the batch)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         turn = pool.submit(
             lambda: client(url).chat.completions.create(
@@ -423,9 +461,9 @@ def next_turn_beside_others(url: str, messages: list[dict], jobs: list) -> tuple
         wait_until(lambda: metrics(url)["mlx_spec_batch_size"] >= 2, "the rows never batched")
         got = [f.result() for f in others]
         r = turn.result()
-    anchor.close()
+    text += list(chunks)
     assert metrics(url)["mlx_spec_batch_size_max"] >= 2
-    return got, r
+    return got, r, "".join(c.choices[0].text for c in text if c.choices)
 
 
 def test_a_sliding_window_pair_batches(tiny_models, tmp_path):
@@ -455,7 +493,9 @@ def test_a_sliding_window_pair_batches(tiny_models, tmp_path):
             {"role": "user", "content": "And then?"},
         ]
         jobs = [("completion", PROMPTS[1]), ("chat", PROMPTS[3])]
-        got, r = next_turn_beside_others(url, messages, jobs)
+        got, r, anchor = next_turn_beside_others(url, messages, jobs)
+    long = generate(sliding, PROMPTS[0], max_tokens=ANCHOR_TOKENS, temperature=0)
+    assert anchor == long.text  # however it ran (a row, a lone stream, moved between)
     for (kind, text), g in zip(jobs, got, strict=True):
         prompt = chat(text) if kind == "chat" else text
         assert g["text"] == generate(sliding, prompt, max_tokens=TOKENS, temperature=0).text
@@ -501,7 +541,12 @@ def test_a_hybrid_recurrent_pair_batches(tiny_models, tmp_path, drafter):
             {"role": "assistant", "content": "Yes."},
             {"role": "user", "content": "And then?"},
         ]
-        got, r = next_turn_beside_others(url, messages, jobs)
+        got, r, anchor = next_turn_beside_others(url, messages, jobs)
+        # a recurrent target's lone request runs alone (it keeps the system checkpoint as it
+        # prefills): the long one did, and moved into the batch when the others came
+        assert metrics(url)["mlx_spec_batch_rows_rejoined_total"] >= 1
+    long = generate(hybrid, PROMPTS[0], max_tokens=ANCHOR_TOKENS, temperature=0)
+    assert anchor == long.text  # however it ran (a row, a lone stream, moved between)
     for (kind, text), g in zip(jobs, got, strict=True):
         prompt = chat(text) if kind == "chat" else text
         assert g["text"] == generate(hybrid, prompt, max_tokens=TOKENS, temperature=0).text
@@ -531,7 +576,9 @@ def test_a_hybrid_pair_with_its_mtp_layer_drafts_in_the_batch(tiny_models, tmp_p
     jobs = [("completion", PROMPTS[1]), ("chat", PROMPTS[3]), ("completion", PROMPTS[2])]
     messages = chat("Tell me a story about a fox")
     with serving(args, tmp_path) as (_, url):
-        got, r = next_turn_beside_others(url, messages, jobs)
+        got, r, anchor = next_turn_beside_others(url, messages, jobs)
+    long = generate(pair, PROMPTS[0], max_tokens=ANCHOR_TOKENS, temperature=0)
+    assert anchor == long.text  # however it ran (a row, a lone stream, moved between)
     for (kind, text), g in zip(jobs, got, strict=True):
         prompt = chat(text) if kind == "chat" else text
         assert g["text"] == generate(pair, prompt, max_tokens=TOKENS, temperature=0).text
@@ -627,10 +674,7 @@ def test_an_own_head_pair_drafts_alone_and_in_a_batch(own_head_server):
     lone = streamed(url, KEY_A, "chat", PROMPTS[3], temperature=0)
     assert lone["text"] == generate(head_pair, chat(PROMPTS[3]), max_tokens=TOKENS).text
     assert lone["spec"]["batched"] is False and lone["spec"]["drafted"] > 0
-    anchor = client(url).completions.create(
-        model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
-    )
-    next(iter(anchor))  # the anchor drafts alone; the next ones queue behind it
+    anchor = holding_anchor(url)  # the anchor drafts alone; the next ones queue behind it
     seeded = {"temperature": 0.8, "seed": 7}
     jobs = [(text, {"temperature": 0}) for text in PROMPTS[1:3]] + [(PROMPTS[0], seeded)]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:

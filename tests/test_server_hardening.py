@@ -181,7 +181,7 @@ def test_a_dead_engine_fails_its_jobs_and_says_so(pair, loop, where):
     engine.on_death = died.set
     engine.start()
 
-    def broken(job):
+    def broken(job, *_):
         raise SystemExit("the loop broke")  # not an Exception: _take's own guard lets it pass
 
     setattr(engine, where, broken)  # _serve: inside _take, with the job among the running

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
@@ -32,7 +33,7 @@ from ..drafters import Drafter, TargetOutput
 from ..errors import Aborted, SpecError
 from ..models import distributed
 from .config import GenerationConfig
-from .events import Event, Result, event_batches
+from .events import Event, EventMaker, Result
 from .prompts import constraint_for, prompt_tokens
 from .rounds import Round, cut_at_end, read_logprobs, target_logprobs, verify
 
@@ -584,11 +585,15 @@ def stream_rounds(
     abort=None,
     marks: tuple[int, ...] = (),
     on_mark=None,
-) -> Iterator[list[Event]]:
+    pause=None,
+) -> Generator[list[Event], None, Paused | None]:
     """Generate from `pair` as `config` asks, one list of `Event`s per verify round (see
     `stream`). `decoder` (from `make_decoder`) keeps the caches across calls; `stats` is
     filled live; `abort()` is asked between prefill chunks; `marks` and `on_mark`: see
-    `Decoder.prefill`."""
+    `Decoder.prefill`. `pause()`, asked after each round that yields (the reply not yet
+    over): True stops the stream there, between rounds, and the generator returns a `Paused`
+    from which the reply goes on elsewhere (the server moves a lone request into its batch
+    when another comes); it returns None when the reply ended."""
     config = GenerationConfig.of(config)
     params, seed = config.sampling, config.seed
     constraint = constraint_for(pair, config.schema, config.grammar, config.regex)
@@ -642,22 +647,28 @@ def stream_rounds(
         logprobs=config.logprobs,
         forced=forced,
     )
+    maker = EventMaker(detokenizer, stats, start, max_tokens)
     try:
         # as mlx-lm does: on Metal, keep the weights wired while generating
         with wired_limit(pair.target):
-            for batch in event_batches(rounds, detokenizer, stats, start, max_tokens):
+            for r in rounds:
+                batch = maker.feed(r)
                 if constraint is not None:
                     stats.mask_seconds = grammar_state.mask_seconds
                     stats.masks = grammar_state.masks
                     stats.constrained = constraint.kind
-                yield batch
+                if batch:
+                    yield batch
                 if decoder.epoch != epoch:  # checked before the next round touches the caches
                     raise SpecError("another stream took over this decoder; this one cannot go on")
+                left = max_tokens - stats.generated_tokens
+                if pause is not None and not r.finished and left > 0 and pause():
+                    _between_rounds(rounds, decoder, epoch)
+                    return Paused(maker, left)
+            if last := maker.close():
+                yield last
     except GeneratorExit:  # the caller stopped early: every yield is between rounds
-        rounds.close()  # plain decoding rolls back its look-ahead step here
-        if decoder.epoch == epoch:
-            decoder.active = decoder.stale
-            decoder.settle()
+        _between_rounds(rounds, decoder, epoch)
         raise
     except BaseException:  # an error, Ctrl-C: the next stream starts over (begin); leave
         if decoder.epoch == epoch:  # nothing lazy for it either, if that can still be done
@@ -668,6 +679,25 @@ def stream_rounds(
         raise
     decoder.active = False
     decoder.settle()
+    return None
+
+
+@dataclass
+class Paused:
+    """A reply `stream_rounds` stopped between rounds (`pause`): its decoder holds the prompt
+    and the tokens emitted so far; `maker` holds its detokenizer's state (a token whose text
+    is not complete yet); `max_tokens` are left."""
+
+    maker: EventMaker
+    max_tokens: int
+
+
+def _between_rounds(rounds, decoder: Decoder, epoch: int) -> None:
+    """Stop `rounds` between two rounds, the caches consistent for whoever goes on."""
+    rounds.close()  # plain decoding rolls back its look-ahead step here
+    if decoder.epoch == epoch:
+        decoder.active = decoder.stale
+        decoder.settle()
 
 
 def stream(

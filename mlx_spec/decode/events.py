@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,13 +136,3 @@ class EventMaker:
     def close(self) -> list[Event]:
         held, self.held = self.held, None
         return [held] if held is not None else []
-
-
-def event_batches(rounds, detokenizer, stats, start, max_tokens) -> Iterator[list[Event]]:
-    """Rounds -> batches of events (`EventMaker`), one batch per round that completes text."""
-    maker = EventMaker(detokenizer, stats, start, max_tokens)
-    for r in rounds:
-        if batch := maker.feed(r):
-            yield batch
-    if last := maker.close():
-        yield last

@@ -31,13 +31,13 @@ from starlette.routing import Route
 from . import anthropic
 from .connections import HEAD_TIMEOUT, SEND_TIMEOUT
 from .jobs import Job
-from .keymetrics import Exposition, KeyMetrics, key_metrics_text
+from .keymetrics import BATCH_BUCKETS, Exposition, KeyMetrics, key_metrics_text
 from .openapi import document as openapi_document
 from .prompts import make_pool, prepare
 from .protocol import ApiError, GenRequest, Limits, parse_chat, parse_completion
 from .responses import ResponsesEncoder, ResponseStore, not_found, parse_responses
 from .streaming import Encoder, JobResponse, error_response
-from .worker import BATCH_BUCKETS, Engine
+from .worker import Engine
 
 DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to this, then cut off
 KEEPALIVE_SECONDS = 2.0  # a queued or prefilling stream gets its headers, then a comment this often

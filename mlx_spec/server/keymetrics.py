@@ -6,12 +6,16 @@ tokens, cache entries and bytes. A key's view now holds only counters of its own
 kept on the HTTP side from what its responses carried (usage, speculation, status), and its
 own queue. Cache sizes are left out of it: the caches share one byte budget, so a key's
 shrinking cache would tell it that another key is busy.
+
+`Metrics` holds the whole server's totals, which the engine thread writes (worker.py).
 """
 
 from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass, field
+
+from ..core.stats import Stats
 
 
 @dataclass
@@ -117,3 +121,55 @@ def key_metrics_text(figures: KeyFigures, waiting: int) -> str:
         ],
     )
     return out.text()
+
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the batch-size histogram's upper bounds
+
+
+@dataclass
+class Metrics:
+    """Totals since start (counters) for /metrics; written by the worker thread only."""
+
+    requests: dict = field(default_factory=dict)  # (endpoint, status) -> count (HTTP side)
+    prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0
+    generated_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_passes: int = 0
+    generation_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    cancelled: int = 0
+    timeouts: int = 0
+    batch_size: int = 0  # rows in the batch's last pass (0 when no batch runs)
+    batch_size_max: int = 0
+    batch_passes: int = 0  # batched target passes
+    batch_rows: int = 0  # requests in them, summed over passes
+    batch_target_rows: int = 0  # target rows in them (B x (k+1)), summed over passes
+    batch_hist: list[int] = field(default_factory=lambda: [0] * len(BATCH_BUCKETS))
+    rows_alone: int = 0  # batch rows that went on as a single stream (Engine._alone)
+    rows_rejoined: int = 0  # of them, rows that joined a batch again
+
+    def add(self, stats: Stats, passes: bool = True) -> None:
+        self.prompt_tokens += stats.prompt_tokens
+        self.prompt_tokens_cached += stats.prompt_tokens_reused
+        self.generated_tokens += stats.generated_tokens
+        self.drafted += stats.drafted
+        self.accepted += stats.accepted
+        if passes:  # a batched pass is counted once by add_pass, not once per row
+            self.target_passes += stats.target_passes
+        self.generation_seconds += stats.generation_seconds
+        self.prefill_seconds += stats.prefill_seconds
+
+    def add_pass(self, rows: int, target_rows: int) -> None:
+        """One batched target pass over `rows` requests (`target_rows` token rows)."""
+        self.batch_size = rows
+        self.batch_size_max = max(self.batch_size_max, rows)
+        self.target_passes += 1
+        self.batch_passes += 1
+        self.batch_rows += rows
+        self.batch_target_rows += target_rows
+        for i, bound in enumerate(BATCH_BUCKETS):
+            if rows <= bound:
+                self.batch_hist[i] += 1
+                break

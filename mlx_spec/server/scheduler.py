@@ -31,7 +31,7 @@ JOIN_WAIT = 0.03
 class Scheduler:
     """Per-partition queues served round robin; what runs, what waits, and whether more fit.
 
-    `metrics` (worker.Metrics) counts the jobs that leave early (cancelled, timed out)."""
+    `metrics` (keymetrics.Metrics) counts the jobs that leave early (cancelled, timed out)."""
 
     def __init__(self, metrics, max_queue: int = 16, max_queue_per_key: int | None = None):
         self.metrics = metrics

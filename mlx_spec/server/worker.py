@@ -13,7 +13,10 @@ join between rounds as they are taken from the queue and leave as they finish. A
 batch cannot take waits until the running rows finish, then runs alone. A pair whose drafter a
 batch cannot take (a kind that does not say how; every head of the package drafts in it)
 batches plainly, without drafts: a request that finds no other waiting drafts alone; requests
-that queue together share plain passes.
+that queue together share plain passes. A lone stream (such a pair's, a head's or a recurrent
+target's, which run faster alone) pauses between rounds when a batchable job comes and goes on
+as a batch row beside it (`_generate`, `_into_batch`): it does not hold the queue for its
+whole reply.
 A batched row starts from its partition's kept decoder as a single stream does (only new
 tokens are prefilled) and gives its caches back when it leaves; its lookup searches its own
 text and its partition's history, as a single stream does.
@@ -41,7 +44,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..core.processors import check_vocab, make_processors
 from ..core.stats import Stats
@@ -51,63 +54,13 @@ from ..decode.events import EventMaker
 from ..decode.prompts import constraint_for, prompt_tokens
 from ..errors import Aborted, SpecError
 from .jobs import Job, Reply, log_error, timeout_error
+from .keymetrics import Metrics
 from .output import check_tool_choice, tool_grammar
 from .prompt_cache import PromptCache
 from .prompts import prompt_ids, system_end
 from .protocol import ApiError, GenRequest, speculation
 from .resident import Resident
 from .scheduler import Scheduler
-
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the batch-size histogram's upper bounds
-
-
-@dataclass
-class Metrics:
-    """Totals since start (counters) for /metrics; written by the worker thread only."""
-
-    requests: dict = field(default_factory=dict)  # (endpoint, status) -> count (HTTP side)
-    prompt_tokens: int = 0
-    prompt_tokens_cached: int = 0
-    generated_tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    target_passes: int = 0
-    generation_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    cancelled: int = 0
-    timeouts: int = 0
-    batch_size: int = 0  # rows in the batch's last pass (0 when no batch runs)
-    batch_size_max: int = 0
-    batch_passes: int = 0  # batched target passes
-    batch_rows: int = 0  # requests in them, summed over passes
-    batch_target_rows: int = 0  # target rows in them (B x (k+1)), summed over passes
-    batch_hist: list[int] = field(default_factory=lambda: [0] * len(BATCH_BUCKETS))
-    rows_alone: int = 0  # batch rows that went on as a single stream (Engine._alone)
-    rows_rejoined: int = 0  # of them, rows that joined a batch again
-
-    def add(self, stats: Stats, passes: bool = True) -> None:
-        self.prompt_tokens += stats.prompt_tokens
-        self.prompt_tokens_cached += stats.prompt_tokens_reused
-        self.generated_tokens += stats.generated_tokens
-        self.drafted += stats.drafted
-        self.accepted += stats.accepted
-        if passes:  # a batched pass is counted once by add_pass, not once per row
-            self.target_passes += stats.target_passes
-        self.generation_seconds += stats.generation_seconds
-        self.prefill_seconds += stats.prefill_seconds
-
-    def add_pass(self, rows: int, target_rows: int) -> None:
-        """One batched target pass over `rows` requests (`target_rows` token rows)."""
-        self.batch_size = rows
-        self.batch_size_max = max(self.batch_size_max, rows)
-        self.target_passes += 1
-        self.batch_passes += 1
-        self.batch_rows += rows
-        self.batch_target_rows += target_rows
-        for i, bound in enumerate(BATCH_BUCKETS):
-            if rows <= bound:
-                self.batch_hist[i] += 1
-                break
 
 
 class Engine:
@@ -214,15 +167,15 @@ class Engine:
         start = time.monotonic()
         batched = False
         try:
-            batched = self.batchable(job.request)
+            batched = lone = self.batchable(job.request)
             companion = None
             if batched and self.resident.lone_alone:  # alone, it runs faster as a stream
                 companion = self.scheduler.companion(self.batchable)
                 batched = companion is not None
             if batched:
-                self._serve_batch(job, companion)
-            else:
-                self._serve(job)
+                self._serve_batch([job] + ([companion] if companion is not None else []))
+            else:  # (lone: it moves into the batch when a batchable job comes)
+                batched = self._serve(job, lone)
         except Exception as err:  # a bug outside _serve's own guard: this job fails alone
             log_error(err, job)
             job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
@@ -277,11 +230,13 @@ class Engine:
 
     # ------------------------------------------------------------------ one job alone
 
-    def _serve(self, job: Job) -> None:
+    def _serve(self, job: Job, lone: bool = False) -> bool:
+        """Serve one job as a single stream; True when it moved into the batch (`lone`: the
+        job is batchable, see `_generate`) and ended there."""
         if self.scheduler.expired(job):
-            return
+            return False
         try:
-            self._generate(job)
+            return self._generate(job, lone)
         except Aborted:  # before the prefill: the client left or the deadline passed
             if job.cancelled.is_set():
                 self.metrics.cancelled += 1
@@ -295,6 +250,7 @@ class Engine:
         except Exception as err:  # a bug: answer 500 and keep serving
             log_error(err, job)
             job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+        return False
 
     def _prompt(self, pair, req: GenRequest) -> list[int]:
         """The request's tokens: made by the HTTP side for this pair (server/prompts.py), or
@@ -332,8 +288,13 @@ class Engine:
             return req.prompt_system_end
         return system_end(pair, req, tokens)
 
-    def _generate(self, job: Job) -> None:
-        req = job.request
+    def _generate(self, job: Job, lone: bool = False) -> bool:
+        """A job as a single stream. `lone`: a batchable job that found no company (the pair's
+        lone request is faster alone, `Resident.lone_alone`): when a batchable job comes while
+        it decodes, it pauses between rounds and goes on as a row of the batch beside that
+        job (`_into_batch`; True), rather than holding the queue for its whole reply (a
+        150-token reply of the demo pair kept an 8-token request waiting 6 s, 2026-12-04)."""
+        req, began = job.request, time.monotonic()
         pair = self.resident.pair_for(req.model)
         cache, _ = self.resident.partition(req.partition)
         tokens = self._prompt(pair, req)
@@ -352,31 +313,68 @@ class Engine:
         def keep(mark: int) -> None:  # the prefill passed a segment's end: keep a copy there
             cache.keep_copy(decoder, "user" if mark == len(tokens) - 1 else "system")
 
+        joining: list[Job] = []
+
+        def pause() -> bool:  # asked between rounds
+            joining.extend(filter(None, [self.scheduler.take_batchable(self.batchable)]))
+            return bool(joining)
+
+        movable = lone and pair is self.resident.pair and keeps_nothing_per_row(config)
         rounds = stream_rounds(
             pair, tokens, config, decoder=decoder, stats=stats, abort=abort, marks=marks,
-            on_mark=keep,
+            on_mark=keep, pause=pause if movable else None,
         )  # fmt: skip
+        paused = None
         try:
-            for events in rounds:
+            while True:
+                try:
+                    events = next(rounds)
+                except StopIteration as stop:  # the reply ended, or paused (its return value)
+                    paused = stop.value
+                    break
                 if reply.feed(events):
                     break
         except Aborted:
             reply.ended = "cancelled" if job.cancelled.is_set() else "timeout"
         finally:
             rounds.close()  # between rounds: the decoder stays consistent for the next job
+        if paused is not None:
+            self._into_batch(job, began, reply, stats, decoder, paused, config, joining[0])
+            return True
         drafter = self.resident.drafter
         self._finish(reply, stats, req.partition, decoder, decoder.sequence, drafter, False)
+        return False
+
+    def _into_batch(self, job: Job, began: float, reply, stats, decoder, paused, config, joining):
+        """A lone job paused between rounds (`_generate`) becomes a row of the batch from its
+        caches (nothing is prefilled again; its key goes on), and the batch serves it beside
+        `joining` and whatever queues after."""
+        batch, cache = self.resident.batch, self.resident.partition(job.request.partition)
+        self.metrics.target_passes += stats.target_passes  # its passes alone (a row's: add_pass)
+        self.metrics.rows_rejoined += 1
+        sequence, key = list(decoder.sequence), decoder.key
+        try:
+            rid = batch.add(sequence, config, max_tokens=paused.max_tokens, history=cache[1],
+                            kept=decoder, keep=True)  # fmt: skip
+        except Exception as err:  # a bug: the job taken for it fails too (_take fails this one)
+            joining.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+            self.scheduler.done(joining)
+            raise
+        if batch.row(rid).key is not None:
+            batch.row(rid).key = key  # its samples go on as they would alone
+        row = BatchRow(job, reply, stats, paused.maker, sequence, began, cache[0], decoder, config)
+        self._serve_batch([joining], {rid: row})
 
     # ------------------------------------------------------------------ a batch of jobs
 
-    def _serve_batch(self, first: Job, second: Job | None = None) -> None:
-        """Serve `first` (and `second`, already taken) and every batchable job queued while
-        they run in the resident BatchDecoder, up to max_batch rows, until no row is left.
-        The queue is served in its order: when the next job cannot be batched, no more rows
-        join; it runs alone once these finish."""
+    def _serve_batch(self, jobs: list[Job], live: dict | None = None) -> None:
+        """Serve `jobs` (already taken; beside the rows `live` already holds) and every
+        batchable job queued while they run in the resident BatchDecoder, up to max_batch
+        rows, until no row is left. The queue is served in its order: when the next job
+        cannot be batched, no more rows join; it runs alone once these finish."""
         resident, scheduler = self.resident, self.scheduler
-        live: dict[int, BatchRow] = {}
-        pending = [second, first] if second is not None else [first]
+        live = live if live is not None else {}
+        pending = jobs[::-1]
         try:
             while True:
                 while len(live) < resident.max_batch:
@@ -560,6 +558,14 @@ class Engine:
         self._finish(row.reply, row.stats, partition, decoder, row.sequence, drafter, True)
         self.scheduler.timed(partition, time.monotonic() - row.started)
         self.scheduler.done(row.job)
+
+
+def keeps_nothing_per_row(config) -> bool:
+    """Whether a request asks nothing that a batch row keeps per row and a single stream
+    would start over (processors, a grammar, log-probabilities): such a request may move
+    between the batch and a single stream mid-reply."""
+    constrained = config.grammar or config.schema or config.regex
+    return not config.processors and not constrained and config.logprobs is None
 
 
 @dataclass
