@@ -292,8 +292,9 @@ class Engine:
         """A job as a single stream. `lone`: a batchable job that found no company (the pair's
         lone request is faster alone, `Resident.lone_alone`): when a batchable job comes while
         it decodes, it pauses between rounds and goes on as a row of the batch beside that
-        job (`_into_batch`; True), rather than holding the queue for its whole reply (a
-        150-token reply of the demo pair kept an 8-token request waiting 6 s, 2026-12-04)."""
+        job (`_into_batch`; True), rather than holding the queue for its whole reply (an
+        8-token request to the demo pair got its first token after 6.4 s behind a 150-token
+        reply, now after 0.25 s: benchmarks/late_request.py, 2026-12-04)."""
         req, began = job.request, time.monotonic()
         pair = self.resident.pair_for(req.model)
         cache, _ = self.resident.partition(req.partition)
