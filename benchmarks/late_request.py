@@ -32,12 +32,14 @@ def ask(url: str, model: str, prompt: str, max_tokens: int, out: dict) -> None:
             "max_tokens": max_tokens, "temperature": 0, "stream": True}  # fmt: skip
     begin, first = time.perf_counter(), None
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
         for line in r.iter_lines():
             if first is None and line.startswith("data: {"):
                 choices = json.loads(line[6:]).get("choices") or []
                 if any((c.get("delta") or {}).get("content") for c in choices):
                     first = time.perf_counter() - begin
-    out.update(ttft=first, latency=time.perf_counter() - begin)
+    latency = time.perf_counter() - begin
+    out.update(ttft=first if first is not None else latency, latency=latency)
 
 
 def main() -> None:

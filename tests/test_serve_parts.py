@@ -276,3 +276,35 @@ def test_the_tool_grammar_continues_the_forced_head_to_the_end_of_turn(tool_toke
         0
     ]
     assert not takes("required", '\n{"name": "at", "arguments": {"when": {}}}\n</tool_call>')[0]
+
+
+@pytest.mark.parametrize("use_draft", [True, False])
+def test_a_paused_stream_goes_on_from_its_decoder(pair, use_draft):
+    """stream_rounds' pause() stops a reply between rounds (the server moves a lone stream
+    into its batch so): it returns what is left, the decoder holds exactly the prompt and the
+    tokens emitted (plain decoding's step queued ahead is undone), and the reply goes on from
+    there as the whole reply would have (greedy)."""
+    from mlx_spec.decode.config import GenerationConfig
+    from mlx_spec.decode.engine import Paused, stream_rounds
+
+    prompt = pair.tokenizer.encode("Paris is the capital of France. Berlin is")
+    config = GenerationConfig(24, temperature=0.0, use_draft=use_draft)
+    full = generate(pair, prompt, config)
+    decoder, asked = make_decoder(pair), []
+    rounds = stream_rounds(pair, prompt, config, decoder=decoder, pause=lambda: len(asked) > 2)
+    events, paused = [], None
+    while paused is None:
+        try:
+            events += next(rounds)
+        except StopIteration as stop:
+            paused = stop.value
+        asked.append(1)
+    assert isinstance(paused, Paused)
+    emitted = decoder.sequence[len(prompt) :]
+    assert 0 < len(emitted) == 24 - paused.max_tokens and not decoder.active
+    assert emitted == full.tokens[: len(emitted)]
+    assert [e.token for e in events] == emitted[: len(events)]  # (one may be held back)
+    rest = generate(pair, decoder.sequence, config.replace(max_tokens=paused.max_tokens),
+                    decoder=decoder)  # fmt: skip
+    assert rest.tokens == full.tokens[len(emitted) :]
+    assert rest.stats.prompt_tokens_reused == len(decoder.sequence) - len(rest.tokens) - 1

@@ -435,8 +435,8 @@ def test_a_lone_stream_moves_into_the_batch_when_another_comes(head_server, pair
     assert out == generate(head_pair, text, **seeded).text
     spec = got[-1].model_extra["speculation"]
     assert spec["batched"] is True and spec["drafted"] > 0 and spec["prompt_tokens_reused"] == 0
-    rejoined = "mlx_spec_batch_rows_rejoined_total"
-    assert metrics(url)[rejoined] == before[rejoined] + 1
+    moved = "mlx_spec_batch_streams_moved_total"
+    assert metrics(url)[moved] == before[moved] + 1
 
 
 def next_turn_beside_others(url: str, messages: list[dict], jobs: list) -> tuple:
@@ -544,7 +544,7 @@ def test_a_hybrid_recurrent_pair_batches(tiny_models, tmp_path, drafter):
         got, r, anchor = next_turn_beside_others(url, messages, jobs)
         # a recurrent target's lone request runs alone (it keeps the system checkpoint as it
         # prefills): the long one did, and moved into the batch when the others came
-        assert metrics(url)["mlx_spec_batch_rows_rejoined_total"] >= 1
+        assert metrics(url)["mlx_spec_batch_streams_moved_total"] >= 1
     long = generate(hybrid, PROMPTS[0], max_tokens=ANCHOR_TOKENS, temperature=0)
     assert anchor == long.text  # however it ran (a row, a lone stream, moved between)
     for (kind, text), g in zip(jobs, got, strict=True):

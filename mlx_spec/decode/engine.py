@@ -475,14 +475,16 @@ class Decoder:
             yield from self._processed_steps(max_tokens, params, plain, until, processors)
             return
         before = None  # a recurrent state from before the queued step
+        key_before = self.key  # the key before the queued step drew its sample
 
         def step(tokens: mx.array, proposed=()):
             """The next token (lazy), its log-probability arrays when asked for (else ()),
             and the pass's TargetOutput. `proposed`: the token fed now when `sequence` does
             not hold it yet."""
-            nonlocal before
+            nonlocal before, key_before
             if self.recurrent:
                 before = caches.snapshot(self.cache)
+            key_before = self.key
             logits, output = self._forward(tokens, 1)
             logits = logits[0]
             if processors:
@@ -530,6 +532,9 @@ class Decoder:
             # undo the step queued for a token that will not be emitted (unless another stream
             # has taken the decoder since: the caches are its own now)
             if lookahead and self.epoch == epoch:
+                # and its sample's key: a reply that goes on elsewhere (a batch row, the
+                # server's move) then draws what it would have drawn here
+                self.key = key_before
                 if self.recurrent:
                     caches.restore(self.cache, before)
                 try:
@@ -590,8 +595,8 @@ def stream_rounds(
     """Generate from `pair` as `config` asks, one list of `Event`s per verify round (see
     `stream`). `decoder` (from `make_decoder`) keeps the caches across calls; `stats` is
     filled live; `abort()` is asked between prefill chunks; `marks` and `on_mark`: see
-    `Decoder.prefill`. `pause()`, asked after each round that yields (the reply not yet
-    over): True stops the stream there, between rounds, and the generator returns a `Paused`
+    `Decoder.prefill`. `pause()`, asked after each round while the reply is not over:
+    True stops the stream there, between rounds, and the generator returns a `Paused`
     from which the reply goes on elsewhere (the server moves a lone request into its batch
     when another comes); it returns None when the reply ended."""
     config = GenerationConfig.of(config)

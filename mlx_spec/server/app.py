@@ -293,6 +293,8 @@ def metrics_text(engine: Engine) -> str:
          "Batch rows that went on as a single stream once the others had left.", m.rows_alone),
         ("batch_rows_rejoined_total",
          "Of those, rows that joined a batch again when a request came.", m.rows_rejoined),
+        ("batch_streams_moved_total",
+         "Lone streams that went on as batch rows when a request came.", m.streams_moved),
     ]  # fmt: skip
     out.each("counter", counters)
     rate = m.accepted / m.drafted if m.drafted else 0.0

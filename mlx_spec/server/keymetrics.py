@@ -149,6 +149,7 @@ class Metrics:
     batch_hist: list[int] = field(default_factory=lambda: [0] * len(BATCH_BUCKETS))
     rows_alone: int = 0  # batch rows that went on as a single stream (Engine._alone)
     rows_rejoined: int = 0  # of them, rows that joined a batch again
+    streams_moved: int = 0  # lone streams that went on as batch rows (Engine._into_batch)
 
     def add(self, stats: Stats, passes: bool = True) -> None:
         self.prompt_tokens += stats.prompt_tokens

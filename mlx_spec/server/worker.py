@@ -317,7 +317,10 @@ class Engine:
         joining: list[Job] = []
 
         def pause() -> bool:  # asked between rounds
-            joining.extend(filter(None, [self.scheduler.take_batchable(self.batchable)]))
+            # (a sampled recurrent stream with a replay pending waits for a round without:
+            # as a row it would feed the replay otherwise and draw other keys)
+            if config.sampling.greedy or decoder.unfed == 1:
+                joining.extend(filter(None, [self.scheduler.take_batchable(self.batchable)]))
             return bool(joining)
 
         movable = lone and pair is self.resident.pair and keeps_nothing_per_row(config)
@@ -337,6 +340,9 @@ class Engine:
                     break
         except Aborted:
             reply.ended = "cancelled" if job.cancelled.is_set() else "timeout"
+        except BaseException as err:  # a job taken for the batch is answered too
+            fail_taken(self.scheduler, joining, err)
+            raise
         finally:
             rounds.close()  # between rounds: the decoder stays consistent for the next job
         if paused is not None:
@@ -350,17 +356,18 @@ class Engine:
         """A lone job paused between rounds (`_generate`) becomes a row of the batch from its
         caches (nothing is prefilled again; its key goes on), and the batch serves it beside
         `joining` and whatever queues after."""
-        batch, cache = self.resident.batch, self.resident.partition(job.request.partition)
-        self.metrics.target_passes += stats.target_passes  # its passes alone (a row's: add_pass)
-        self.metrics.rows_rejoined += 1
+        resident = self.resident
         sequence, key = list(decoder.sequence), decoder.key
         try:
+            batch, cache = resident.batch, resident.partition(job.request.partition)
             rid = batch.add(sequence, config, max_tokens=paused.max_tokens, history=cache[1],
                             kept=decoder, keep=True)  # fmt: skip
-        except Exception as err:  # a bug: the job taken for it fails too (_take fails this one)
-            joining.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
-            self.scheduler.done(joining)
-            raise
+        except Exception as err:  # a bug: both jobs fail (500), the batch starts anew
+            fail_taken(self.scheduler, [joining], err)
+            resident.batch = make_batch_decoder(resident.pair, plain=resident.batch_plain)
+            raise RuntimeError(f"the stream could not join the batch: {err}") from err
+        self.metrics.target_passes += stats.target_passes  # its passes alone (a row's: add_pass)
+        self.metrics.streams_moved += 1
         if batch.row(rid).key is not None:
             batch.row(rid).key = key  # its samples go on as they would alone
         row = BatchRow(job, reply, stats, paused.maker, sequence, began, cache[0], decoder, config)
@@ -559,6 +566,13 @@ class Engine:
         self._finish(row.reply, row.stats, partition, decoder, row.sequence, drafter, True)
         self.scheduler.timed(partition, time.monotonic() - row.started)
         self.scheduler.done(row.job)
+
+
+def fail_taken(scheduler: Scheduler, jobs: list[Job], err: BaseException) -> None:
+    """Jobs taken from the queue for a batch that will not run them: each answers 500."""
+    for job in jobs:
+        job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+        scheduler.done(job)
 
 
 def keeps_nothing_per_row(config) -> bool:
