@@ -310,15 +310,27 @@ def head_server(models):
         yield url, head, log
 
 
-def holding_anchor(url: str):
-    """A long greedy stream that holds the queue of a pair whose lone request runs alone (a
-    head's): it asks for log-probabilities, which a lone stream cannot take into the batch,
-    so the requests sent while it runs queue behind it. Decoding when this returns."""
+def long_anchor(url: str):
+    """A long greedy stream, decoding when this returns: on a pair whose lone request runs
+    as a single stream (a head's), it runs so until the next request comes, then goes on as
+    a batch row beside it."""
     anchor = client(url).completions.create(
-        model="long", prompt="The", max_tokens=5000, stream=True, temperature=0, logprobs=1
+        model="long", prompt="The", max_tokens=5000, stream=True, temperature=0
     )
     next(iter(anchor))
     return anchor
+
+
+def wait_taken(url: str, n: int, futures: list) -> None:
+    """Until `n` requests have arrived: taken, queued or answered (`futures`' done ones).
+    Sent one by one so, they are taken in that order (rows join the batch as they are
+    taken, the rest wait for a free row)."""
+
+    def arrived():
+        m = metrics(url)
+        return m["mlx_spec_running"] + m["mlx_spec_queue_waiting"] + sum(f.done() for f in futures)
+
+    wait_until(lambda: arrived() >= n, f"{n} requests never arrived")
 
 
 def test_a_head_pair_drafts_alone_and_in_a_batch(head_server, pair):
@@ -335,7 +347,7 @@ def test_a_head_pair_drafts_alone_and_in_a_batch(head_server, pair):
     lone = streamed(url, KEY_A, "chat", PROMPTS[1], temperature=0)
     assert lone["text"] == generate(pair, chat(PROMPTS[1]), max_tokens=TOKENS, temperature=0).text
     assert lone["spec"]["batched"] is False and lone["spec"]["drafted"] > 0
-    anchor = holding_anchor(url)  # the anchor drafts alone; the next ones queue behind it
+    anchor = long_anchor(url)  # alone; the next ones join it in a batch, one by one
     seeded = {"temperature": 0.8, "seed": 7}
     short = 4  # the first row's reply: its prompt is most of what its caches hold
     jobs = [(PROMPTS[1], {"temperature": 0, "max_tokens": short})]
@@ -344,8 +356,8 @@ def test_a_head_pair_drafts_alone_and_in_a_batch(head_server, pair):
         futures = []
         for i, (text, kw) in enumerate(jobs):  # one by one: the queue's order is known
             futures.append(pool.submit(streamed, url, KEY_A, "chat", text, **kw))
-            wait_until(lambda n=i + 1: metrics(url)["mlx_spec_queue_waiting"] == n, "no queue")
-        anchor.close()  # the four start together as one batch
+            wait_taken(url, i + 2, futures)
+        anchor.close()  # (the fourth waited for a free row: the anchor's)
         queued = [f.result() for f in futures]
     for (text, kw), got in zip(jobs[:3], queued[:3], strict=True):
         settings = {"max_tokens": TOKENS, **kw}
@@ -377,7 +389,7 @@ def test_a_head_batch_drained_to_one_row_runs_it_as_a_stream(head_server, pair):
     sampled, is what it samples alone with the head; the others' are the target's."""
     url, head, _ = head_server
     before = metrics(url)
-    anchor = holding_anchor(url)  # it runs alone; the next two queue behind it, start together
+    anchor = long_anchor(url)  # alone; the next two join it in a batch
     seeded = {"temperature": 0.8, "seed": 3, "max_tokens": 800}
     # a prompt that shares no prefix with any kept one: a row that starts from another
     # request's caches drafts from a head state computed otherwise, so a seeded reply could
@@ -385,9 +397,9 @@ def test_a_head_batch_drained_to_one_row_runs_it_as_a_stream(head_server, pair):
     text = "Zebras and the sea"
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         long = pool.submit(streamed, url, KEY_A, "completion", text, **seeded)
-        wait_until(lambda: metrics(url)["mlx_spec_queue_waiting"] == 1, "no queue")
+        wait_taken(url, 2, [long])
         short = pool.submit(streamed, url, KEY_A, "chat", PROMPTS[1], temperature=0, max_tokens=4)
-        wait_until(lambda: metrics(url)["mlx_spec_queue_waiting"] == 2, "no queue")
+        wait_taken(url, 3, [long, short])
         anchor.close()
         first = short.result()
         alone = "mlx_spec_batch_rows_alone_total"
@@ -437,6 +449,40 @@ def test_a_lone_stream_moves_into_the_batch_when_another_comes(head_server, pair
     assert spec["batched"] is True and spec["drafted"] > 0 and spec["prompt_tokens_reused"] == 0
     moved = "mlx_spec_batch_streams_moved_total"
     assert metrics(url)[moved] == before[moved] + 1
+
+
+def test_a_lone_stream_with_a_schema_and_penalties_moves_and_goes_alone_again(head_server, pair):
+    """A lone request with a JSON schema, a frequency penalty and log-probabilities moves into
+    the batch when another comes (its grammar from where its reply began, its matcher
+    caught up on what it emitted), and goes on alone again, its processors with it, when the
+    other leaves: its text is what it is alone."""
+    url, _, _ = head_server
+    before = metrics(url)
+    story = {"type": "object", "properties": {"story": {"type": "string", "minLength": 400}},
+             "required": ["story"], "additionalProperties": False}  # fmt: skip
+    messages = chat("Tell a story about otters")
+    stream = client(url, KEY_A).chat.completions.create(
+        model="long", messages=messages, max_tokens=120, temperature=0, stream=True,
+        frequency_penalty=0.5, logprobs=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": story}},
+    )  # fmt: skip
+    chunks = iter(stream)
+    got = [next(chunks)]  # decoding alone now
+    short = streamed(url, KEY_A, "chat", PROMPTS[3], temperature=0, max_tokens=4)
+    assert metrics(url)["mlx_spec_running"] == 1  # the long reply goes on: it was not waited for
+    got += list(chunks)
+    assert short["text"] == generate(pair, chat(PROMPTS[3]), max_tokens=4, temperature=0).text
+    penalty = make_processors(frequency_penalty=0.5)
+    expected = generate(
+        pair, messages, max_tokens=120, temperature=0, processors=penalty, schema=story
+    )
+    deltas = [ch.choices[0] for ch in got if ch.choices and ch.choices[0].delta.content]
+    assert "".join(c.delta.content for c in deltas) == expected.text
+    assert expected.text.startswith('{"story": "') or expected.text.startswith('{"story":"')
+    assert all(c.logprobs is not None and c.logprobs.content for c in deltas)
+    after = metrics(url)
+    moved, alone = "mlx_spec_batch_streams_moved_total", "mlx_spec_batch_rows_alone_total"
+    assert after[moved] == before[moved] + 1 and after[alone] == before[alone] + 1
 
 
 def next_turn_beside_others(url: str, messages: list[dict], jobs: list) -> tuple:
@@ -674,15 +720,15 @@ def test_an_own_head_pair_drafts_alone_and_in_a_batch(own_head_server):
     lone = streamed(url, KEY_A, "chat", PROMPTS[3], temperature=0)
     assert lone["text"] == generate(head_pair, chat(PROMPTS[3]), max_tokens=TOKENS).text
     assert lone["spec"]["batched"] is False and lone["spec"]["drafted"] > 0
-    anchor = holding_anchor(url)  # the anchor drafts alone; the next ones queue behind it
+    anchor = long_anchor(url)  # alone; the next ones join it in a batch, one by one
     seeded = {"temperature": 0.8, "seed": 7}
     jobs = [(text, {"temperature": 0}) for text in PROMPTS[1:3]] + [(PROMPTS[0], seeded)]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = []
         for i, (text, kw) in enumerate(jobs):  # one by one: the queue's order is known
             futures.append(pool.submit(streamed, url, KEY_A, "chat", text, **kw))
-            wait_until(lambda n=i + 1: metrics(url)["mlx_spec_queue_waiting"] == n, "no queue")
-        anchor.close()  # the three start together as one batch
+            wait_taken(url, i + 2, futures)
+        anchor.close()
         got = [f.result() for f in futures]
     for (text, kw), reply in zip(jobs, got, strict=True):
         assert reply["text"] == generate(head_pair, chat(text), max_tokens=TOKENS, **kw).text

@@ -477,6 +477,7 @@ class BatchDecoder:
         *,
         kept=None,
         keep: bool = False,
+        reply_start: int | None = None,
     ) -> int:
         """Prefill `prompt` (token ids) alone and merge it into the batch; its row id.
         From `config` a row takes its sampling settings, seed, max_tokens (`max_tokens`
@@ -488,11 +489,15 @@ class BatchDecoder:
         `kept`: an `engine.Decoder` of the same pair (the server's prompt cache, the row's
         own client's) whose caches the row starts from, so only the prompt's tokens past the
         shared prefix are prefilled (`row(id).reused` says how many were not); it gives its
-        caches up (`kept_caches`). `keep`: hand the caches back when the row leaves."""
+        caches up (`kept_caches`). `keep`: hand the caches back when the row leaves.
+        `reply_start`: where the reply began in `prompt`, for a reply that goes on as a row
+        (the server's lone stream moving into the batch): its grammar constrains only what
+        follows (default: all of `prompt` is prompt)."""
         config = GenerationConfig.of(config)
         if not prompt:
             raise SpecError("the prompt is empty")
-        processors = row_processors(self.pair, config, len(prompt), self.vocab)
+        start = len(prompt) if reply_start is None else reply_start
+        processors = row_processors(self.pair, config, start, self.vocab)
         params = config.sampling
         key = None
         if not params.greedy:

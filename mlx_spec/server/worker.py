@@ -323,7 +323,7 @@ class Engine:
                 joining.extend(filter(None, [self.scheduler.take_batchable(self.batchable)]))
             return bool(joining)
 
-        movable = lone and pair is self.resident.pair and keeps_nothing_per_row(config)
+        movable = lone and pair is self.resident.pair
         rounds = stream_rounds(
             pair, tokens, config, decoder=decoder, stats=stats, abort=abort, marks=marks,
             on_mark=keep, pause=pause if movable else None,
@@ -361,7 +361,7 @@ class Engine:
         try:
             batch, cache = resident.batch, resident.partition(job.request.partition)
             rid = batch.add(sequence, config, max_tokens=paused.max_tokens, history=cache[1],
-                            kept=decoder, keep=True)  # fmt: skip
+                            kept=decoder, keep=True, reply_start=stats.prompt_tokens)  # fmt: skip
         except Exception as err:  # a bug: both jobs fail (500), the batch starts anew
             fail_taken(self.scheduler, [joining], err)
             resident.batch = make_batch_decoder(resident.pair, plain=resident.batch_plain)
@@ -485,22 +485,22 @@ class Engine:
     def _goes_alone(self, live: dict) -> bool:
         """Whether the one row left would run faster as a single stream: where a lone request
         does (`Resident.lone_alone`: a head's batch of one ran at 0.68x the single stream on
-        the demo pair), and its request asks nothing a batch row keeps per row (processors,
-        a grammar, log-probabilities), which the single stream would start over."""
+        the demo pair)."""
         resident = self.resident
         if len(live) != 1 or not resident.lone_alone or resident.batch_plain:
             return False
         r = resident.batch.row(next(iter(live)))
-        return not r.processors and r.logprobs is None and r.max_tokens > r.emitted
+        return r.max_tokens > r.emitted
 
     def _alone(self, live: dict):
-        """The one row left leaves the batch with its caches (and its head's state, its key)
-        and decodes on as a single stream, through its own reply, until it ends (then it
-        ends as a row does) or a batchable job is queued: then it joins the batch again from
-        its caches (nothing prefilled again) and that job is returned, to be admitted."""
+        """The one row left leaves the batch with its caches (and its head's state, its key,
+        its processors and grammar) and decodes on as a single stream, through its own reply,
+        until it ends (then it ends as a row does) or a batchable job is queued: then it joins
+        the batch again from its caches (nothing prefilled again) and that job is returned, to
+        be admitted."""
         resident, (rid, row) = self.resident, next(iter(live.items()))
         batch = resident.batch
-        r = batch.row(rid)
+        r = batch.row(rid)  # (its processors and grammar go on with it, their state kept)
         key, remaining = r.key, r.max_tokens - r.emitted
         decoder = into_decoder(row.kept or row.prompt_cache.new(), batch.remove(rid))
         self.metrics.batch_size = 0
@@ -512,7 +512,10 @@ class Engine:
             decoder.key = key  # its samples go on as they would in the batch, or alone
         decoder.prefill(decoder.sequence, use_draft=speculative)  # (a replay's tokens only)
         policy = decoder.policy_for(config.draft_length(pair.config))
-        rounds = decoder.rounds(remaining, config.sampling, policy, use_draft=speculative)
+        rounds = decoder.rounds(
+            remaining, config.sampling, policy, use_draft=speculative, processors=r.processors,
+            logprobs=r.logprobs, forced=r.grammar,
+        )  # fmt: skip
         joining = None
         try:
             for rnd in rounds:
@@ -541,7 +544,7 @@ class Engine:
             return None
         _, history = resident.partition(row.job.request.partition)
         again = batch.add(decoder.sequence, config, max_tokens=remaining, history=history,
-                          kept=decoder, keep=True)  # fmt: skip
+                          kept=decoder, keep=True, reply_start=row.stats.prompt_tokens)  # fmt: skip
         if key is not None:
             batch.row(again).key = decoder.key
         self.metrics.rows_rejoined += 1
@@ -573,14 +576,6 @@ def fail_taken(scheduler: Scheduler, jobs: list[Job], err: BaseException) -> Non
     for job in jobs:
         job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
         scheduler.done(job)
-
-
-def keeps_nothing_per_row(config) -> bool:
-    """Whether a request asks nothing that a batch row keeps per row and a single stream
-    would start over (processors, a grammar, log-probabilities): such a request may move
-    between the batch and a single stream mid-reply."""
-    constrained = config.grammar or config.schema or config.regex
-    return not config.processors and not constrained and config.logprobs is None
 
 
 @dataclass
