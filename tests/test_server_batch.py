@@ -22,6 +22,7 @@ import openai
 import pytest
 import tiny
 from conftest import VOCAB
+from mlx_lm.utils import common_prefix_len
 from real_configs import _llama3_rope
 from test_eagle import head_weights, subset
 from test_eagle import write_head as write_eagle
@@ -480,9 +481,48 @@ def test_a_lone_stream_with_a_schema_and_penalties_moves_and_goes_alone_again(he
     assert "".join(c.delta.content for c in deltas) == expected.text
     assert expected.text.startswith('{"story": "') or expected.text.startswith('{"story":"')
     assert all(c.logprobs is not None and c.logprobs.content for c in deltas)
+    assert all(isinstance(t.logprob, float) for c in deltas for t in c.logprobs.content)
     after = metrics(url)
     moved, alone = "mlx_spec_batch_streams_moved_total", "mlx_spec_batch_rows_alone_total"
     assert after[moved] == before[moved] + 1 and after[alone] == before[alone] + 1
+
+
+@pytest.mark.parametrize("which", ["server", "head_server"])
+def test_requests_with_one_system_prompt_prefill_it_once(which, request, pair):
+    """An agent's sub-tasks come together with one long system prompt: the second starts from
+    a copy of the first's caches while that one runs (a batch row; with a head, its head's
+    state too), so only what follows the shared prefix is prefilled; another key's request
+    shares nothing. Every reply is the target's."""
+    fixture = request.getfixturevalue(which)
+    url = fixture[1] if which == "server" else fixture[0]
+    system = f"({which}) You are a careful assistant. " + "Cite the file you read. " * 16
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "What is new?"}]
+    second = [{"role": "system", "content": system}, {"role": "user", "content": "List tests."}]
+    stream = client(url).chat.completions.create(
+        model="long", messages=first, max_tokens=LONG, temperature=0, stream=True
+    )
+    chunks = iter(stream)
+    got = [next(chunks)]  # decoding (alone, on a head's pair: it moves into the batch)
+    if which == "server":  # (the head's server has one key)
+        other = client(url, KEY_B).chat.completions.create(
+            model="long", messages=second, max_tokens=4, temperature=0
+        )
+        # (its own key's earlier requests may share the template's first tokens, no more)
+        assert other.usage.prompt_tokens_details.cached_tokens < 8
+    reply = client(url).chat.completions.create(
+        model="long", messages=second, max_tokens=TOKENS, temperature=0
+    )
+    got += list(chunks)
+    ids = [
+        pair.tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in (first, second)
+    ]
+    shared = common_prefix_len(*ids)
+    assert shared > 100
+    assert reply.usage.prompt_tokens_details.cached_tokens == shared
+    expected = generate(pair, second, max_tokens=TOKENS, temperature=0).text
+    assert reply.choices[0].message.content == expected
+    text = "".join(c.choices[0].delta.content or "" for c in got if c.choices)
+    assert text == generate(pair, first, max_tokens=LONG, temperature=0).text
 
 
 def next_turn_beside_others(url: str, messages: list[dict], jobs: list) -> tuple:

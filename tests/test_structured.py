@@ -156,6 +156,26 @@ def test_without_forced_tokens_and_without_drafting_the_output_is_the_same(pairs
     assert model.stats.forced_drafted == 0 and model.stats.drafted > 0
 
 
+@pytest.mark.parametrize("name", list(GRAMMARS))
+def test_log_probabilities_under_a_grammar_without_drafting_equal_the_drafted_ones(pairs, name):
+    """A grammar's plain steps (`use_draft=False`, or k = 0) read the log-probabilities too
+    (once they were null there): the same tokens and values as the drafting path reads from
+    its verify passes, both from the masked, processed target distribution."""
+    from mlx_spec import stream
+
+    kind, value = GRAMMARS[name]
+    settings = {"max_tokens": 30, "logprobs": 2, kind: value}
+    runs = [
+        list(stream(pairs["model"], PROMPTS[0], **draft, **settings))
+        for draft in ({"use_draft": False}, {"num_draft_tokens": 3})
+    ]
+    plain, drafted = runs
+    assert [e.token for e in plain] == [e.token for e in drafted]
+    for p, d in zip(plain, drafted, strict=True):
+        assert isinstance(p.logprob, float) and p.logprob == pytest.approx(d.logprob, abs=1e-4)
+        assert [t for t, _ in p.top_logprobs] == [t for t, _ in d.top_logprobs]
+
+
 def test_a_reply_cut_by_max_tokens_says_length(pairs):
     full, finish = reference(pairs["model"], PROMPTS[1], "grammar", CAPITALS, 60)
     assert finish == "stop" and len(full) > 6

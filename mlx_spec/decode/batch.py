@@ -626,6 +626,12 @@ class BatchDecoder:
         self._keep([i for i in range(len(self.rows)) if i != index])
         return state
 
+    def copy_row(self, row_id: int) -> RowState:
+        """A copy of a row's caches, as `remove` would hand them over, the row staying: a
+        request that shares the start of its sequence (an agent's sub-task beside its parent,
+        one system prompt) starts from it rather than prefilling that part again."""
+        return self._extract(next(i for i, r in enumerate(self.rows) if r.id == row_id))
+
     def _extract(self, i: int) -> RowState:
         """Row i's caches as single-row KVCaches (evaluated: nothing lazy points into the
         batch's arrays). The target's hold sequence[:-1]; the draft's sequence[:-lag], or

@@ -472,7 +472,7 @@ class Decoder:
         next step is queued before the current token is read back (never past max_tokens).
         `until()`, asked after each token, ends the stretch after the step already queued."""
         if not all(getattr(p, "pipelines", True) for p in processors):
-            yield from self._processed_steps(max_tokens, params, plain, until, processors)
+            yield from self._processed_steps(max_tokens, params, plain, until, processors, logprobs)
             return
         before = None  # a recurrent state from before the queued step
         key_before = self.key  # the key before the queued step drew its sample
@@ -543,15 +543,19 @@ class Decoder:
                     self.stale = True
 
     def _processed_steps(
-        self, max_tokens: int, params: SamplingParams, plain: bool, until, processors
+        self, max_tokens: int, params: SamplingParams, plain: bool, until, processors, logprobs
     ) -> Iterator[Round]:
         """Plain decoding under a processor that must see each token first (`pipelines =
         False`: a grammar, which cannot step past the end of its grammar): nothing is queued
-        ahead; `until()` ends the stretch at once. No log-probabilities here."""
+        ahead; `until()` ends the stretch at once."""
         for _ in range(max_tokens):
             logits, output = self._forward(self.sequence[-self.unfed :], 1)
             logits = apply_processors(processors, self.sequence, [], logits)[0]
-            token = self._target_token(logits, params).item()
+            chosen = self._target_token(logits, params)
+            lp = None  # (once, none were read here: a grammar's plain tokens had null logprobs)
+            if logprobs is not None:
+                lp = target_logprobs(logits[None], chosen.reshape(1), logprobs)
+            token = chosen.item()
             self.unfed = 1
             self.sequence.append(token)
             r = Round([token], 0, 0, plain=plain, target_token=token, target_output=output)
@@ -559,6 +563,8 @@ class Decoder:
                 r.tokens, r.finished = [], True
                 yield r
                 return
+            if lp is not None:
+                r.logprobs, r.top_logprobs = read_logprobs(lp, 1)
             yield r
             if until is not None and until():
                 return

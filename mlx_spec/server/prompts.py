@@ -11,6 +11,9 @@ tokenised with special tokens read as plain text, and only the template's own ma
 special ids. A prompt with no special-token text in it tokenises exactly as before (one
 `encode` of the rendered text); `--parse-special-in-content` restores the old behaviour.
 Completions' raw text is the client's own rendering: its special tokens are kept.
+
+On the engine thread: a request's tokens (`request_tokens`), its generation settings with its
+processors and grammar (`request_config`) and where its system part ends (`request_system_end`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from jinja2 import TemplateError
 from mlx_lm.utils import common_prefix_len
 
-from ..decode.prompts import encode_prompt
+from ..core.processors import make_processors
+from ..decode.prompts import constraint_for, encode_prompt
 from ..errors import SpecError
-from .output import check_tool_choice, forced_prefix
+from .output import check_tool_choice, forced_prefix, tool_grammar
 from .protocol import ApiError, GenRequest
 
 MAX_CHARS_PER_TOKEN = 32  # no tokenizer averages more: a longer text cannot fit the context
@@ -289,3 +293,45 @@ async def prepare(engine, req: GenRequest, pool: ThreadPoolExecutor) -> None:
     if not resident.cache.freely:  # marks in the prompt only for caches that need them
         req.prompt_system_end = await loop.run_in_executor(pool, system_end, pair, req, tokens)
     req.prompt_ids, req.prompt_pair = tokens, pair
+
+
+# ------------------------------------------------------------ on the engine thread
+
+
+def request_tokens(pair, req: GenRequest) -> list[int]:
+    """The request's tokens: made by the HTTP side for this pair (`prepare`), or
+    rendered here (a request that swapped the pair in); for the engine thread."""
+    if req.prompt_ids is not None and req.prompt_pair is pair:
+        return list(req.prompt_ids)
+    return prompt_ids(pair, req, req.parse_special)
+
+
+def request_config(pair, req: GenRequest):
+    """The request's generation settings with its processors (penalties, logit_bias) and
+    grammar (response_format, or tool_choice required / named: the call follows the
+    tools' schemas), alone or in a batch; a grammar that cannot compile is a 400."""
+    if req.kind == "chat" and req.tools and req.tool_choice not in ("auto", "none"):
+        check_tool_choice(pair.tokenizer, req)
+    constraint = None
+    if req.constraint is not None:
+        try:
+            constraint = constraint_for(pair, **req.constraint)
+        except SpecError as err:
+            raise ApiError(400, str(err), "response_format", "invalid_value") from None
+    lark = tool_grammar(pair.tokenizer, pair.vocab_size, req)
+    if lark is not None:
+        try:
+            constraint = constraint_for(pair, grammar=lark)
+        except SpecError as err:
+            message = f"the tools cannot constrain the call: {err}"
+            raise ApiError(400, message, "tools", "invalid_value") from None
+    processors = make_processors(**req.penalties)
+    return req.generation.replace(processors=processors, grammar=constraint)
+
+
+def request_system_end(pair, req: GenRequest, tokens: list[int]) -> int | None:
+    """Where the system prompt and tools end in `tokens` (made with the ids when the
+    HTTP side made them)."""
+    if req.prompt_ids is not None and req.prompt_pair is pair:
+        return req.prompt_system_end
+    return system_end(pair, req, tokens)

@@ -46,21 +46,28 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from ..core.processors import check_vocab, make_processors
+from mlx_lm.utils import common_prefix_len
+
+from ..core.grammar import GrammarStateError
+from ..core.processors import check_vocab
 from ..core.stats import Stats
 from ..decode.batch import into_decoder, make_batch_decoder
 from ..decode.engine import stream_rounds
 from ..decode.events import EventMaker
-from ..decode.prompts import constraint_for, prompt_tokens
+from ..decode.prompts import prompt_tokens
 from ..errors import Aborted, SpecError
 from .jobs import Job, Reply, log_error, timeout_error
 from .keymetrics import Metrics
-from .output import check_tool_choice, tool_grammar
 from .prompt_cache import PromptCache
-from .prompts import prompt_ids, system_end
+from .prompts import request_config, request_system_end, request_tokens
 from .protocol import ApiError, GenRequest, speculation
 from .resident import Resident
 from .scheduler import Scheduler
+
+# Tokens a running row must share with a new one beyond the prompt cache's best for the new
+# one to start from a copy of its caches (`Engine._beside`): a copy of every layer is cheap
+# beside a prefill, but not free
+SHARE_MIN = 32
 
 
 class Engine:
@@ -178,7 +185,7 @@ class Engine:
                 batched = self._serve(job, lone)
         except Exception as err:  # a bug outside _serve's own guard: this job fails alone
             log_error(err, job)
-            job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+            job.put("error", internal(err))
         except BaseException as err:  # the thread itself ends: every taken job hears it now
             self._die(err, job)
             raise
@@ -249,44 +256,8 @@ class Engine:
             job.put("error", ApiError(400, str(err), code="invalid_value"))
         except Exception as err:  # a bug: answer 500 and keep serving
             log_error(err, job)
-            job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+            job.put("error", internal(err))
         return False
-
-    def _prompt(self, pair, req: GenRequest) -> list[int]:
-        """The request's tokens: made by the HTTP side for this pair (server/prompts.py), or
-        rendered here (a request that swapped the pair in)."""
-        if req.prompt_ids is not None and req.prompt_pair is pair:
-            return list(req.prompt_ids)
-        return prompt_ids(pair, req, req.parse_special)
-
-    def _config(self, pair, req: GenRequest):
-        """The request's generation settings with its processors (penalties, logit_bias) and
-        grammar (response_format, or tool_choice required / named: the call follows the
-        tools' schemas), alone or in a batch; a grammar that cannot compile is a 400."""
-        if req.kind == "chat" and req.tools and req.tool_choice not in ("auto", "none"):
-            check_tool_choice(pair.tokenizer, req)
-        constraint = None
-        if req.constraint is not None:
-            try:
-                constraint = constraint_for(pair, **req.constraint)
-            except SpecError as err:
-                raise ApiError(400, str(err), "response_format", "invalid_value") from None
-        lark = tool_grammar(pair.tokenizer, pair.vocab_size, req)
-        if lark is not None:
-            try:
-                constraint = constraint_for(pair, grammar=lark)
-            except SpecError as err:
-                message = f"the tools cannot constrain the call: {err}"
-                raise ApiError(400, message, "tools", "invalid_value") from None
-        processors = make_processors(**req.penalties)
-        return req.generation.replace(processors=processors, grammar=constraint)
-
-    def _system_end(self, pair, req: GenRequest, tokens: list[int]) -> int | None:
-        """Where the system prompt and tools end in `tokens` (made with the ids when the
-        HTTP side made them)."""
-        if req.prompt_ids is not None and req.prompt_pair is pair:
-            return req.prompt_system_end
-        return system_end(pair, req, tokens)
 
     def _generate(self, job: Job, lone: bool = False) -> bool:
         """A job as a single stream. `lone`: a batchable job that found no company (the pair's
@@ -298,18 +269,18 @@ class Engine:
         req, began = job.request, time.monotonic()
         pair = self.resident.pair_for(req.model)
         cache, _ = self.resident.partition(req.partition)
-        tokens = self._prompt(pair, req)
+        tokens = request_tokens(pair, req)
 
         def abort() -> bool:  # asked between prefill chunks
             return job.cancelled.is_set() or time.monotonic() > job.deadline
 
         if abort():  # the client left (or time ran out) while the template was rendered
             raise Aborted("stopped before the prefill")
-        config = self._config(pair, req)  # before the decoder is taken: a bad schema is a 400
+        config = request_config(pair, req)  # before the decoder is taken: a bad schema is a 400
         decoder = cache.take(tokens)  # a copy of the best kept one: entries stay as they are
         stats = Stats()
         reply = Reply(job, pair, tokens, self.raw_reasoning)
-        marks = cache.marks(tokens, self._system_end(pair, req, tokens))
+        marks = cache.marks(tokens, request_system_end(pair, req, tokens))
 
         def keep(mark: int) -> None:  # the prefill passed a segment's end: keep a copy there
             cache.keep_copy(decoder, "user" if mark == len(tokens) - 1 else "system")
@@ -405,7 +376,7 @@ class Engine:
                 self._round(live)
         except Exception as err:  # a bug: every row answers 500; the next batch starts anew
             traceback.print_exc(file=sys.stderr)
-            error = ApiError(500, f"internal error: {type(err).__name__}: {err}")
+            error = internal(err)
             for job in [row.job for row in live.values()] + pending:  # (taken, not admitted)
                 job.put("error", error)
                 scheduler.done(job)
@@ -421,9 +392,9 @@ class Engine:
                 return
             req, pair = job.request, self.resident.pair
             try:
-                config = self._config(pair, req)
+                config = request_config(pair, req)
                 check_vocab(config.processors, pair.vocab_size)  # a 400, before the row joins
-                tokens, max_tokens = prompt_tokens(pair, self._prompt(pair, req), config)
+                tokens, max_tokens = prompt_tokens(pair, request_tokens(pair, req), config)
             except ApiError as err:
                 job.put("error", err)
                 return
@@ -438,6 +409,7 @@ class Engine:
             begin = time.perf_counter()
             cache, history = self.resident.partition(req.partition)
             kept = cache.fetch(tokens)  # its own key's: no row reuses another's caches
+            kept = self._beside(req.partition, tokens, kept, live) or kept
             rid = decoder.add(
                 tokens, config, max_tokens=max_tokens, history=history, kept=kept, keep=True
             )
@@ -451,11 +423,30 @@ class Engine:
             )
             job = None  # a row now: `_leave` ends it
         except Exception as err:  # a bug (the batch starts anew): this job answers 500 too
-            job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+            job.put("error", internal(err))
             raise
         finally:
             if job is not None:
                 self.scheduler.done(job)
+
+    def _beside(self, partition: str, tokens: list[int], kept, live: dict):
+        """A decoder holding a copy of a running row's caches, when that row (of the same
+        partition: no request reuses another key's caches) shares at least SHARE_MIN more of
+        `tokens` than `kept` (the prompt cache's best): requests that come together with one
+        long system prompt, an agent's parallel sub-tasks, prefill it once. Only where caches
+        roll back freely (a recurrent state or a window cannot go back to the shared part)."""
+        cache = self.resident.partition(partition)[0]
+        if not cache.freely:
+            return None
+        best, most = None, (kept.reusable(tokens) if kept is not None else 0) + SHARE_MIN
+        for rid, row in live.items():
+            if row.job.request.partition == partition:
+                shared = common_prefix_len(row.sequence, tokens)
+                if shared >= most:
+                    best, most = rid, shared
+        if best is None:
+            return None
+        return into_decoder(cache.new(), self.resident.batch.copy_row(best))
 
     def _round(self, live: dict) -> None:
         """One batch step: every row's tokens through its own reply; finished rows leave."""
@@ -469,8 +460,7 @@ class Engine:
             if row is None or u.finish_reason == "cancelled":  # left before this round
                 continue
             if u.error is not None:  # its grammar failed: it fails alone, as it would alone
-                message = f"internal error: {type(u.error).__name__}: {u.error}"
-                row.job.put("error", ApiError(500, message))
+                row.job.put("error", internal(u.error))
                 row.reply.ended = "error"
                 self._leave(rid, live)
                 continue
@@ -516,7 +506,7 @@ class Engine:
             remaining, config.sampling, policy, use_draft=speculative, processors=r.processors,
             logprobs=r.logprobs, forced=r.grammar,
         )  # fmt: skip
-        joining = None
+        joining = failed = None
         try:
             for rnd in rounds:
                 row.sequence += rnd.tokens
@@ -529,11 +519,16 @@ class Engine:
                 joining = self.scheduler.take_batchable(self.batchable)
                 if joining is not None:
                     break
+        except (GrammarStateError, SpecError) as err:  # it fails alone, as a row in the batch
+            failed = err
         finally:
             rounds.close()  # between rounds: the caches hold the sequence (as stream_rounds)
             if decoder.epoch == epoch:
                 decoder.active = decoder.stale
                 decoder.settle()
+        if failed is not None:  # (its caches may be mid-round: not kept)
+            row.job.put("error", internal(failed))
+            row.reply.ended, decoder = "error", None
         if joining is None:
             live.pop(rid)
             drafter = resident.drafter
@@ -571,10 +566,15 @@ class Engine:
         self.scheduler.done(row.job)
 
 
+def internal(err: BaseException) -> ApiError:
+    """A bug's 500 for the request it hit."""
+    return ApiError(500, f"internal error: {type(err).__name__}: {err}")
+
+
 def fail_taken(scheduler: Scheduler, jobs: list[Job], err: BaseException) -> None:
     """Jobs taken from the queue for a batch that will not run them: each answers 500."""
     for job in jobs:
-        job.put("error", ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+        job.put("error", internal(err))
         scheduler.done(job)
 
 
