@@ -30,12 +30,14 @@ Qwen3.5-shaped hybrid, a Gemma-3-shaped sliding-window pair). `--workload agent`
 requests instead of chat: each client forces a function call (`tools` + a named `tool_choice`)
 or a `response_format` json_schema, alternately (the pair's chat template must have a JSON
 tool-call format, as make_batch_models.py's has); a call's text is compared as the JSON of its
-name and arguments.
+name and arguments. `--workload subtasks`: an agent's parallel sub-tasks, every client the same
+long system prompt (`agent_session.py`'s first sections, ~1,000 tokens; with `--fresh` a new one
+per cell, the tag at its start) and a chat prompt of its own.
 
 Run (the machine is shared: one benchmark at a time):
     flock /tmp/bench.lock python benchmarks/serve_batch.py [--reps 3] [--max-tokens 128]
         [--skip "mlx-lm draft"]   (servers left out by the start of their names)
-        [--target PATH --draft PATH] [--workload chat|agent] [--label NAME] [--fresh]
+        [--target PATH --draft PATH] [--workload chat|agent|subtasks] [--label NAME] [--fresh]
         [--plain-batch]
 """
 
@@ -169,6 +171,14 @@ def agent_body(i: int) -> dict:
     }
 
 
+def subtask_system() -> str:
+    """The sub-tasks' shared system prompt: a coding agent's first sections (agent_session)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from agent_session import SYSTEM_SECTIONS
+
+    return "\n\n".join(SYSTEM_SECTIONS[:4])
+
+
 def one_request(
     url: str,
     model: str,
@@ -182,7 +192,10 @@ def one_request(
         body = agent_body(i)
     else:
         body = {"messages": [{"role": "user", "content": PROMPTS[i]}]}
-    if tag:  # a prompt no server has seen (--fresh): no prompt cache reused across cells
+    if workload == "subtasks":  # one system prompt for all; --fresh: a new one per cell
+        system = (f"(session {tag}) " if tag else "") + subtask_system()
+        body["messages"].insert(0, {"role": "system", "content": system})
+    elif tag:  # a prompt no server has seen (--fresh): no prompt cache reused across cells
         last = body["messages"][-1]
         last["content"] = f"(request {tag}) {last['content']}"
     body.update(model=model, max_tokens=max_tokens, temperature=0.0, stream=True,
@@ -333,7 +346,7 @@ def main():
     p.add_argument("--target", help="the target's path (with --draft: instead of --pair)")
     p.add_argument("--draft", help="the draft's path")
     p.add_argument("--label", help="the pair's name in the table (default: --pair or the path)")
-    p.add_argument("--workload", choices=["chat", "agent"], default="chat")
+    p.add_argument("--workload", choices=["chat", "agent", "subtasks"], default="chat")
     p.add_argument(
         "--fresh",
         action="store_true",
