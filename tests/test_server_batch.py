@@ -604,10 +604,7 @@ def test_a_hybrid_recurrent_pair_batches(tiny_models, tmp_path, drafter):
     extends: only the new tokens are prefilled). (Turn 1's reply is not sent back: a random model's
     text can hold special-token markup, which the server tokenises as plain text and
     `generate` does not: the server's prompt was 135 tokens, generate's 124.)"""
-    cfg = tiny.family_configs(VOCAB)["qwen3_5"]
-    weights = tiny.family_weights(cfg, seed=0)
-    weights["language_model.lm_head.weight"][2] = 0  # <|im_end|>: rows run to max_tokens
-    target = tiny.write_model(tmp_path / "long", cfg, weights, tiny_models.tokenizer)
+    target = write_hybrid(tiny_models, tmp_path)
     args = ["--target", str(target), "--drafter", drafter, "--num-draft-tokens", str(K),
             "--max-batch", "4", "--api-key", KEY_A, "--admin-key", KEY_A]  # fmt: skip
     if drafter == "model":
@@ -642,6 +639,54 @@ def test_a_hybrid_recurrent_pair_batches(tiny_models, tmp_path, drafter):
     assert r.model_extra["speculation"]["batched"] is True
     # turn 1's prompt but its last token (the checkpoint kept where its prefill ended)
     assert r.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+
+
+def write_hybrid(tiny_models, root):
+    """A tiny Qwen3.5-shaped hybrid target (Gated DeltaNet and attention layers)."""
+    cfg = tiny.family_configs(VOCAB)["qwen3_5"]
+    weights = tiny.family_weights(cfg, seed=0)
+    weights["language_model.lm_head.weight"][2] = 0  # <|im_end|>: rows run to max_tokens
+    return tiny.write_model(root / "long", cfg, weights, tiny_models.tokenizer)
+
+
+def test_a_hybrid_pairs_rows_share_a_system_prompt_as_they_come(tiny_models, tmp_path):
+    """A recurrent state cannot go back to a shared part later, so a batch row keeps a copy
+    of its state where its system prompt ends as it prefills (as a single stream does), and
+    a sub-task that comes next starts from it: only its own part is prefilled (before, each
+    row prefilled the whole system prompt). Both replies are the target's."""
+    target = write_hybrid(tiny_models, tmp_path)
+    args = ["--target", str(target), "--drafter", "ngram", "--num-draft-tokens", str(K),
+            "--max-batch", "4"]  # fmt: skip
+    hybrid = load_pair(target=str(target)).configured(drafter="ngram")
+    system = "You are a careful assistant. " + "Cite the file you read. " * 16
+    asks = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+            for q in ("What is new?", "List the tests.")]  # fmt: skip
+    with serving(args, tmp_path) as (_, url):
+        anchor = long_anchor(url)  # (another prompt) the next ones are admitted as rows
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = []
+            for i, messages in enumerate(asks):  # one by one: the first is admitted first
+                futures.append(
+                    pool.submit(
+                        client(url).chat.completions.create,
+                        model="long",
+                        messages=messages,
+                        max_tokens=TOKENS,
+                        temperature=0,
+                    )  # fmt: skip
+                )
+                wait_taken(url, i + 2, futures)
+            first, second = [f.result() for f in futures]
+        anchor.close()
+    ids = [hybrid.tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in asks]
+    shared = common_prefix_len(*ids)
+    assert shared > 100
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert shared - 8 <= second.usage.prompt_tokens_details.cached_tokens <= shared
+    for messages, reply in zip(asks, (first, second), strict=True):
+        expected = generate(hybrid, messages, max_tokens=TOKENS, temperature=0).text
+        assert reply.choices[0].message.content == expected
+        assert reply.model_extra["speculation"]["batched"] is True
 
 
 def test_a_hybrid_pair_with_its_mtp_layer_drafts_in_the_batch(tiny_models, tmp_path):

@@ -478,6 +478,8 @@ class BatchDecoder:
         kept=None,
         keep: bool = False,
         reply_start: int | None = None,
+        marks: tuple[int, ...] = (),
+        on_mark=None,
     ) -> int:
         """Prefill `prompt` (token ids) alone and merge it into the batch; its row id.
         From `config` a row takes its sampling settings, seed, max_tokens (`max_tokens`
@@ -492,7 +494,11 @@ class BatchDecoder:
         caches up (`kept_caches`). `keep`: hand the caches back when the row leaves.
         `reply_start`: where the reply began in `prompt`, for a reply that goes on as a row
         (the server's lone stream moving into the batch): its grammar constrains only what
-        follows (default: all of `prompt` is prompt)."""
+        follows (default: all of `prompt` is prompt). `marks` (ascending): positions where,
+        as the row's prompt is prefilled, `on_mark(RowState)` gets a copy of its target cache
+        holding `prompt[:mark]` (a recurrent state cannot go back to a shared part later: the
+        server keeps such a copy at the end of the system prompt, as a single stream does);
+        not for a head's batch (the copy would hold none of the head's features)."""
         config = GenerationConfig.of(config)
         if not prompt:
             raise SpecError("the prompt is empty")
@@ -551,7 +557,13 @@ class BatchDecoder:
         cache = cache if cache is not None else caches.make_cache(self.target)
         # until the controller knows a lone row's step costs, the prefill times them
         timed = self.controller is not None and self.controller.wants_timing()
-        new = prompt[row.reused : -1]
+        done = row.reused
+        for mark in marks if on_mark is not None and self.heads is None else ():
+            if done < mark < len(prompt) - 1:
+                prefill_cache(self.target, cache, prompt[done:mark])
+                done = mark
+                on_mark(RowState(list(prompt[: mark + 1]), caches.copy(cache), None))
+        new = prompt[done:-1]
         hidden = dict.fromkeys(self.hidden_layers) if self.heads is not None else None
         plain = prefill_cache(self.target, cache, new, timed=timed, hidden=hidden)
         if self.heads is not None:  # the head: every row's, whether it drafts or not

@@ -129,6 +129,11 @@ def log_error(err: BaseException, job: Job) -> None:
     print(f"mlx-spec serve: request {job.id} failed: {type(err).__name__}: {err}", file=sys.stderr)
 
 
+def internal(err: BaseException) -> ApiError:
+    """A bug's 500 for the request it hit."""
+    return ApiError(500, f"internal error: {type(err).__name__}: {err}")
+
+
 def timeout_error(job: Job | None = None) -> ApiError:
     """Why a job's deadline passed: its own timeout, or the server's shutdown grace."""
     if job is not None and job.shutdown:

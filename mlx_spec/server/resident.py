@@ -55,8 +55,9 @@ class Resident:
         # a lone request runs as a single stream where a batch row does worse alone: a plain
         # batch (it would not draft), a head's (the demo pair's EAGLE-3 head at k = 1: a batch
         # of one at 0.68x the single stream, 2026-12-03, serve_batch.py), and a recurrent
-        # target's (a batch row keeps no checkpoints of a recurrent state as it prefills, which
-        # a single stream does at the end of the system part: an agent's sub-tasks reuse it)
+        # target's (a single stream keeps checkpoints of its state at the end of the system
+        # part and of the prompt as it prefills; a batch row only at the first, and none with
+        # a head). Such a stream moves into the batch when another request comes.
         self.lone_alone = self.batch is not None and (
             self.batch_plain or self.batch.heads is not None or self.batch.recurrent
         )

@@ -56,7 +56,7 @@ from ..decode.engine import stream_rounds
 from ..decode.events import EventMaker
 from ..decode.prompts import prompt_tokens
 from ..errors import Aborted, SpecError
-from .jobs import Job, Reply, log_error, timeout_error
+from .jobs import Job, Reply, internal, log_error, timeout_error
 from .keymetrics import Metrics
 from .prompt_cache import PromptCache
 from .prompts import request_config, request_system_end, request_tokens
@@ -410,9 +410,17 @@ class Engine:
             cache, history = self.resident.partition(req.partition)
             kept = cache.fetch(tokens)  # its own key's: no row reuses another's caches
             kept = self._beside(req.partition, tokens, kept, live) or kept
+            # a recurrent or windowed target's row keeps a copy at its system part's end, as
+            # a single stream does: sub-tasks that come together then share that part
+            marks = cache.marks(tokens, request_system_end(pair, req, tokens))
+
+            def keep(state) -> None:
+                cache.save(into_decoder(cache.new(), state), "system")
+
             rid = decoder.add(
-                tokens, config, max_tokens=max_tokens, history=history, kept=kept, keep=True
-            )
+                tokens, config, max_tokens=max_tokens, history=history, kept=kept, keep=True,
+                marks=marks, on_mark=keep,
+            )  # fmt: skip
             stats.prompt_tokens_reused = decoder.row(rid).reused
             stats.prefill_seconds = time.perf_counter() - begin
             # a copy of the detokenizer per row: rows are detokenized side by side
@@ -564,11 +572,6 @@ class Engine:
         self._finish(row.reply, row.stats, partition, decoder, row.sequence, drafter, True)
         self.scheduler.timed(partition, time.monotonic() - row.started)
         self.scheduler.done(row.job)
-
-
-def internal(err: BaseException) -> ApiError:
-    """A bug's 500 for the request it hit."""
-    return ApiError(500, f"internal error: {type(err).__name__}: {err}")
 
 
 def fail_taken(scheduler: Scheduler, jobs: list[Job], err: BaseException) -> None:
