@@ -145,3 +145,35 @@ def assert_a_mixed_batch_as_alone(pair):
         assert got[rid][0] == [e.token for e in alone], label
         if label == "logprobs":
             assert np.allclose(got[rid][1], [e.logprob for e in alone], atol=1e-4), label
+
+
+def test_a_row_copied_while_it_stays_keeps_its_own_spans(dflash):
+    """A request that shares a running row's prompt starts from a copy of its caches
+    (`copy_row`, the server's parallel sub-tasks) while the row goes on: the copy's head
+    spans are its own (once they were the row's list: the copy's prefill cut it, and the row
+    failed its next hand-over, ending the whole batch). Both rows equal their runs alone."""
+    from mlx_spec.decode.batch import into_decoder
+    from mlx_spec.decode.engine import make_decoder
+
+    config = GenerationConfig(max_tokens=24, temperature=0.0, num_draft_tokens=4)
+    decoder = make_batch_decoder(dflash)
+    first = prompt_tokens(dflash, TEXTS[0], config)[0]
+    second = first[: len(first) - 2] + prompt_tokens(dflash, " and the sea", config)[0]
+    a = decoder.add(first, config, keep=True)
+    out = {a: [], "b": []}
+    for _ in range(3):
+        for rid, u in decoder.step().items():
+            out[rid] += u.tokens
+    kept = into_decoder(make_decoder(dflash), decoder.copy_row(a))
+    b = decoder.add(second, config, kept=kept, keep=True)
+    assert decoder.row(b).reused == len(first) - 2
+    ended = {}
+    while len(decoder):
+        for rid, u in decoder.step().items():
+            out[rid if rid == a else "b"] += u.tokens
+            if u.done:
+                ended[rid] = u
+    for state in (ended[a].state, ended[b].state):
+        assert sum(n for _, n in state.head.spans) == state.head.cache[0].offset
+    assert out[a] == generate(dflash, first, config).tokens
+    assert out["b"] == generate(dflash, second, config).tokens

@@ -113,6 +113,26 @@ def test_a_reply_cut_by_max_tokens_says_length(client, pair):
     assert resp.choices[0].message.content == pair.tokenizer.decode(full[:5])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_log_probabilities_under_a_schema_are_finite_json(client, pair, stream):
+    """Where the schema allows few tokens, the top log-probabilities include masked ones
+    (-inf): they are sent as OpenAI's floor, -9999.0 (once a non-streamed reply failed to
+    encode as JSON: a 500). The reply is the constrained target's."""
+    messages = chat("Describe a pet")
+    full, _ = reference(pair, chat_text(pair, messages), "schema", PET, 60)
+    resp = client.chat.completions.create(
+        model="target", messages=messages, max_tokens=12, temperature=0, stream=stream,
+        response_format=SCHEMA_FORMAT, logprobs=True, top_logprobs=8,
+    )  # fmt: skip
+    choices = [c.choices[0] for c in resp if c.choices] if stream else resp.choices
+    text = "".join((c.delta.content if stream else c.message.content) or "" for c in choices)
+    assert text == pair.tokenizer.decode(full[:12])
+    entries = [e for c in choices if c.logprobs for e in c.logprobs.content]
+    values = [t.logprob for e in entries for t in [e, *e.top_logprobs]]
+    assert len(entries) == 12 and all(-9999.0 <= v <= 0.0 for v in values)
+    assert -9999.0 in values  # (a forced token's alternatives are masked)
+
+
 def test_the_openai_client_parses_into_a_pydantic_model(client):
     class Pet(BaseModel):
         kind: Literal["fox", "dog"]

@@ -215,7 +215,11 @@ class DFlashRows:
     def drafter(self, kept):
         d = getattr(kept, "drafter", None)
         ok = isinstance(d, self.drafter_type) and d.head is self.head
-        return copy.copy(d) if ok else None
+        if not ok:
+            return None
+        twin = copy.copy(d)
+        twin.spans = [list(span) for span in d.spans]  # (the prefill cuts and extends them)
+        return twin
 
     def prefill(self, prompt, output, kept, timed):
         """The single stream's prefill, its context projected (entries: None, the context
@@ -240,7 +244,9 @@ class DFlashRows:
         """A row's DFlashDrafter: its context (the cache's row) at its spans, its pending
         features still to project."""
         drafter = self.drafter_type(self.head, self.target)
-        drafter.cache, drafter.spans, drafter.tokens = cache, spans, list(sequence)
+        # its own spans: a row copied while it stays (batch.copy_row) keeps writing its note
+        drafter.cache, drafter.tokens = cache, list(sequence)
+        drafter.spans = [list(span) for span in spans]
         if pending is not None:
             drafter.pending = [(len(sequence) - 1 - pending.shape[0], pending)]
         held = sum(n for _, n in spans)

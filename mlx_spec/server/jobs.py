@@ -134,6 +134,13 @@ def internal(err: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(err).__name__}: {err}")
 
 
+def fail_taken(scheduler, jobs: list[Job], err: BaseException) -> None:
+    """Jobs taken from the queue for a batch that will not run them: each answers 500."""
+    for job in jobs:
+        job.put("error", internal(err))
+        scheduler.done(job)
+
+
 def timeout_error(job: Job | None = None) -> ApiError:
     """Why a job's deadline passed: its own timeout, or the server's shutdown grace."""
     if job is not None and job.shutdown:

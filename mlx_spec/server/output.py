@@ -23,6 +23,9 @@ from .protocol import ApiError
 log = logging.getLogger("mlx_spec.server")
 
 
+LOGPROB_FLOOR = -9999.0  # what a masked (-inf) log-probability is sent as
+
+
 @dataclass
 class Delta:
     content: str = ""
@@ -264,6 +267,9 @@ class Output:
     def entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
         def one(t: int, lp: float) -> dict:
             text = self.tokenizer.decode([t])
+            # a token a grammar masks has -inf, which JSON cannot carry (a non-streamed reply
+            # failed to encode): OpenAI's floor, -9999.0, stands in
+            lp = max(lp, LOGPROB_FLOOR) if lp == lp else LOGPROB_FLOOR
             return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
         out = one(token, logprob)

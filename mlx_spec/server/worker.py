@@ -56,7 +56,7 @@ from ..decode.engine import stream_rounds
 from ..decode.events import EventMaker
 from ..decode.prompts import prompt_tokens
 from ..errors import Aborted, SpecError
-from .jobs import Job, Reply, internal, log_error, timeout_error
+from .jobs import Job, Reply, fail_taken, internal, log_error, timeout_error
 from .keymetrics import Metrics
 from .prompt_cache import PromptCache
 from .prompts import request_config, request_system_end, request_tokens
@@ -442,7 +442,9 @@ class Engine:
         partition: no request reuses another key's caches) shares at least SHARE_MIN more of
         `tokens` than `kept` (the prompt cache's best): requests that come together with one
         long system prompt, an agent's parallel sub-tasks, prefill it once. Only where caches
-        roll back freely (a recurrent state or a window cannot go back to the shared part)."""
+        roll back freely (a recurrent state or a window cannot go back to the shared part),
+        and where the shared part is at least about half of the row (the copy is of the whole
+        row: a 30k-token conversation of an 8B model is ~4 GB of keys and values)."""
         cache = self.resident.partition(partition)[0]
         if not cache.freely:
             return None
@@ -450,11 +452,16 @@ class Engine:
         for rid, row in live.items():
             if row.job.request.partition == partition:
                 shared = common_prefix_len(row.sequence, tokens)
-                if shared >= most:
+                # the whole row is copied, then cut: not for a small part of a long one
+                if shared >= most and len(row.sequence) <= 2 * shared + SHARE_MIN:
                     best, most = rid, shared
         if best is None:
             return None
-        return into_decoder(cache.new(), self.resident.batch.copy_row(best))
+        try:
+            return into_decoder(cache.new(), self.resident.batch.copy_row(best))
+        except Exception as err:  # the new row prefills instead; the batch goes on
+            log_error(err, live[best].job)
+            return None
 
     def _round(self, live: dict) -> None:
         """One batch step: every row's tokens through its own reply; finished rows leave."""
@@ -572,13 +579,6 @@ class Engine:
         self._finish(row.reply, row.stats, partition, decoder, row.sequence, drafter, True)
         self.scheduler.timed(partition, time.monotonic() - row.started)
         self.scheduler.done(row.job)
-
-
-def fail_taken(scheduler: Scheduler, jobs: list[Job], err: BaseException) -> None:
-    """Jobs taken from the queue for a batch that will not run them: each answers 500."""
-    for job in jobs:
-        job.put("error", internal(err))
-        scheduler.done(job)
 
 
 @dataclass
