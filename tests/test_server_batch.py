@@ -421,6 +421,16 @@ def test_a_head_batch_drained_to_one_row_runs_it_as_a_stream(head_server, pair):
     assert got["spec"]["batched"] is True and got["spec"]["drafted"] > 0
 
 
+def beside_a_short_one(url: str, stream, prompt: str) -> tuple[list, dict]:
+    """`stream` decodes alone; a short greedy request comes and is answered while it goes on
+    (it was not waited for): the stream's chunks and the short one's result."""
+    chunks = iter(stream)
+    got = [next(chunks)]  # decoding alone now
+    short = streamed(url, KEY_A, "chat", prompt, temperature=0, max_tokens=4)
+    assert metrics(url)["mlx_spec_running"] == 1  # the long reply goes on
+    return got + list(chunks), short
+
+
 def test_a_lone_stream_moves_into_the_batch_when_another_comes(head_server, pair):
     """A lone request decodes as a single stream (a head's batch of one is slower); one that
     comes while it runs does not wait for its whole reply (once, an 8-token reply of the demo
@@ -434,11 +444,7 @@ def test_a_lone_stream_moves_into_the_batch_when_another_comes(head_server, pair
     stream = client(url, KEY_A).completions.create(
         model="long", prompt=text, stream=True, stream_options={"include_usage": True}, **seeded
     )
-    chunks = iter(stream)
-    got = [next(chunks)]  # decoding alone now
-    short = streamed(url, KEY_A, "chat", PROMPTS[1], temperature=0, max_tokens=4)
-    assert metrics(url)["mlx_spec_running"] == 1  # the long reply goes on: it was not waited for
-    got += list(chunks)
+    got, short = beside_a_short_one(url, stream, PROMPTS[1])
     assert short["text"] == generate(pair, chat(PROMPTS[1]), max_tokens=4, temperature=0).text
     assert short["spec"]["batched"] is True
     head_pair = load_pair(
@@ -467,11 +473,7 @@ def test_a_lone_stream_with_a_schema_and_penalties_moves_and_goes_alone_again(he
         frequency_penalty=0.5, logprobs=True,
         response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": story}},
     )  # fmt: skip
-    chunks = iter(stream)
-    got = [next(chunks)]  # decoding alone now
-    short = streamed(url, KEY_A, "chat", PROMPTS[3], temperature=0, max_tokens=4)
-    assert metrics(url)["mlx_spec_running"] == 1  # the long reply goes on: it was not waited for
-    got += list(chunks)
+    got, short = beside_a_short_one(url, stream, PROMPTS[3])
     assert short["text"] == generate(pair, chat(PROMPTS[3]), max_tokens=4, temperature=0).text
     penalty = make_processors(frequency_penalty=0.5)
     expected = generate(
