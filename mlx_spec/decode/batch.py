@@ -562,7 +562,11 @@ class BatchDecoder:
             if done < mark < len(prompt) - 1:
                 prefill_cache(self.target, cache, prompt[done:mark])
                 done = mark
-                on_mark(RowState(list(prompt[: mark + 1]), caches.copy(cache), None))
+                try:
+                    copied = caches.copy(cache)
+                except caches.CacheCopyError:  # a kind that cannot be copied: no checkpoint
+                    continue
+                on_mark(RowState(list(prompt[: mark + 1]), copied, None))
         new = prompt[done:-1]
         hidden = dict.fromkeys(self.hidden_layers) if self.heads is not None else None
         plain = prefill_cache(self.target, cache, new, timed=timed, hidden=hidden)
