@@ -765,17 +765,33 @@ def test_a_draft_that_cannot_pay_is_not_tried_by_a_lone_row():
     assert cheap.next(1) == 1  # the warm-up that times a wider pass
 
 
-@pytest.mark.parametrize("per_token,probes", [(0.02, False), (0.001, True)])
+@pytest.mark.parametrize("per_token,probes", [(0.02, False), (0.005, True), (0.001, True)])
 def test_a_probe_waits_while_the_catch_up_costs_more_than_a_pass(per_token, probes):
     """A cheap draft whose tokens were all rejected: the batch of one decodes plainly and
     probes after PROBE_ROUNDS rounds, unless the draft's catch-up of the 40 tokens it missed
-    (at the measured seconds per token) would cost more than a plain pass."""
+    (at the measured seconds per token) would cost more than a plain pass and more than a
+    tenth of the 40 plain rounds (at 0.005 s a token: 0.2 s, two passes, once never probed:
+    the lag grows with every plain round, so a batch that stopped drafting never drafted
+    again)."""
     c = BatchController(8, draft_model=True)
     c.calibrate(0.1, 0.02)
     c.update(1, BatchTiming(2, 1, 0.02, 0.1), [(1, 1, 0)])  # drafted one token, rejected
     c.observe_catch_up(40, 40 * per_token)
     ks = [c.next(1, None, missed=40) for _ in range(PROBE_ROUNDS + 1)]
     assert (1 in ks) is probes and ks[0] == 0
+
+
+def test_one_slow_wide_draft_step_does_not_make_a_wider_batch_hopeless():
+    """A draft step over two rows measured once at 23 ms (a cold shape) beside 6 ms for one:
+    extrapolated, four rows would cost 56 ms and drafting looked hopeless there (the sliding
+    pair's batch never drafted). A step is never costed above the rows' single steps."""
+    c = BatchController(8, draft_model=True)
+    c.calibrate(0.05, 0.006)
+    c.update(1, BatchTiming(2, 1, 0.006, 0.05), [(1, 1, 1)])
+    c.update(2, BatchTiming(8, 3, 0.069, 0.06), [(3, 3, 3), (3, 3, 3)])
+    c.update(4, BatchTiming(4, 0, 0.0, 0.065), [], timed=True)
+    assert c.draft_seconds(4) == pytest.approx(4 * 0.006)
+    assert not c.hopeless(4, c.draft_seconds(4))
 
 
 @pytest.mark.parametrize("draft_step", [0.1, 0.005])
