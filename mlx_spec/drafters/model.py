@@ -10,7 +10,7 @@ from mlx_lm.utils import common_prefix_len
 from ..core import caches
 from ..core.caches import prefill_cache
 from ..core.processors import apply as apply_processors
-from ..core.sampling import probabilities, sample
+from ..core.sampling import draw
 from .base import Drafter
 
 
@@ -92,13 +92,11 @@ class ModelDrafter(Drafter):
                 self.snapshots.append(caches.snapshot(self.cache))
             self.steps += 1
             self.fed += i > 0  # y is x_i, a draft token (before that: the unfed tokens)
-            if params.greedy:
-                y = mx.argmax(logits, axis=-1, keepdims=True)
-                confidence = mx.softmax(logits.astype(mx.float32)).max() if stop_below else y
-            else:
-                q = probabilities(logits, params)
-                y = sample(q, keys[i])[None]
+            y, q = draw(logits, params, None if keys is None else keys[i])
+            if q is not None:
                 confidence = q.max()
+            else:
+                confidence = mx.softmax(logits.astype(mx.float32)).max() if stop_below else y
             mx.async_eval(y, confidence)  # the device starts while Python builds the next step
             # Confidence stop: read the previous token's top probability only now, with this
             # step already queued, so the device never waits on the host. Stopping wastes
@@ -107,7 +105,7 @@ class ModelDrafter(Drafter):
                 break
             tokens.append(y)
             top.append(confidence)
-            if not params.greedy:
+            if q is not None:
                 qs.append(q)
         return mx.concatenate(tokens), (mx.stack(qs) if qs else None)
 
