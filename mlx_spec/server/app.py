@@ -335,8 +335,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
     keyed = KeyMetrics(settings.admin_keys)  # each key's own figures (/metrics)
 
     def count(endpoint: str, status: int, partition: str | None = None) -> None:
-        key = (endpoint, str(status))
-        engine.metrics.requests[key] = engine.metrics.requests.get(key, 0) + 1
+        engine.metrics.count(endpoint, status)
         if partition is not None:
             keyed.of(partition).count(endpoint, status)
 

@@ -19,10 +19,10 @@ from ..core.stats import Stats
 
 
 @dataclass
-class KeyFigures:
-    """Totals of one partition's requests since start."""
+class Counts:
+    """The request totals a key's view and the whole server's have in common."""
 
-    requests: dict = field(default_factory=dict)  # (endpoint, status) -> count
+    requests: dict = field(default_factory=dict)  # (endpoint, status) -> count (HTTP side)
     prompt_tokens: int = 0
     prompt_tokens_cached: int = 0
     generated_tokens: int = 0
@@ -35,6 +35,11 @@ class KeyFigures:
     def count(self, endpoint: str, status: int) -> None:
         key = (endpoint, str(status))
         self.requests[key] = self.requests.get(key, 0) + 1
+
+
+@dataclass
+class KeyFigures(Counts):
+    """Totals of one partition's requests since start."""
 
     def add(self, usage: dict, spec: dict) -> None:
         self.prompt_tokens += usage.get("prompt_tokens", 0)
@@ -127,20 +132,12 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the batch-size histogram's upper bou
 
 
 @dataclass
-class Metrics:
-    """Totals since start (counters) for /metrics; written by the worker thread only."""
+class Metrics(Counts):
+    """Totals since start (counters) for /metrics; written by the worker thread only (but
+    `requests`, which the HTTP side counts)."""
 
-    requests: dict = field(default_factory=dict)  # (endpoint, status) -> count (HTTP side)
-    prompt_tokens: int = 0
-    prompt_tokens_cached: int = 0
-    generated_tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    target_passes: int = 0
     generation_seconds: float = 0.0
     prefill_seconds: float = 0.0
-    cancelled: int = 0
-    timeouts: int = 0
     batch_size: int = 0  # rows in the batch's last pass (0 when no batch runs)
     batch_size_max: int = 0
     batch_passes: int = 0  # batched target passes
