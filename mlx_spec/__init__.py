@@ -27,22 +27,30 @@ API = {  # name -> the module that defines it
     "Result": ".decode.events",
     "SamplingParams": ".core.sampling",
     "Stats": ".core.stats",
-    "batch_generate": ".decode.batch",
-    "generate": ".decode.engine",
+    "batch_generate": ".decode.generate",
+    "generate": ".decode.generate",
     "load_pair": ".pairs.loading",
-    "make_batch_decoder": ".decode.batch",
-    "make_decoder": ".decode.engine",
-    "stream": ".decode.engine",
-    "stream_rounds": ".decode.engine",
+    "make_batch_decoder": ".decode.generate",
+    "make_decoder": ".decode.generate",
+    "stream": ".decode.generate",
+    "stream_rounds": ".decode.generate",
 }
 
 if TYPE_CHECKING:  # what the names are, for readers and type checkers
     from .core.sampling import SamplingParams
     from .core.stats import Stats
-    from .decode.batch import BatchDecoder, batch_generate, make_batch_decoder
+    from .decode.batch import BatchDecoder
     from .decode.config import GenerationConfig
-    from .decode.engine import Decoder, generate, make_decoder, stream, stream_rounds
+    from .decode.engine import Decoder
     from .decode.events import Event, Result
+    from .decode.generate import (
+        batch_generate,
+        generate,
+        make_batch_decoder,
+        make_decoder,
+        stream,
+        stream_rounds,
+    )
     from .pairs.config import PairConfig
     from .pairs.loading import Pair, load_pair
 

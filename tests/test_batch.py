@@ -31,8 +31,9 @@ from mlx_spec.core.batch_policy import (
 from mlx_spec.core.caches import prefill_cache
 from mlx_spec.core.grammar import GrammarStateError
 from mlx_spec.core.processors import make_processors
-from mlx_spec.decode.batch import BatchDecoder, BatchTiming, into_decoder, make_batch_decoder
+from mlx_spec.decode.batch import BatchDecoder, BatchTiming, into_decoder
 from mlx_spec.decode.events import RoundRecord
+from mlx_spec.decode.generate import make_batch_decoder
 from mlx_spec.decode.prompts import prompt_tokens
 
 TEXTS = [
@@ -673,6 +674,20 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(pair, drafter):
     name_of = {v[0]: k for k, v in rows.items()}
     text = pair.tokenizer.decode(got[name_of["regex"]][0])
     assert re.fullmatch("(ab|cd)+e", text) or not text.endswith("e"), text
+
+
+def test_batch_generate_reports_each_rows_grammar_as_generate_does(pair):
+    """batch_generate's stats say what constrained each row and what its masks cost, as
+    generate's do (they were left empty: a schema's row reported no grammar at all)."""
+    configs = [GenerationConfig(max_tokens=12, num_draft_tokens=2, **MIXED[n]) for n in MIXED]
+    results = mlx_spec.batch_generate(pair, [TEXTS[0]] * len(configs), configs)
+    for name, config, res in zip(MIXED, configs, results, strict=True):
+        alone = generate(pair, TEXTS[0], config)
+        assert res.tokens == alone.tokens, name
+        assert res.stats.constrained == alone.stats.constrained, name
+        asked = name in ("schema", "regex")
+        assert (res.stats.masks > 0 and res.stats.mask_seconds > 0) == asked, name
+    assert results[0].stats.constrained == "json_schema" and results[1].stats.constrained == "regex"
 
 
 def test_a_row_drafts_at_most_its_own_k_in_an_auto_batch(pair, monkeypatch):

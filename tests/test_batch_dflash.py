@@ -25,8 +25,8 @@ from test_dflash import heads, llama_pair  # noqa: F401 (fixtures)
 import mlx_spec
 from mlx_spec import GenerationConfig, generate
 from mlx_spec.core.caches import prefill_cache
-from mlx_spec.decode.batch import make_batch_decoder
 from mlx_spec.decode.batch_head import DFlashRows
+from mlx_spec.decode.generate import make_batch_decoder
 from mlx_spec.decode.prompts import prompt_tokens
 from mlx_spec.drafters import batched_kinds
 from mlx_spec.drafters.base import TargetOutput
@@ -153,7 +153,7 @@ def test_a_row_copied_while_it_stays_keeps_its_own_spans(dflash):
     spans are its own (once they were the row's list: the copy's prefill cut it, and the row
     failed its next hand-over, ending the whole batch). Both rows equal their runs alone."""
     from mlx_spec.decode.batch import into_decoder
-    from mlx_spec.decode.engine import make_decoder
+    from mlx_spec.decode.generate import make_decoder
 
     config = GenerationConfig(max_tokens=24, temperature=0.0, num_draft_tokens=4)
     decoder = make_batch_decoder(dflash)

@@ -27,8 +27,8 @@ from test_dflash2 import heads, llama_pair  # noqa: F401 (fixtures)
 
 import mlx_spec
 from mlx_spec import GenerationConfig, generate, load_pair
-from mlx_spec.decode.batch import make_batch_decoder
 from mlx_spec.decode.batch_head import DFlash2Rows
+from mlx_spec.decode.generate import make_batch_decoder
 from mlx_spec.drafters.dflash2 import DFlash2Drafter
 
 

@@ -22,8 +22,8 @@ from test_batch_dflash import (
 from test_batch_eagle import assert_greedy_rows_equal_each_alone
 from test_dspark import heads, llama_pair  # noqa: F401 (fixtures)
 
-from mlx_spec.decode.batch import make_batch_decoder
 from mlx_spec.decode.batch_head import DSparkRows
+from mlx_spec.decode.generate import make_batch_decoder
 from mlx_spec.drafters import batched_kinds
 from mlx_spec.drafters.dspark import DSparkDrafter
 

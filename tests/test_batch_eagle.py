@@ -38,8 +38,9 @@ from test_greedy_equality import reference
 import mlx_spec
 from mlx_spec import GenerationConfig, SamplingParams, load_pair
 from mlx_spec.core.caches import prefill_cache
-from mlx_spec.decode.batch import BatchDecoder, make_batch_decoder
+from mlx_spec.decode.batch import BatchDecoder
 from mlx_spec.decode.batch_head import PENDING_MAX
+from mlx_spec.decode.generate import make_batch_decoder
 from mlx_spec.drafters import batched_kinds
 from mlx_spec.drafters.base import TargetOutput
 from mlx_spec.drafters.eagle import EagleDrafter

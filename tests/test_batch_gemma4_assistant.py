@@ -21,8 +21,8 @@ from test_batch_eagle import assert_greedy_rows_equal_each_alone
 from test_gemma4_assistant import dense_pair, models, moe_pair  # noqa: F401 (fixtures)
 
 from mlx_spec import Decoder, load_pair
-from mlx_spec.decode.batch import make_batch_decoder
 from mlx_spec.decode.batch_assistant import AssistantBatch
+from mlx_spec.decode.generate import make_batch_decoder
 from mlx_spec.drafters import batched_kinds
 from mlx_spec.drafters.assistant import AssistantDrafter
 
@@ -51,7 +51,7 @@ def test_auto_rows_are_the_target_alone(pair, monkeypatch):
     prompts = [pair.tokenizer.encode(t) for t in TEXTS]
     real = make_batch_decoder
     monkeypatch.setattr(
-        mlx_spec.decode.batch, "make_batch_decoder",
+        mlx_spec.decode.generate, "make_batch_decoder",
         lambda *a, **kw: pinned(real(*a, **kw), monkeypatch),
     )  # fmt: skip
     results = mlx_spec.batch_generate(pair, prompts, max_tokens=24, num_draft_tokens="auto")

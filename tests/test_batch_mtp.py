@@ -31,8 +31,8 @@ from test_mtp_nextn import build
 
 from mlx_spec import GenerationConfig, load_pair
 from mlx_spec.core.caches import prefill_cache
-from mlx_spec.decode.batch import make_batch_decoder
 from mlx_spec.decode.batch_head import MTPRows
+from mlx_spec.decode.generate import make_batch_decoder
 from mlx_spec.drafters import batched_kinds
 from mlx_spec.drafters.base import TargetOutput
 from mlx_spec.server.resident import Resident

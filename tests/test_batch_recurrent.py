@@ -30,7 +30,8 @@ import mlx_spec
 import mlx_spec.decode.rounds
 from mlx_spec import GenerationConfig, SpecError, generate, load_pair
 from mlx_spec.core import caches
-from mlx_spec.decode.batch import check_batchable, into_decoder, make_batch_decoder
+from mlx_spec.decode.batch import check_batchable, into_decoder
+from mlx_spec.decode.generate import make_batch_decoder
 from mlx_spec.server.resident import Resident
 
 FAMILIES = ["qwen3_5", "mamba"]

@@ -19,7 +19,8 @@ import mlx_spec
 from mlx_spec import GenerationConfig, SpecError, generate, load_pair
 from mlx_spec.core import caches
 from mlx_spec.core.caches import BatchWindowedKVCache, CacheRollbackError, WindowedKVCache
-from mlx_spec.decode.batch import check_batchable, into_decoder, make_batch_decoder, rollback_rows
+from mlx_spec.decode.batch import check_batchable, into_decoder, rollback_rows
+from mlx_spec.decode.generate import make_batch_decoder
 
 FAMILIES = ["llama_sliding", "gemma3_text"]
 NOISE = {"llama_sliding": 0.05, "gemma3_text": 0.02}  # rejects often, not always

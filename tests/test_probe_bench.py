@@ -370,18 +370,18 @@ def test_the_sample_for_alpha_goes_on_to_the_next_prompt(tiny_models, monkeypatc
     asked, and its α was that one reply's."""
     from mlx_spec import load_pair
     from mlx_spec.commands.probe import sample_acceptance
-    from mlx_spec.decode import engine
+    from mlx_spec.decode import generate
     from mlx_spec.measure.benchmark import PROMPTS
 
     pair = load_pair(target=str(tiny_models.target), draft=str(tiny_models.noisy))
-    real, asked, longest = engine.stream_rounds, [], [5]
+    real, asked, longest = generate.stream_rounds, [], [5]
 
     def short_replies(pair, prompt, config, **kwargs):  # every reply ends after 5 tokens
         asked.append(prompt[0]["content"])
         config = config.replace(max_tokens=min(config.max_tokens, longest[0]))
         return real(pair, prompt, config, **kwargs)
 
-    monkeypatch.setattr(engine, "stream_rounds", short_replies)
+    monkeypatch.setattr(generate, "stream_rounds", short_replies)
     stats = sample_acceptance(pair, 0.0, 12, float("inf"), time.perf_counter, k=2)
     assert asked == [SAMPLE_PROMPT, PROMPTS["chat"], PROMPTS["code"]]
     assert stats.generated_tokens == 12 and stats.drafted > 0

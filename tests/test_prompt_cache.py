@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.utils import common_prefix_len
 
-from mlx_spec.decode.engine import generate, make_decoder
+from mlx_spec.decode.generate import generate, make_decoder
 from mlx_spec.decode.prompts import encode_prompt
 from mlx_spec.server.prompt_cache import Entry, PromptCache, PromptTrie, trim
 
@@ -177,7 +177,7 @@ def test_recurrent_caches_are_kept_at_the_segment_ends(tiny_models):
     def keep(mark):
         cache.keep_copy(d, "user" if mark == len(parent) - 1 else "system")
 
-    from mlx_spec.decode.engine import stream_rounds
+    from mlx_spec.decode.generate import stream_rounds
 
     for _ in stream_rounds(pair, parent, None, decoder=d, marks=marks, on_mark=keep):
         pass

@@ -188,7 +188,7 @@ def test_a_template_that_opens_thinking_starts_in_reasoning(tool_tokenizer):
 def test_prefill_stops_between_chunks_and_the_decoder_recovers(pair):
     """abort() is asked between prefill chunks; the half-filled caches are not reused."""
     from mlx_spec.decode.config import GenerationConfig
-    from mlx_spec.decode.engine import stream_rounds
+    from mlx_spec.decode.generate import stream_rounds
     from mlx_spec.errors import Aborted
 
     prompt = pair.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)[:300]
@@ -285,7 +285,7 @@ def test_a_paused_stream_goes_on_from_its_decoder(pair, use_draft):
     tokens emitted (plain decoding's step queued ahead is undone), and the reply goes on from
     there as the whole reply would have (greedy)."""
     from mlx_spec.decode.config import GenerationConfig
-    from mlx_spec.decode.engine import Paused, stream_rounds
+    from mlx_spec.decode.generate import Paused, stream_rounds
 
     prompt = pair.tokenizer.encode("Paris is the capital of France. Berlin is")
     config = GenerationConfig(24, temperature=0.0, use_draft=use_draft)

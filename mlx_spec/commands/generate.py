@@ -134,7 +134,7 @@ def generation_config(args):
 
 def reply(pair, args, text: str, config) -> int:
     from ..core.stats import Stats
-    from ..decode.engine import generate, stream
+    from ..decode.generate import generate, stream
     from ..runtime import blas
 
     prompt = build_prompt(pair, args, text)

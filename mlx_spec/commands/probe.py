@@ -64,7 +64,7 @@ def sample_acceptance(
     --sample-tokens asked, its head accepting 24 % of them against 22-52 % on bench's five
     prompts); the runs' stats, summed."""
     from ..core.stats import Stats
-    from ..decode import engine
+    from ..decode import generate
     from ..decode.config import GenerationConfig
     from ..measure.benchmark import PROMPTS
 
@@ -76,7 +76,7 @@ def sample_acceptance(
             break
         config = GenerationConfig(left, temperature, seed=0, num_draft_tokens=k)
         prompt = [{"role": "user", "content": text}]
-        rounds = engine.stream_rounds(pair, prompt, config, stats=stats)
+        rounds = generate.stream_rounds(pair, prompt, config, stats=stats)
         for _ in rounds:
             if clock() > deadline and stats.target_passes >= MIN_SAMPLE_ROUNDS:
                 rounds.close()
@@ -101,7 +101,7 @@ def time_head(pair, ks, clock) -> dict[int, float]:
     import mlx.core as mx
 
     from ..core.sampling import SamplingParams
-    from ..decode.engine import make_decoder
+    from ..decode.generate import make_decoder
     from ..decode.prompts import encode_prompt
 
     decoder = make_decoder(pair, seed=0)

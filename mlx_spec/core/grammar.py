@@ -155,6 +155,12 @@ class Constraint:
         return GrammarProcessor(self, prompt_length)
 
 
+def grammar_of(processors) -> GrammarProcessor | None:
+    """A stream's grammar: its mask goes first among its processors (None: unconstrained)."""
+    first = processors[0] if processors else None
+    return first if isinstance(first, GrammarProcessor) else None
+
+
 class GrammarProcessor:
     """One stream's grammar state: a logits processor and the source of forced tokens.
 

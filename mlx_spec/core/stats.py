@@ -138,6 +138,12 @@ class Stats:
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
 
+    def read_grammar(self, grammar) -> None:
+        """A stream's grammar's figures so far (a grammar.GrammarProcessor; None: none)."""
+        if grammar is not None:
+            self.constrained = grammar.constraint.kind
+            self.mask_seconds, self.masks = grammar.mask_seconds, grammar.masks
+
     def to_json(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,

@@ -103,21 +103,17 @@ from ..core.caches import (
     prefill_cache,
     rollback_rows,
 )
-from ..core.grammar import GrammarProcessor, GrammarStateError
+from ..core.grammar import GrammarStateError, grammar_of
 from ..core.hidden import capturing
 from ..core.policies import Auto, DraftLength, Fixed, draft_length
 from ..core.processors import apply as apply_processors
-from ..core.processors import check_vocab
 from ..core.sampling import SamplingParams, check_seed, probabilities, sample
-from ..core.stats import Stats
-from ..drafters import batched_kinds
 from ..drafters.ngram import NGramDrafter
 from ..errors import SpecError
 from .batch_assistant import batch_head
 from .config import GenerationConfig
 from .engine import REPLAY_LIMIT  # a recurrent row's replay past which it drafts nothing
-from .events import Result, RoundRecord, token_kind
-from .prompts import constraint_for, prompt_tokens
+from .prompts import request_processors
 from .rounds import (
     Round,
     cut_at_end,
@@ -477,7 +473,7 @@ class BatchDecoder:
         *,
         kept=None,
         keep: bool = False,
-        reply_start: int | None = None,
+        processors: list | None = None,
         marks: tuple[int, ...] = (),
         on_mark=None,
     ) -> int:
@@ -485,16 +481,16 @@ class BatchDecoder:
         From `config` a row takes its sampling settings, seed, max_tokens (`max_tokens`
         overrides it, e.g. capped by the context), use_draft and num_draft_tokens, a cap on
         the batch's k for this row (`row_k_max`), its processors, logprobs and schema /
-        grammar / regex (`row_processors`: as a single stream applies them).
+        grammar / regex (`prompts.request_processors`: as a single stream applies them).
         `history`: a HistoryIndex the row's lookup also searches (its own client's: the
         server passes the row's partition, so no row drafts from another's text).
         `kept`: an `engine.Decoder` of the same pair (the server's prompt cache, the row's
         own client's) whose caches the row starts from, so only the prompt's tokens past the
         shared prefix are prefilled (`row(id).reused` says how many were not); it gives its
         caches up (`kept_caches`). `keep`: hand the caches back when the row leaves.
-        `reply_start`: where the reply began in `prompt`, for a reply that goes on as a row
-        (the server's lone stream moving into the batch): its grammar constrains only what
-        follows (default: all of `prompt` is prompt). `marks` (ascending): positions where,
+        `processors`: the row's own, made already, for a reply that goes on as a row (the
+        server's lone stream moving into the batch: a grammar's matcher goes on where the
+        reply is, constraining only the reply). `marks` (ascending): positions where,
         as the row's prompt is prefilled, `on_mark(RowState)` gets a copy of its target cache
         holding `prompt[:mark]` (a recurrent state cannot go back to a shared part later: the
         server keeps such a copy at the end of the system prompt, as a single stream does);
@@ -502,8 +498,8 @@ class BatchDecoder:
         config = GenerationConfig.of(config)
         if not prompt:
             raise SpecError("the prompt is empty")
-        start = len(prompt) if reply_start is None else reply_start
-        processors = row_processors(self.pair, config, start, self.vocab)
+        if processors is None:
+            processors = request_processors(self.pair, config, len(prompt), self.vocab)
         params = config.sampling
         key = None
         if not params.greedy:
@@ -520,12 +516,10 @@ class BatchDecoder:
             prompt_tokens=len(prompt),
             keep=keep,
             k_max=row_k_max(config.num_draft_tokens),
-            processors=processors,
+            processors=list(processors),
             logprobs=config.logprobs,
         )
-        if processors and isinstance(processors[0], GrammarProcessor):
-            if config.use_draft and config.forced_tokens:  # as engine.stream_rounds
-                row.grammar = processors[0]
+        row.grammar = config.forcing(grammar_of(processors))  # as a single stream drafts
         self._ids += 1
         # a one-token prompt: the draft sees its token twice (only its guesses change); a
         # row that never drafts is not prefilled (its draft row holds only what each draft
@@ -837,18 +831,13 @@ class BatchDecoder:
         proposals = drafts.tolist() if any(r.processors for r in rows) else None
         outs, lps = [], []
         for b, r in enumerate(rows):
-            if passes is not None and r.seeded:  # its own guesses only, as alone: no fillers
-                x = passes[b][: lengths[b]]
-                out, lp = self._verify(
-                    r, requested[b], lengths[b], mx.array(x, mx.uint32),
-                    logits[b, r.unfed - 1 :], qs[b], x,
-                )  # fmt: skip
-            elif passes is not None:  # its rows of logits after its replay; fillers verified too
-                x = passes[b]
-                q = filled_q(qs[b], x, lengths[b]) if qs[b] is not None else None
-                out, lp = self._verify(
-                    r, len(x), len(x), mx.array(x, mx.uint32), logits[b, r.unfed - 1 :], q, x
-                )
+            if passes is not None:  # its rows of logits after its replay; fillers verified too,
+                # but a seeded row's: its own guesses only, as alone
+                x = passes[b][: lengths[b]] if r.seeded else passes[b]
+                q = qs[b] if r.seeded or qs[b] is None else filled_q(qs[b], x, lengths[b])
+                asked = requested[b] if r.seeded else len(x)
+                x_ids = mx.array(x, mx.uint32)
+                out, lp = self._verify(r, asked, len(x), x_ids, logits[b, r.unfed - 1 :], q, x)
             else:
                 proposal = proposals[b][: lengths[b]] if proposals is not None else None
                 out, lp = self._verify(
@@ -1133,140 +1122,3 @@ class BatchDecoder:
         if self.rows:
             self._settle()
         return updates
-
-
-# ------------------------------------------------------------------------------ the API layer
-
-
-def make_batch_decoder(pair, num_draft_tokens=None, plain: bool = False) -> BatchDecoder:
-    """A BatchDecoder over a loaded pair; refuses (SpecError) what cannot be batched yet.
-    `plain`: no drafts at all (continuous batching of the target), as the server batches a
-    pair whose drafter a batch cannot take (a kind that does not say how)."""
-    if getattr(pair, "link", None) is not None:
-        raise SpecError("a target sharded over several machines cannot be batched yet")
-    kind = None if plain else pair.config.kind
-    drafting = kind.batch_drafting(pair) if kind is not None else {}
-    if drafting is None:
-        raise SpecError(
-            f"the {kind.name} drafter is not batched yet (batches draft with: "
-            f"{', '.join(batched_kinds())}); use generate for this pair"
-        )
-    length = num_draft_tokens or pair.config.num_draft_tokens
-    decoder = BatchDecoder(
-        pair.target,
-        **drafting,
-        eos_token_ids=pair.tokenizer.eos_token_ids,
-        num_draft_tokens=length,
-        vocab=pair.vocab_size,
-    )
-    decoder.pair = pair  # a row's schema / grammar / regex compiles for its tokenizer
-    return decoder
-
-
-def row_processors(pair, config: GenerationConfig, prompt_length: int, vocab) -> list:
-    """A row's logits processors as `engine.stream_rounds` builds them for a single stream:
-    the grammar's mask (schema / grammar / regex) first, then the config's processors,
-    checked against the vocabulary (MLX does not bounds-check a gather)."""
-    processors = list(config.processors)
-    check_vocab(processors, vocab)
-    if any(x is not None for x in (config.schema, config.grammar, config.regex)):
-        if pair is None:
-            raise SpecError("a batch made without its pair (make_batch_decoder) takes no grammar")
-        constraint = constraint_for(pair, config.schema, config.grammar, config.regex)
-        processors.insert(0, constraint.processor(prompt_length))
-    return processors
-
-
-def batch_length(lengths: list) -> DraftLength:
-    """One policy for rows that each ask their own k: `auto` up to the longest when any row
-    asks `auto`, else the longest fixed k (each row capped to its own by `row_k_max`)."""
-    lengths = [draft_length(x) for x in lengths]
-    longest = max(row_k_max(x) for x in lengths)
-    return Auto(longest) if any(isinstance(x, Auto) for x in lengths) else Fixed(longest)
-
-
-@dataclass
-class _Request:
-    index: int
-    stats: Stats
-    tokens: list[int] = field(default_factory=list)
-    accepted: list[bool] = field(default_factory=list)
-    kinds: list[str] = field(default_factory=list)
-    started: float = 0.0
-
-
-def batch_generate(
-    pair, prompts: list, config=None, *, max_batch: int | None = None, **settings
-) -> list[Result]:
-    """Generate for every prompt in one continuous batch: a `Result` per prompt, in order,
-    with the same fields and stats as `generate` gives it alone (and, greedy, the same tokens;
-    seeded, the same samples). `config`: one GenerationConfig (or keyword settings) for all
-    prompts, or a list of them, one per prompt (each its own k: a row drafts at most its
-    num_draft_tokens, `auto` rows as the batch's controller chooses). `max_batch`: rows
-    decoded together at most (None: all); the others join as rows finish. Not batched yet
-    (SpecError): a drafter kind that does not say how a batch drafts with it, chunked
-    targets (sliding windows and recurrent targets batch)."""
-    prompts = list(prompts)
-    if isinstance(config, list | tuple):
-        if len(config) != len(prompts):
-            raise SpecError(f"{len(config)} configs for {len(prompts)} prompts")
-        configs = [GenerationConfig.of(c, **settings) for c in config]
-    else:
-        configs = [GenerationConfig.of(config, **settings)] * len(prompts)
-    if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
-        raise SpecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-    if not prompts:
-        return []
-    # every row drafts at most its own k (row_k_max): the batch's policy covers the longest
-    configs = [c.replace(num_draft_tokens=c.draft_length(pair.config)) for c in configs]
-    decoder = make_batch_decoder(pair, batch_length([c.num_draft_tokens for c in configs]))
-    encoded = [prompt_tokens(pair, p, c) for p, c in zip(prompts, configs, strict=True)]
-    waiting = list(range(len(prompts)))
-    live: dict[int, _Request] = {}
-    done: dict[int, _Request] = {}
-    limit = max_batch or len(prompts)
-    while waiting or live:
-        while waiting and len(live) < limit:
-            i = waiting.pop(0)
-            tokens, max_tokens = encoded[i]
-            stats = Stats(prompt_tokens=len(tokens))
-            longest = decoder.controller.k_max if decoder.controller else decoder.fixed_k
-            stats.num_draft_tokens = min(longest or 0, row_k_max(configs[i].num_draft_tokens))
-            stats.adaptive = decoder.controller is not None
-            if not (decoder.drafting and configs[i].use_draft):
-                stats.num_draft_tokens, stats.adaptive = 0, False
-            begin = time.perf_counter()
-            row = decoder.add(tokens, configs[i], max_tokens=max_tokens)
-            stats.prefill_seconds = time.perf_counter() - begin
-            live[row] = _Request(i, stats, started=time.perf_counter())
-        for row, u in decoder.step().items():
-            req = live[row]
-            r = u.round
-            req.stats.add_round(r, time.perf_counter() - req.started)
-            req.stats.records.append(
-                RoundRecord(r.proposal, r.accepted, r.target_token, len(r.tokens))
-            )
-            for j, t in enumerate(r.tokens):
-                kind, _ = token_kind(r, j)
-                req.tokens.append(t)
-                req.kinds.append(kind)
-                req.accepted.append(kind == "accepted")
-            if u.done:
-                req.stats.finish_reason = u.finish_reason
-                done[req.index] = live.pop(row)
-    results = []
-    for i in range(len(prompts)):
-        req = done[i]
-        req.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-        results.append(
-            Result(
-                text=pair.tokenizer.decode(req.tokens),
-                tokens=req.tokens,
-                accepted=req.accepted,
-                stats=req.stats,
-                finish_reason=req.stats.finish_reason,
-                kinds=req.kinds,
-                rounds=list(req.stats.records),
-            )
-        )
-    return results

@@ -1,6 +1,6 @@
 """`GenerationConfig`: what one generation asks (sampling, max tokens, seed, prompt template
 arguments, processors, constraint, log-probabilities), frozen and validated once where it is
-built. `engine.stream_rounds` and `batch.BatchDecoder.add` take it; what the pair is lives in
+built. `generate.stream_rounds` and `batch.BatchDecoder.add` take it; what the pair is lives in
 `pairs.config.PairConfig`.
 """
 
@@ -109,6 +109,11 @@ class GenerationConfig:
         """The k policy this generation runs: its own override, else the pair's (the one way
         the two fields are read)."""
         return self.num_draft_tokens or pair_config.num_draft_tokens
+
+    def forcing(self, grammar):
+        """`grammar` (a stream's GrammarProcessor, or None) when its forced tokens are to be
+        drafted for free, else None."""
+        return grammar if self.use_draft and self.forced_tokens else None
 
     def replace(self, **changes) -> GenerationConfig:
         return dataclasses.replace(self, **changes)

@@ -1,40 +1,28 @@
-"""The decode loop, in three layers (as in mlx_lm.generate):
-
-- `Decoder`: prefill, then rounds of draft -> one target pass -> verify -> roll back.
-  Yields token ids per round; one host sync per round.
-- `stream`: prompt handling, detokenization, timing and stats; yields one `Event` per token.
-- `generate`: collects a stream into a `Result`.
-
-Over 600 lines: the `Decoder` class alone is ~480, one state machine over the target's and the
-drafter's caches whose methods share its invariants; `Round` (rounds.py), events (events.py)
-and prompts (prompts.py) live beside it.
+"""The decode loop of one stream: `Decoder` prefills, then runs rounds of draft -> one target
+pass -> verify -> roll back, yielding token ids per round, one host sync per round (the step
+generator of mlx_lm.generate's three layers; the stream and wrapper layers, `stream` and
+`generate`, are generate.py's). The round's verification and end-token cut are rounds.py's,
+shared with the batch (batch.py).
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Generator, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import mlx.core as mx
-from mlx_lm.generate import wired_limit
 from mlx_lm.utils import common_prefix_len
 
 from ..core import caches
 from ..core.caches import prefill_cache
 from ..core.hidden import capturing
-from ..core.policies import Controller, DraftLength, FixedK, Policy
-from ..core.processors import LogitsProcessor, check_vocab
+from ..core.policies import DraftLength, FixedK, Policy
+from ..core.processors import LogitsProcessor
 from ..core.processors import apply as apply_processors
 from ..core.sampling import SamplingParams, check_seed, probabilities, sample
-from ..core.stats import Stats
 from ..drafters import Drafter, TargetOutput
 from ..errors import Aborted, SpecError
-from ..models import distributed
-from .config import GenerationConfig
-from .events import Event, EventMaker, Result
-from .prompts import constraint_for, prompt_tokens
 from .rounds import Round, cut_at_end, read_logprobs, target_logprobs, verify
 
 # A recurrent target re-feeds the tokens of rejected rounds (see Decoder); past this many, the
@@ -568,197 +556,3 @@ class Decoder:
             yield r
             if until is not None and until():
                 return
-
-
-# ----------------------------------------------------------------------------- stream layer
-
-
-def make_drafter(pair) -> Drafter | None:
-    """The pair's drafter, built by its kind (drafters.KINDS); None for the target alone."""
-    kind = pair.config.kind
-    return kind.build(pair) if kind is not None else None
-
-
-def make_decoder(pair, seed: int | None = None) -> Decoder:
-    seed = distributed.agreed_seed(pair, seed)  # a sharded target: every rank, one seed
-    decoder = Decoder(pair.target, make_drafter(pair), pair.tokenizer.eos_token_ids, seed=seed)
-    decoder.pair = pair
-    return decoder
-
-
-def stream_rounds(
-    pair,
-    prompt,
-    config: GenerationConfig | None = None,
-    *,
-    decoder: Decoder | None = None,
-    stats: Stats | None = None,
-    abort=None,
-    marks: tuple[int, ...] = (),
-    on_mark=None,
-    pause=None,
-) -> Generator[list[Event], None, Paused | None]:
-    """Generate from `pair` as `config` asks, one list of `Event`s per verify round (see
-    `stream`). `decoder` (from `make_decoder`) keeps the caches across calls; `stats` is
-    filled live; `abort()` is asked between prefill chunks; `marks` and `on_mark`: see
-    `Decoder.prefill`. `pause()`, asked after each round while the reply is not over:
-    True stops the stream there, between rounds, and the generator returns a `Paused`
-    from which the reply goes on elsewhere (the server moves a lone request into its batch
-    when another comes); it returns None when the reply ended."""
-    config = GenerationConfig.of(config)
-    params, seed = config.sampling, config.seed
-    constraint = constraint_for(pair, config.schema, config.grammar, config.regex)
-    length = config.draft_length(pair.config)
-    length = distributed.agreed_length(pair, length)  # a sharded target: `auto` follows rank 0
-    tokens, max_tokens = prompt_tokens(pair, prompt, config)
-    speculative = config.use_draft and pair.speculative
-    processors = list(config.processors)
-    check_vocab(processors, pair.vocab_size)
-    forced = None
-    if constraint is not None:
-        grammar_state = constraint.processor(len(tokens))
-        processors.insert(0, grammar_state)  # the mask first: others see allowed tokens only
-        if config.use_draft and config.forced_tokens:
-            forced = grammar_state
-    if decoder is None:
-        decoder = make_decoder(pair, seed)
-    elif decoder.pair is not None and decoder.pair is not pair:
-        raise SpecError("this decoder was made for another pair; make one with make_decoder(pair)")
-    elif seed is not None:
-        decoder.key = mx.random.key(seed)
-    epoch = decoder.begin()
-    policy = decoder.policy_for(length)
-
-    stats = stats if stats is not None else Stats()
-    stats.prompt_tokens = len(tokens)
-    stats.num_draft_tokens = policy.k_max if speculative else 0
-    stats.adaptive = speculative and isinstance(policy, Controller)
-    stats.policy = policy if speculative else None
-    detokenizer = pair.tokenizer.detokenizer
-    detokenizer.reset()
-    mx.reset_peak_memory()
-    start = time.perf_counter()
-    timed = speculative and policy.wants_timing()
-    stats.prompt_tokens_reused = decoder.prefill(
-        tokens, use_draft=speculative, timed=timed, abort=abort, marks=marks, on_mark=on_mark
-    )
-    mx.synchronize()
-    stats.prefill_seconds = time.perf_counter() - start
-    if timed:
-        policy.calibrate(*decoder.step_seconds)
-    stats.watch(pair.link)  # a sharded target: count its collectives from here
-    start = time.perf_counter()
-
-    rounds = decoder.rounds(
-        max_tokens,
-        params,
-        policy,
-        use_draft=speculative,
-        processors=processors,
-        logprobs=config.logprobs,
-        forced=forced,
-    )
-    maker = EventMaker(detokenizer, stats, start, max_tokens)
-    try:
-        # as mlx-lm does: on Metal, keep the weights wired while generating
-        with wired_limit(pair.target):
-            for r in rounds:
-                batch = maker.feed(r)
-                if constraint is not None:
-                    stats.mask_seconds = grammar_state.mask_seconds
-                    stats.masks = grammar_state.masks
-                    stats.constrained = constraint.kind
-                if batch:
-                    yield batch
-                if decoder.epoch != epoch:  # checked before the next round touches the caches
-                    raise SpecError("another stream took over this decoder; this one cannot go on")
-                left = max_tokens - stats.generated_tokens
-                if pause is not None and not r.finished and left > 0 and pause():
-                    _between_rounds(rounds, decoder, epoch)
-                    return Paused(maker, left)
-            if last := maker.close():
-                yield last
-    except GeneratorExit:  # the caller stopped early: every yield is between rounds
-        _between_rounds(rounds, decoder, epoch)
-        raise
-    except BaseException:  # an error, Ctrl-C: the next stream starts over (begin); leave
-        if decoder.epoch == epoch:  # nothing lazy for it either, if that can still be done
-            try:
-                decoder.settle()
-            except Exception:  # the error at hand is the one to report
-                pass
-        raise
-    decoder.active = False
-    decoder.settle()
-    return None
-
-
-@dataclass
-class Paused:
-    """A reply `stream_rounds` stopped between rounds (`pause`): its decoder holds the prompt
-    and the tokens emitted so far; `maker` holds its detokenizer's state (a token whose text
-    is not complete yet); `max_tokens` are left."""
-
-    maker: EventMaker
-    max_tokens: int
-
-
-def _between_rounds(rounds, decoder: Decoder, epoch: int) -> None:
-    """Stop `rounds` between two rounds, the caches consistent for whoever goes on."""
-    rounds.close()  # plain decoding rolls back its look-ahead step here
-    if decoder.epoch == epoch:
-        decoder.active = decoder.stale
-        decoder.settle()
-
-
-def stream(
-    pair,
-    prompt,
-    config: GenerationConfig | None = None,
-    *,
-    decoder: Decoder | None = None,
-    stats: Stats | None = None,
-    abort=None,
-    **settings,
-) -> Iterator[Event]:
-    """Generate from `pair`, one `Event` per emitted token.
-
-    The settings are a `GenerationConfig` or its fields as keywords (on top of `config` when
-    both are given): max_tokens (256), temperature, top_p, top_k, min_p, seed,
-    num_draft_tokens (an int, "auto" or a policies.Fixed / policies.Auto; default: the
-    pair's, `auto` unless models.toml fixes k), system, chat_template_kwargs (for the chat
-    template, e.g. {"enable_thinking": False} for Qwen3), processors (processors.py:
-    penalties, logit bias; applied to the target's and the draft's logits alike, so the
-    output follows the processed target distribution exactly), logprobs (None: off; N >= 0:
-    each event's `logprob` and its `top_logprobs`, N of them, from the target's processed
-    distribution before temperature), schema (a JSON Schema, dict or JSON text), grammar (a
-    Lark grammar, as llguidance reads it) or regex: the reply is constrained to it exactly,
-    target and draft masked alike (grammar.py); forced_tokens (default True: where the
-    grammar forces the next tokens they are drafted for free; with use_draft=False nothing
-    is drafted), use_draft (False: plain decoding with the same pair).
-
-    The drafter's own settings (draft_confidence, n-gram lengths) belong to the pair:
-    `pair.configured(draft_confidence=0.5)`. `decoder` (from `make_decoder`) keeps KV caches
-    across calls, so a prompt that extends the previous conversation only prefills its new
-    tokens; `stats` (a `Stats`) holds the totals afterwards (every event also carries them,
-    live); `abort()` is asked between prefill chunks.
-    """
-    config = GenerationConfig.of(config, **settings)
-    for batch in stream_rounds(pair, prompt, config, decoder=decoder, stats=stats, abort=abort):
-        yield from batch
-
-
-def generate(pair, prompt, config: GenerationConfig | None = None, **settings) -> Result:
-    """Run `stream` to the end; `res.text`, `res.tokens`, `res.accepted`, `res.kinds`,
-    `res.rounds` (what each round drafted and kept), `res.stats`."""
-    stats = settings.pop("stats", None) or Stats()
-    events = list(stream(pair, prompt, config, stats=stats, **settings))
-    return Result(
-        text="".join(e.text for e in events),
-        tokens=[e.token for e in events],
-        accepted=[e.accepted for e in events],
-        stats=stats,
-        finish_reason=stats.finish_reason,
-        kinds=[e.kind for e in events],
-        rounds=list(stats.records),
-    )

@@ -66,6 +66,19 @@ class Result:
     kinds: list[str] = field(default_factory=list)  # per token: accepted/regenerated/target
     rounds: list[RoundRecord] = field(default_factory=list)
 
+    @classmethod
+    def of(cls, events: list[Event], stats: Stats) -> Result:
+        """A finished reply's events as one result."""
+        return cls(
+            text="".join(e.text for e in events),
+            tokens=[e.token for e in events],
+            accepted=[e.accepted for e in events],
+            stats=stats,
+            finish_reason=stats.finish_reason,
+            kinds=[e.kind for e in events],
+            rounds=list(stats.records),
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {
             "text": self.text,
@@ -134,5 +147,12 @@ class EventMaker:
         return batch + events
 
     def close(self) -> list[Event]:
+        """The event held back, with the text the detokenizer still holds: a reply may end
+        without a finishing round (a batch row whose grammar failed), and then its last
+        token's text is still there (after a finishing round, nothing is)."""
         held, self.held = self.held, None
-        return [held] if held is not None else []
+        self.detokenizer.finalize()
+        if held is None:
+            return []
+        held.text += self.detokenizer.last_segment
+        return [held]

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..core.grammar import Constraint
+from ..core.processors import check_vocab
 from ..errors import SpecError
 from .config import GenerationConfig
 
@@ -66,6 +67,8 @@ def constraint_for(pair, schema=None, grammar=None, regex=None):
     without any). `grammar` may be Lark text or a Constraint compiled before."""
     if schema is None and grammar is None and regex is None:
         return None
+    if pair is None:
+        raise SpecError("a decoder made without its pair (make_batch_decoder) takes no grammar")
     if isinstance(grammar, Constraint):
         if schema is not None or regex is not None:
             raise SpecError("give one of schema, grammar or regex")
@@ -88,3 +91,16 @@ def prompt_tokens(pair, prompt, config: GenerationConfig) -> tuple[list[int], in
             f"the prompt is {len(tokens)} tokens, longer than the model's context of {context}"
         )
     return tokens, min(config.max_tokens, context - len(tokens))
+
+
+def request_processors(pair, config: GenerationConfig, prompt_length: int, vocab) -> list:
+    """A request's logits processors, for a single stream or a batch row alike: the grammar's
+    mask (schema / grammar / regex, constraining what follows `prompt_length`) first, so the
+    others see allowed tokens only, then the config's, checked against the vocabulary (MLX
+    does not bounds-check a gather)."""
+    processors = list(config.processors)
+    check_vocab(processors, vocab)
+    constraint = constraint_for(pair, config.schema, config.grammar, config.regex)
+    if constraint is not None:
+        processors.insert(0, constraint.processor(prompt_length))
+    return processors

@@ -15,7 +15,7 @@ from mlx_lm.generate import generation_stream, stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from ..core.stats import Stats
-from ..decode.engine import stream
+from ..decode.generate import stream
 from ..decode.prompts import encode_prompt
 
 SUMMARY_SOURCE = (

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..core import caches
-from ..decode.engine import make_decoder
+from ..decode.generate import make_decoder
 from ..decode.history import HistoryIndex
 from ..errors import SpecError
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from ..decode.batch import make_batch_decoder
+from ..decode.generate import make_batch_decoder
 from ..decode.history import HistoryIndex
 from ..errors import SpecError
 from .prompt_cache import PromptCache, trim

@@ -51,9 +51,9 @@ from mlx_lm.utils import common_prefix_len
 from ..core.grammar import GrammarStateError
 from ..core.processors import check_vocab
 from ..core.stats import Stats
-from ..decode.batch import into_decoder, make_batch_decoder
-from ..decode.engine import stream_rounds
+from ..decode.batch import into_decoder
 from ..decode.events import EventMaker
+from ..decode.generate import make_batch_decoder, stream_rounds
 from ..decode.prompts import prompt_tokens
 from ..errors import Aborted, SpecError
 from .jobs import Job, Reply, fail_taken, internal, log_error, timeout_error
@@ -332,7 +332,7 @@ class Engine:
         try:
             batch, cache = resident.batch, resident.partition(job.request.partition)
             rid = batch.add(sequence, config, max_tokens=paused.max_tokens, history=cache[1],
-                            kept=decoder, keep=True, reply_start=stats.prompt_tokens)  # fmt: skip
+                            kept=decoder, keep=True, processors=paused.processors)  # fmt: skip
         except Exception as err:  # a bug: both jobs fail (500), the batch starts anew
             fail_taken(self.scheduler, [joining], err)
             resident.batch = make_batch_decoder(resident.pair, plain=resident.batch_plain)
@@ -545,16 +545,11 @@ class Engine:
             row.job.put("error", internal(failed))
             row.reply.ended, decoder = "error", None
         if joining is None:
-            live.pop(rid)
-            drafter = resident.drafter
-            self._finish(row.reply, row.stats, row.job.request.partition, decoder,
-                         row.sequence, drafter, True)  # fmt: skip
-            self.scheduler.timed(row.job.request.partition, time.monotonic() - row.started)
-            self.scheduler.done(row.job)
+            self._end_row(live.pop(rid), decoder, resident.drafter)
             return None
         _, history = resident.partition(row.job.request.partition)
         again = batch.add(decoder.sequence, config, max_tokens=remaining, history=history,
-                          kept=decoder, keep=True, reply_start=row.stats.prompt_tokens)  # fmt: skip
+                          kept=decoder, keep=True, processors=r.processors)  # fmt: skip
         if key is not None:
             batch.row(again).key = decoder.key
         self.metrics.rows_rejoined += 1
@@ -574,7 +569,10 @@ class Engine:
         if state is not None:
             decoder = into_decoder(row.kept or row.prompt_cache.new(), state)
         # a plain batch's row could not draft: the pair's drafter is not batched
-        drafter = "none" if resident.batch_plain else resident.drafter
+        self._end_row(row, decoder, "none" if resident.batch_plain else resident.drafter)
+
+    def _end_row(self, row: BatchRow, decoder, drafter: str) -> None:
+        """A row's request ends as every request does (`_finish`), its time counted to its key."""
         partition = row.job.request.partition
         self._finish(row.reply, row.stats, partition, decoder, row.sequence, drafter, True)
         self.scheduler.timed(partition, time.monotonic() - row.started)

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..decode.engine import generate
+from ..decode.generate import generate
 from ..decode.prompts import encode_prompt
 from ..errors import SpecError
 from .settings import Settings
