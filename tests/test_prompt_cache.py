@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.utils import common_prefix_len
 
+from mlx_spec import GenerationConfig
 from mlx_spec.decode.generate import generate, make_decoder
 from mlx_spec.decode.prompts import encode_prompt
 from mlx_spec.server.prompt_cache import Entry, PromptCache, PromptTrie, trim
@@ -199,6 +200,38 @@ def test_recurrent_caches_are_kept_at_the_segment_ends(tiny_models):
     assert got.tokens == fresh.tokens
 
 
+def test_copies_kept_while_a_seeded_reply_prefills_do_not_change_its_samples(tiny_models):
+    """The server keeps copies (forks) of a recurrent target's decoder as its prompt is
+    prefilled; a seeded sampled reply (a fixed k: `auto`'s choices follow the clock) then
+    draws what it draws without them. (Each fork split
+    the decoder's key: the first send of a seeded request differed from every later send,
+    found by an adversarial run against a served Qwen3.5-shaped pair.)"""
+    from mlx_spec import load_pair
+    from mlx_spec.decode.generate import stream_rounds
+
+    pair = load_pair(target=str(tiny_models.mamba), draft=None, drafter="ngram")
+    cache = PromptCache(pair, 1 << 30, None)
+    system = ids(pair, "You are a careful assistant. " * 8)
+    prompt = system + ids(pair, " Tell me about giraffes in the snow.")
+    marks = cache.marks(prompt, len(system))
+    assert len(marks) == 2
+    config = GenerationConfig(max_tokens=16, temperature=0.9, seed=42, num_draft_tokens=2)
+    d = cache.take(prompt)
+    kept = []
+
+    def keep(mark):
+        kept.append(mark)
+        cache.keep_copy(d, "system")
+
+    events = [e for batch in stream_rounds(pair, prompt, config, decoder=d, marks=marks,
+                                          on_mark=keep) for e in batch]  # fmt: skip
+    assert kept == list(marks)
+    alone = generate(pair, prompt, config, decoder=make_decoder(pair))
+    assert [e.token for e in events] == alone.tokens
+    again = generate(pair, prompt, config, decoder=cache.fetch(prompt))  # from the kept copy
+    assert again.tokens == alone.tokens
+
+
 def test_a_recurrent_server_keeps_the_system_part_for_a_sub_task(tiny_models, tmp_path):
     """Through a real server process on a recurrent target (its state cannot roll back): the
     system prompt's end is found from the chat template and checkpointed as the parent's
@@ -234,6 +267,16 @@ def test_a_recurrent_server_keeps_the_system_part_for_a_sub_task(tiny_models, tm
             want = generate(pair, messages, max_tokens=8, temperature=0).text
             assert r.choices[0].message.content == want
             return r
+
+        # first (lookup then searches no earlier reply, as generate's): a seeded sampled reply
+        # draws what generate draws, though its decoder is forked at the system part's end and
+        # the prompt's as it prefills (each fork split its key: it drew other samples)
+        seeded = [system, {"role": "user", "content": "Giraffes in the snow."}]
+        settings = dict(max_tokens=8, temperature=0.9, seed=42)
+        r = client.chat.completions.create(model=model, messages=seeded, **settings)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0  # (its copies: made, not used)
+        want = generate(pair, seeded, num_draft_tokens=3, **settings).text
+        assert r.choices[0].message.content == want
 
         r1 = ask(parent)
         rs = ask(sub)

@@ -122,6 +122,11 @@ def run_job(engine: Engine, loop, req: GenRequest, seconds: float = 60) -> tuple
     """Submit a job and wait for its last item ("done" or "error")."""
     job = Job(req, loop, time.monotonic() + seconds)
     engine.submit(job)
+    return last_item(job, loop, seconds)
+
+
+def last_item(job: Job, loop, seconds: float = 60) -> tuple:
+    """A submitted job's last item ("done" or "error"), waited for at most `seconds`."""
 
     async def last():
         while True:
@@ -167,6 +172,47 @@ def test_an_error_before_serving_fails_that_request_alone(pair, loop):
         kind, outcome = run_job(engine, loop, gen_request())
         assert kind == "done", outcome
         assert engine.alive and engine.thread.is_alive()
+    finally:
+        engine.stop(timeout=10)
+
+
+def test_a_row_that_fails_to_join_the_batch_again_fails_with_the_request_it_took(tiny_models, loop):
+    """A recurrent target's batch drained to one row runs it alone; a request that comes is
+    taken from the queue and the row joins the batch again beside it. Should that fail (a
+    bug), both answer 500 and the next request is served: the request taken once waited for
+    its deadline, answered by nobody (found by reading, after an adversarial run)."""
+    from mlx_spec import load_pair
+
+    pair = load_pair(target=str(tiny_models.mamba), drafter="ngram")
+    engine = Engine(pair, "tiny", lambda name: pair, ["tiny"], max_batch=4)
+    never_ends = {"logit_bias": {t: -100.0 for t in pair.tokenizer.eos_token_ids}}
+    long = GenRequest("chat", "tiny", [{"role": "user", "content": "A long story"}], 4000,
+                      temperature=0, penalties=never_ends)  # fmt: skip
+    jobs = [Job(r, loop, time.monotonic() + 60) for r in (long, gen_request("Hi"))]
+    for job in jobs:  # queued before the engine starts: they share a batch
+        engine.submit(job)
+    engine.start()
+    try:
+        assert last_item(jobs[1], loop)[0] == "done"
+        deadline = time.monotonic() + 30
+        while engine.metrics.rows_alone < 1:  # the long row goes on alone
+            assert time.monotonic() < deadline, "the long row never went alone"
+            time.sleep(0.01)
+        batch = engine.resident.batch
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug as the row joins the batch again")
+
+        batch.add = broken
+        kind, err = run_job(engine, loop, gen_request("Late"), seconds=20)
+        assert kind == "error" and err.status == 500, (kind, err)
+        kind, err = last_item(jobs[0], loop)
+        assert kind == "error" and err.status == 500 and "joins the batch again" in err.message
+        assert engine.metrics.rows_rejoined == 0
+        del batch.add  # (the batch is made anew after a failure anyway)
+        kind, outcome = run_job(engine, loop, gen_request("Next"))
+        assert kind == "done", outcome
+        assert engine.alive
     finally:
         engine.stop(timeout=10)
 

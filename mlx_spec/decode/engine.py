@@ -8,6 +8,7 @@ shared with the batch (batch.py).
 from __future__ import annotations
 
 import copy
+import secrets
 import time
 from collections.abc import Iterator
 
@@ -114,10 +115,11 @@ class Decoder:
     def fork(self) -> Decoder:
         """A new decoder at the same point: the same sequence, a copy of every cache
         (caches.copy: shared memory until either side writes) and of the drafter's state
-        (Drafter.fork), of the draft-length policy and what it measured; its own key (this
-        one's split in two). The two then go on apart, neither seeing the other's writes,
-        so a kept decoder can be handed out (a copy of it) and kept. Refused mid-stream:
-        the caches may be mid-round then. Everything it holds is evaluated (threads.py)."""
+        (Drafter.fork), of the draft-length policy and what it measured; a fresh key of its
+        own (a fork changes nothing of this decoder, its key included). The two then go on
+        apart, neither seeing the other's writes, so a kept decoder can be handed out (a copy
+        of it) and kept. Refused mid-stream: the caches may be mid-round then. Everything it
+        holds is evaluated (threads.py)."""
         if self.active:
             raise SpecError("a decoder cannot be forked while a stream is using it")
         twin = Decoder.__new__(Decoder)
@@ -127,12 +129,13 @@ class Decoder:
         twin.recurrent, twin.eos = self.recurrent, set(self.eos)
         twin.sequence, twin.unfed = list(self.sequence), self.unfed
         twin.stale, twin.hidden_gap = self.stale, self.hidden_gap
-        self.key, twin.key = mx.random.split(self.key)
+        # a fresh key of its own; this one's stays: the server forks a reply's decoder as it
+        # prefills (its checkpoints), and a split key made a seeded reply draw other samples
+        twin.key = mx.random.key(secrets.randbits(63))
         twin.epoch, twin.active = 0, False
         twin._policy, twin._policy_key = copy.deepcopy((self._policy, self._policy_key))
         twin.step_seconds, twin._drafting = self.step_seconds, self._drafting
         twin.hidden_layers = self.hidden_layers
-        mx.eval(self.key)
         twin.settle()  # the key and the copies' slices, lazy until now
         return twin
 

@@ -370,8 +370,7 @@ class Engine:
                     self.metrics.batch_size = 0
                     return
                 if self._goes_alone(live):  # the batch drained to one row
-                    joining = self._alone(live)
-                    pending += [joining] if joining is not None else []
+                    self._alone(live, pending)
                     continue
                 self._round(live)
         except Exception as err:  # a bug: every row answers 500; the next batch starts anew
@@ -497,12 +496,13 @@ class Engine:
         r = resident.batch.row(next(iter(live)))
         return r.max_tokens > r.emitted
 
-    def _alone(self, live: dict):
+    def _alone(self, live: dict, pending: list) -> None:
         """The one row left leaves the batch with its caches (and its head's state, its key,
         its processors and grammar) and decodes on as a single stream, through its own reply,
-        until it ends (then it ends as a row does) or a batchable job is queued: then it joins
-        the batch again from its caches (nothing prefilled again) and that job is returned, to
-        be admitted."""
+        until it ends (then it ends as a row does) or a batchable job is queued: that job goes
+        to `pending`, to be admitted (and answered with the rows, should the row's joining
+        the batch again fail), and the row joins again from its caches (nothing prefilled
+        again)."""
         resident, (rid, row) = self.resident, next(iter(live.items()))
         batch = resident.batch
         r = batch.row(rid)  # (its processors and grammar go on with it, their state kept)
@@ -533,6 +533,7 @@ class Engine:
                     break
                 joining = self.scheduler.take_batchable(self.batchable)
                 if joining is not None:
+                    pending.append(joining)
                     break
         except (GrammarStateError, SpecError) as err:  # it fails alone, as a row in the batch
             failed = err
@@ -546,7 +547,7 @@ class Engine:
             row.reply.ended, decoder = "error", None
         if joining is None:
             self._end_row(live.pop(rid), decoder, resident.drafter)
-            return None
+            return
         _, history = resident.partition(row.job.request.partition)
         again = batch.add(decoder.sequence, config, max_tokens=remaining, history=history,
                           kept=decoder, keep=True, processors=r.processors)  # fmt: skip
@@ -555,7 +556,6 @@ class Engine:
         self.metrics.rows_rejoined += 1
         live.pop(rid)
         live[again], row.kept = row, decoder
-        return joining
 
     def _leave(self, rid: int, live: dict, state=None) -> None:
         """A row's reply ends: its caches (`state`, or taken out of the batch now when it is
