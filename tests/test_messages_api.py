@@ -248,6 +248,33 @@ def test_a_forced_tool_streamed_is_assembled_by_the_sdk(tools):
         tools.messages.create(**{**kwargs, "tool_choice": {"type": "tool", "name": "nope"}})
 
 
+def test_a_stop_sequence_the_tool_call_holds_is_not_its_stop_reason(tools):
+    """A stop string inside a tool call's text ends it as a tool call: stop_reason tool_use,
+    stop_sequence null, as Anthropic's format has it (the stop string was sent along)."""
+    kwargs = dict(
+        model="tool_target", max_tokens=64, messages=ASK, tools=TOOLS, extra_body=GREEDY,
+        stop_sequences=["</tool_call>"],
+    )  # fmt: skip
+    msg = tools.messages.create(**kwargs)
+    with tools.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    for got in (msg, final):
+        assert got.stop_reason == "tool_use" and got.stop_sequence is None
+        assert [b.input for b in got.content if b.type == "tool_use"] == [{"city": "Paris"}]
+
+
+def test_a_tool_whose_input_is_not_an_object_is_refused(tools):
+    """Its call streamed the bare value (the SDK made `input` None, refused when sent back)
+    and the whole body wrapped it: Anthropic's rule, type object, now says it at once."""
+    for schema in ({"type": "integer"}, {"type": "null"}, {"type": "array"}):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            tools.messages.create(
+                model="tool_target", max_tokens=8, messages=ASK,
+                tools=[{"name": "count", "input_schema": schema}],
+            )  # fmt: skip
+        assert "type object" in info.value.body["error"]["message"]
+
+
 def test_a_system_turn_mid_conversation(client, pair):
     """Claude Code sends `system` turns inside messages: they reach the template in place."""
     turns = [*chat("Hello"), {"role": "assistant", "content": "Hi"}, *chat(STORY)]

@@ -166,6 +166,29 @@ def test_hosted_tools_are_left_out_and_images_are_400(client):
         client.responses.create(model="target", input=[{"role": "user", "content": [image]}])
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"metadata": "abc"},
+        {"metadata": {"a": 1}},
+        {"metadata": {f"k{i}": "v" for i in range(17)}},
+        {"metadata": {"k": "v" * 513}},
+        {"user": {"id": 1}},
+        {"prompt_cache_key": 5},
+    ],
+)
+def test_fields_echoed_in_the_response_are_checked(client, field):
+    """metadata and user are copied into the Response: a value OpenAI refuses was echoed
+    (a body the SDK's strict model rejects). Now a 400 naming the field."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="target", input="hi", max_output_tokens=2, extra_body=field)
+    assert next(iter(field)) in str(info.value)
+    ok = client.responses.create(
+        model="target", input="hi", max_output_tokens=2, metadata={"run": "7"}, user="u1"
+    )
+    assert ok.metadata == {"run": "7"} and ok.user == "u1"
+
+
 def test_a_forced_function_call_then_its_output(tools):
     kwargs = dict(model="tool_target", tools=TOOLS, max_output_tokens=64, temperature=0)
     first = tools.responses.create(

@@ -160,6 +160,9 @@ def tools_of(tools) -> list | None:
         schema = t.get("input_schema", {"type": "object"})
         if not isinstance(schema, dict):
             raise bad("input_schema must be a JSON schema object", f"tools[{j}].input_schema")
+        if schema.get("type", "object") != "object":  # (Anthropic's rule: a tool's input is
+            # an object; a null, list or number had no tool_use input the stream could say)
+            raise bad("input_schema must have type object", f"tools[{j}].input_schema.type")
         fn = {"name": t["name"], "parameters": schema}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
@@ -254,6 +257,16 @@ def stop_reason(outcome) -> str:
     return STOP_REASONS.get(outcome.finish_reason, "end_turn")
 
 
+def stop_fields(outcome) -> dict:
+    """stop_reason, and stop_sequence only when it is what stopped the reply (a stop string
+    that ends a tool call stops it with reason tool_use: stop_sequence is null then)."""
+    reason = stop_reason(outcome)
+    return {
+        "stop_reason": reason,
+        "stop_sequence": outcome.stop_sequence if reason == "stop_sequence" else None,
+    }
+
+
 def usage(u: dict) -> dict:
     """Anthropic's usage: input_tokens are the prompt tokens not read from the prompt cache."""
     cached = u["prompt_tokens_details"]["cached_tokens"]
@@ -346,15 +359,15 @@ class MessagesEncoder(Encoder):
                 out += self.block("text", {"type": "text", "text": ""})
             out.append(self.block_delta({"type": "text_delta", "text": d.content}))
         for call in d.tool_calls:
-            start = {**tool_block(call), "input": {}}
-            out += self.block("tool_use", start)
-            args = call["function"]["arguments"]
+            block = tool_block(call)  # its input as the whole body says it: an object
+            out += self.block("tool_use", {**block, "input": {}})
+            args = json.dumps(block["input"], ensure_ascii=False)
             out.append(self.block_delta({"type": "input_json_delta", "partial_json": args}))
             out += self.close()
         return out
 
     def done(self, outcome) -> list[dict]:
-        delta = {"stop_reason": stop_reason(outcome), "stop_sequence": outcome.stop_sequence}
+        delta = stop_fields(outcome)
         tail = {"type": "message_delta", "delta": delta, "usage": usage(outcome.usage)}
         tail["speculation"] = outcome.speculation
         return [*self.close(), self.event(tail), self.event({"type": "message_stop"})]
@@ -375,8 +388,7 @@ class MessagesEncoder(Encoder):
             "role": "assistant",
             "model": self.req.model,
             "content": content,
-            "stop_reason": stop_reason(outcome),
-            "stop_sequence": outcome.stop_sequence,
+            **stop_fields(outcome),
             "usage": usage(outcome.usage),
             "speculation": outcome.speculation,
         }

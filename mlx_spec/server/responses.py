@@ -259,6 +259,14 @@ def parse_responses(
             raise bad(message, name, "unsupported_parameter")
     if data.get("store") not in (None, True, False):
         raise bad("store must be a boolean", "store", "invalid_type")
+    for name in ("user", "prompt_cache_key", "safety_identifier"):  # (echoed or ignored)
+        if data.get(name) is not None and not isinstance(data[name], str):
+            raise bad(f"{name} must be a string", name, "invalid_type")
+    if not metadata_ok(data.get("metadata")):  # echoed in the response: OpenAI's limits
+        raise bad(
+            "metadata must be an object of at most 16 string values (keys up to 64 "
+            "characters, values up to 512)", "metadata", "invalid_type",
+        )  # fmt: skip
     conversation: list[dict] = []
     skipped: list[str] = []
     previous = data.get("previous_response_id")
@@ -291,6 +299,17 @@ def parse_responses(
     unknown = sorted(k for k in set(data) - KNOWN - set(UNSUPPORTED) if isinstance(k, str))
     req.ignored = unknown + skipped
     return req, conversation
+
+
+def metadata_ok(metadata) -> bool:
+    if metadata is None:
+        return True
+    return (
+        isinstance(metadata, dict)
+        and len(metadata) <= 16
+        and all(isinstance(k, str) and len(k) <= 64 for k in metadata)
+        and all(isinstance(v, str) and len(v) <= 512 for v in metadata.values())
+    )
 
 
 def new_id(prefix: str) -> str:
