@@ -275,6 +275,35 @@ def test_a_tool_whose_input_is_not_an_object_is_refused(tools):
         assert "type object" in info.value.body["error"]["message"]
 
 
+def test_a_final_assistant_turn_is_continued(client, pair):
+    """Anthropic's prefill: a conversation that ends with the assistant's text is continued
+    from it (the reply holds only what follows), streamed and not, as the target continues
+    the chat template's own continue_final_message rendering; trailing whitespace is refused
+    as Anthropic refuses it. (A new assistant turn was started after it.)"""
+    turns = [*chat(STORY), {"role": "assistant", "content": "The"}]  # (a reply not all U+FFFD)
+    text = pair.tokenizer.apply_chat_template(turns, tokenize=False, continue_final_message=True)
+    assert text.endswith("The")
+    ids = pair.tokenizer.encode(text, add_special_tokens=False)
+    want = generate(pair, ids, max_tokens=10, temperature=0.0).text
+    kwargs = dict(model="target", max_tokens=10, messages=turns, extra_body=GREEDY)
+    msg = client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert msg.content[0].text == final.content[0].text == want
+    assert "ed" in want and msg.usage.output_tokens == 10
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == len(ids)
+    counted = client.messages.count_tokens(model="target", messages=turns)
+    assert counted.input_tokens == len(ids)
+    spaced = [*chat(STORY), {"role": "assistant", "content": "The "}]
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(**{**kwargs, "messages": spaced})
+    assert "trailing whitespace" in info.value.body["error"]["message"]
+    forced = {**kwargs, "tools": TOOLS, "tool_choice": {"type": "any"}}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(**forced)
+    assert "cannot be continued" in info.value.body["error"]["message"]
+
+
 def test_a_system_turn_mid_conversation(client, pair):
     """Claude Code sends `system` turns inside messages: they reach the template in place."""
     turns = [*chat("Hello"), {"role": "assistant", "content": "Hi"}, *chat(STORY)]

@@ -29,7 +29,8 @@ def encode_prompt(
     tokenizer, prompt, system: str | None = None, template_kwargs: dict | None = None
 ) -> list[int]:
     """str (raw text), list of {"role", "content"} messages, or list of token ids -> ids.
-    `template_kwargs` go to the chat template (e.g. Qwen3's `enable_thinking=False`)."""
+    `template_kwargs` go to the chat template (e.g. Qwen3's `enable_thinking=False`;
+    `continue_final_message=True`: the last message, an assistant's, goes on, no new turn)."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise SpecError("the prompt is empty")
@@ -50,8 +51,10 @@ def encode_prompt(
             prompt = [{"role": "system", "content": system}, *prompt]
         if not tokenizer.has_chat_template:
             raise SpecError("this model's tokenizer has no chat template; pass raw text instead")
+        kwargs = template_kwargs or {}
+        start = not kwargs.get("continue_final_message")  # (or the final turn goes on)
         text = tokenizer.apply_chat_template(
-            list(prompt), tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+            list(prompt), tokenize=False, add_generation_prompt=start, **kwargs
         )
         return list(tokenizer.encode(text, add_special_tokens=False))
     if isinstance(prompt, list | tuple | mx.array | np.ndarray):

@@ -248,7 +248,29 @@ def parse_messages(data: dict, limits: Limits, counting: bool = False) -> GenReq
     body["stop"] = stops or None
     req = parse_chat({k: v for k, v in body.items() if v is not None}, limits)
     req.ignored = sorted(k for k in set(data) - KNOWN if isinstance(k, str))
+    req.continue_final = prefilled(chat, len(messages) - 1)
+    if req.continue_final and (req.constraint or req.tool_choice not in ("auto", "none")):
+        # (the grammar would start again after the prefill, a forced call's start after it)
+        raise bad(
+            "a final assistant turn cannot be continued under a forced tool_choice or "
+            "output_config.format", "messages",
+        )  # fmt: skip
     return req
+
+
+def prefilled(chat: list[dict], last: int) -> bool:
+    """Whether the conversation ends with an assistant's text, which the reply continues
+    (Anthropic's prefill: the response holds only what follows it); as Anthropic, refused
+    when that text ends in whitespace (a model continues a word, not a space)."""
+    final = chat[-1]
+    if final["role"] != "assistant" or final.get("tool_calls") or not final["content"]:
+        return False
+    if final["content"] != final["content"].rstrip():
+        raise bad(
+            "final assistant content cannot end with trailing whitespace",
+            f"messages[{last}].content",
+        )
+    return True
 
 
 def stop_reason(outcome) -> str:

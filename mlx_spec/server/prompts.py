@@ -44,6 +44,8 @@ def template_kwargs(req: GenRequest) -> dict:
     kwargs = dict(req.chat_template_kwargs or {})
     if req.kind == "chat" and req.tools and req.tool_choice != "none":
         kwargs["tools"] = req.tools
+    if req.continue_final:  # (no client sets it through chat_template_kwargs: TEMPLATE_ARGUMENTS)
+        kwargs["continue_final_message"] = True
     return kwargs
 
 
@@ -79,6 +81,7 @@ def system_end(pair, req: GenRequest, tokens: list[int]) -> int | None:
     if req.kind != "chat" or req.parse_special or not isinstance(req.prompt, list):
         return None
     kwargs = template_kwargs(req)
+    kwargs.pop("continue_final_message", None)  # (the probe's last turn is an empty user's)
     head = 0
     while head < len(req.prompt) and req.prompt[head].get("role") in ("system", "developer"):
         head += 1
@@ -150,8 +153,9 @@ def swapped(value, holders: dict[str, str]):
 
 
 def render(tokenizer, messages: list, kwargs: dict) -> str:
+    start = not kwargs.get("continue_final_message")  # (or the final turn goes on)
     return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=True, **kwargs
+        list(messages), tokenize=False, add_generation_prompt=start, **kwargs
     )
 
 

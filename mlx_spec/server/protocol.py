@@ -147,6 +147,7 @@ class GenRequest:
     partition: str = ""  # whose history and prompt cache (set from the API key by the app)
     constraint: dict | None = None  # response_format as engine keywords: {"schema": {...}}
     parse_special: bool = False  # chat text may hold special tokens (--parse-special-in-content)
+    continue_final: bool = False  # the final assistant turn goes on (Messages: a prefill)
     prompt_ids: list[int] | None = field(default=None, repr=False)  # tokenised off the engine
     prompt_pair: object = field(default=None, repr=False, compare=False)  # ... for this pair
     prompt_system_end: int | None = field(default=None, repr=False)  # prompts.system_end
