@@ -668,6 +668,22 @@ def test_request_timeout_is_504(slow):
     assert info.value.body["code"] == "request_timeout"
 
 
+def test_a_response_the_timeout_cuts_fails_with_its_item_incomplete(slow):
+    """A streamed Responses reply cut by the request timeout ends in response.failed; the
+    message item it cut says incomplete (it said completed), in its done event and in the
+    failed response."""
+    _, url = slow
+    with slow_client(url).responses.stream(
+        model="long", input="The", max_output_tokens=5000, temperature=0
+    ) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.error.message.startswith("the request timed out")
+    (done,) = [e for e in events if e.type == "response.output_item.done"]
+    assert done.item.type == "message" and done.item.status == "incomplete"
+    assert [i.status for i in events[-1].response.output] == ["incomplete"]
+
+
 @pytest.fixture
 def draining(long_model, tmp_path):
     """A server of its own (the test stops it), its request timeout and shutdown grace long

@@ -514,8 +514,11 @@ class ResponsesEncoder(Encoder):
 
     def failed(self, err: ApiError) -> list[dict]:
         code = "rate_limit_exceeded" if err.status == 429 else "server_error"
+        if self.open is not None:  # an item the failure cut: not completed
+            self.items[-1]["status"] = "incomplete"
+        out = self.close()
         body = self.response("failed", error={"code": code, "message": err.message})
-        return [*self.close(), self.event({"type": "response.failed", "response": body})]
+        return [*out, self.event({"type": "response.failed", "response": body})]
 
     def body(self, d: Delta, outcome) -> dict:
         self.delta(d)  # the items, as a stream would build them
