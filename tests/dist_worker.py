@@ -23,7 +23,12 @@ def main(cases_file: str, out_dir: str) -> None:
     results = {}
     for name, case in spec["cases"].items():
         kwargs = dict(case["kwargs"])
-        res = mlx_spec.generate(pairs[case["pair"]], case["prompt"], **kwargs)
+        pair = pairs[case["pair"]]
+        if kwargs.pop("fork", False):  # a copy of a decoder that generated, sampling unseeded
+            decoder = mlx_spec.make_decoder(pair)
+            mlx_spec.generate(pair, case["prompt"], max_tokens=4, decoder=decoder)
+            kwargs["decoder"] = decoder.fork()
+        res = mlx_spec.generate(pair, case["prompt"], **kwargs)
         results[name] = {"tokens": res.tokens, "stats": res.stats.to_json()}
     report = {
         "rank": link.rank,

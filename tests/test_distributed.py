@@ -38,8 +38,10 @@ CASES = {
     "temp 1 no seed": ("model", PROMPT, {"num_draft_tokens": 4, "temperature": 1.0}),
     # `auto` chooses k from timings, so only the ranks (which share rank 0's) must agree
     "auto temp 1": ("model", PROMPT, {"num_draft_tokens": "auto", "temperature": 1.0, "seed": 5}),
+    # a fork of a decoder that generated (dist_worker.py): its fresh key is rank 0's
+    "fork temp 1": ("model", PROMPT, {"num_draft_tokens": 4, "temperature": 1.0, "fork": True}),
 }
-ACROSS_RANKS_ONLY = ("temp 1 no seed", "auto temp 1")
+ACROSS_RANKS_ONLY = ("temp 1 no seed", "auto temp 1", "fork temp 1")
 
 
 def free_port() -> int:

@@ -24,6 +24,7 @@ from ..core.processors import apply as apply_processors
 from ..core.sampling import SamplingParams, check_seed, probabilities, sample
 from ..drafters import Drafter, TargetOutput
 from ..errors import Aborted, SpecError
+from ..models import distributed
 from .rounds import Round, cut_at_end, read_logprobs, target_logprobs, verify
 
 # A recurrent target re-feeds the tokens of rejected rounds (see Decoder); past this many, the
@@ -129,9 +130,11 @@ class Decoder:
         twin.recurrent, twin.eos = self.recurrent, set(self.eos)
         twin.sequence, twin.unfed = list(self.sequence), self.unfed
         twin.stale, twin.hidden_gap = self.stale, self.hidden_gap
-        # a fresh key of its own; this one's stays: the server forks a reply's decoder as it
-        # prefills (its checkpoints), and a split key made a seeded reply draw other samples
-        twin.key = mx.random.key(secrets.randbits(63))
+        # a fresh key of its own (rank 0's seed on a sharded target: every rank draws alike);
+        # this one's stays: the server forks a reply's decoder as it prefills (checkpoints),
+        # and splitting this key made a seeded reply draw other samples
+        seed = distributed.agreed_seed(self.pair, None) if self.pair is not None else None
+        twin.key = mx.random.key(seed if seed is not None else secrets.randbits(63))
         twin.epoch, twin.active = 0, False
         twin._policy, twin._policy_key = copy.deepcopy((self._policy, self._policy_key))
         twin.step_seconds, twin._drafting = self.step_seconds, self._drafting

@@ -154,6 +154,11 @@ class Link:
     def rank(self) -> int:
         return self.group.rank()
 
+    def __deepcopy__(self, memo) -> Link:
+        """The one link of the process, shared by a copy of what holds it (a forked decoder's
+        `auto` policy): its group cannot be copied, and its counts are the process's."""
+        return self
+
     def count_pass(self, rows: int) -> None:
         self.passes += 1
         self.count(self.per_pass, rows)
