@@ -568,6 +568,39 @@ def test_a_kept_cache_that_is_not_what_it_says_is_refused(pair):
         make_batch_decoder(pair, 3).add(d.sequence + [7], kept=d)
 
 
+def test_a_rows_bad_input_is_refused_and_the_batch_goes_on(tiny_models, pair):
+    """What `add` takes is checked as `generate` checks it (found by an adversarial run): an
+    id past the vocabulary crashed the process (MLX does not bounds-check a gather), -1 broke
+    every later step of the batch, a decoder of another pair gave other tokens, max_tokens 0
+    emitted one. Each is one SpecError, and the batch then serves a good row as alone."""
+    batch = make_batch_decoder(pair, 3)
+    ids = pair.tokenizer.encode(TEXTS[0])
+    other = load_pair(target=str(tiny_models.mamba), drafter="ngram")
+    theirs = mlx_spec.make_decoder(other)
+    generate(other, ids, max_tokens=4, decoder=theirs)
+    bad = [
+        ((ids + [pair.vocab_size],), {}, "out of range"),
+        ((ids + [10**6],), {}, "out of range"),
+        (([-1] + ids,), {}, "out of range"),
+        ((ids + [1.5],), {}, "integers"),
+        ((TEXTS[0],), {}, "list of token ids"),
+        ((ids,), {"max_tokens": 0}, "max_tokens"),
+        ((ids,), {"max_tokens": 1.5}, "max_tokens"),
+        ((ids,), {"kept": theirs}, "another pair"),
+    ]
+    for args, kwargs, why in bad:
+        with pytest.raises(SpecError, match=why):
+            batch.add(*args, **kwargs)
+    assert len(batch) == 0
+    with pytest.raises(SpecError, match="no row 999"):
+        batch.row(999)
+    row = batch.add(ids, GenerationConfig(max_tokens=12))
+    tokens = []
+    while len(batch):
+        tokens += batch.step()[row].tokens
+    assert tokens == generate(pair, ids, max_tokens=12).tokens
+
+
 def test_what_is_not_batched_yet_is_refused(tiny_models, pair):
     """A drafter kind that does not say how a batch drafts with it (here the example kind of
     tests/example_kind.py) is refused by name, with the kinds that do."""

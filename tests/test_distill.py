@@ -187,6 +187,12 @@ def test_bad_input_gets_one_line(tiny_models, tmp_path, capsys):
     assert "bad.jsonl:2" in one_line_error(
         capsys, "distill", *pair, "--data", tmp_path / "bad.jsonl"
     )
+    (tmp_path / "one.txt").write_text("Just one prompt\n")
+    err = one_line_error(capsys, "distill", *pair, "--data", tmp_path / "one.txt", "--out", out)
+    assert "need at least 2 prompts" in err  # (said once an empty --out folder was made)
+    plot = tmp_path / "nowhere" / "curve.png"  # (said once the whole run was done, exit 1)
+    err = one_line_error(capsys, "distill", *pair, "--out", out, "--plot", plot)
+    assert "does not exist" in err and "nowhere" in err
     assert not out.exists()  # nothing written
     one_line_error(capsys, "distill", "--target", str(tiny_models.target), "--no-draft")
 

@@ -277,6 +277,8 @@ MODEL_DIR_CASES = {
         "generation_config.json",
     ),
     "hidden-size-zero": (_set("num_attention_heads", 0), "cannot load"),
+    "vocab-size-zero": (_set("vocab_size", 0), "cannot load"),  # (mlx-lm asserts: exit 1)
+    "vocab-size-negative": (_set("vocab_size", -5), "cannot load"),
 }
 
 

@@ -173,6 +173,13 @@ def test_bench_bad_input(tiny_models, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 3 and "draft lengths" in err and "cannot read prompts file" in err
     assert "unknown built-in prompt 'poems'; known: chat, code" in err
+    # a plot into a folder that does not exist, or onto a folder: said before any work (it
+    # was a traceback and exit 1 once the whole run was done)
+    for command in ("bench", "probe"):
+        for plot in (tmp_path / "nowhere" / "b.png", tmp_path):
+            assert main([command, *pair, "--plot", str(plot)]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "--plot" in err, err
 
 
 def test_bench_picks_built_in_prompts(tiny_models, capsys):

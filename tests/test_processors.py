@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from test_distribution import PROMPT, VOCAB, chi_square
 
-from mlx_spec import Decoder, SamplingParams, generate, load_pair
+from mlx_spec import Decoder, SamplingParams, SpecError, generate, load_pair
 from mlx_spec.core.processors import LogitBias, Penalties, make_processors
 from mlx_spec.core.sampling import probabilities
 from mlx_spec.drafters.model import ModelDrafter
@@ -79,6 +79,27 @@ def test_processors_off_make_nothing():
     assert make_processors() == []
     assert not Penalties(repetition=1.0)
     assert not LogitBias({})
+
+
+@pytest.mark.parametrize(
+    "settings, why",
+    [
+        ({"logit_bias": {5: float("nan")}}, "logit_bias\\[5\\] must be a finite number"),
+        ({"logit_bias": {5: float("inf")}}, "finite"),
+        ({"logit_bias": {"a": 1.0}}, "keys must be token ids"),
+        ({"logit_bias": {1.5: 1.0}}, "keys must be token ids"),
+        ({"logit_bias": [1]}, "must map token ids"),
+        ({"presence_penalty": float("nan")}, "presence_penalty must be a finite"),
+        ({"frequency_penalty": "1"}, "frequency_penalty must be a finite"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty must be >= 0"),
+        ({"repetition_context": -2}, "repetition_context must be an integer"),
+    ],
+)
+def test_bad_settings_are_one_spec_error(settings, why):
+    """A NaN bias or penalty made every reply one token repeated, silently; other bad values
+    were a TypeError or ValueError from deep inside (found by an adversarial run)."""
+    with pytest.raises(SpecError, match=why):
+        make_processors(**settings)
 
 
 def test_plain_decoding_equals_mlx_lm_generate(pair):

@@ -733,6 +733,20 @@ def test_max_batch_must_be_positive(value, tiny_models):
     assert len(lines) == 1 and "--max-batch" in lines[0] and value in lines[0]
 
 
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_is_refused_not_dropped(key, tiny_models):
+    """`--api-key "$KEY"` with the variable unset: the empty key was dropped and the server
+    started with no key at all, saying nothing (found by an adversarial run)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_spec", "serve", "--target", str(tiny_models.target),
+         "--api-key", "sk-one", "--api-key", key],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--api-key must not be empty" in lines[0]
+
+
 def test_sigterm_lets_the_running_rows_finish(server, pair):
     """Last (it stops the server): rows running when SIGTERM comes finish within the grace
     period, as a single stream does; the process then exits cleanly."""

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from ..errors import SpecError
+from ..measure.plots import check_plot
 from .args import add_pair_args, pair_from_args, positive_int
 
 
@@ -99,6 +100,7 @@ def main(args):
     if args.runs < 1:
         raise SpecError("--runs must be >= 1")
     prompts = read_prompts(args.prompts, args.only)
+    check_plot(args.plot)
     pair = pair_from_args(args)
     with rank_zero_prints(pair):  # a target sharded over mlx.launch's ranks: rank 0 prints
         return report(pair, args, prompts)

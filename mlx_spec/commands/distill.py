@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SpecError
+from ..measure.plots import check_plot
 from .args import add_pair_args, nonnegative_int, pair_from_args, positive_int
 
 DEFAULT_OUT = "draft-adapter"
@@ -218,10 +219,7 @@ def main(args):
     settings.check()
     prompts = read_data(args.data, args.max_prompts, args.seed)  # bad data fails before loading
     out = Path(args.out or DEFAULT_OUT).expanduser()
-    if args.plot:
-        from ..measure.plots import pyplot
-
-        pyplot()
+    check_plot(args.plot)
     bar = Bar()
     # train from the bare draft, whatever models.toml names
     pair = pair_from_args(args, progress=bar.message, draft_adapter=NO_ADAPTER)
@@ -258,10 +256,7 @@ def main_head(args):
     init = resolve_head(args.head) if args.head else None
     check_target(args)  # a target a head can read, before its weights load
     check_out(out, args.resume)
-    if args.plot:
-        from ..measure.plots import pyplot
-
-        pyplot()  # no matplotlib: said before the training, not after
+    check_plot(args.plot)  # no matplotlib, no folder: said before the training, not after
     bar = Bar()
     pair = pair_from_args(args, progress=bar.message, drafter=None, head=None, skip_draft=True)
     report = train_head(pair, prompts, out, settings, init, args.resume, bar.message, bar)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from ..errors import SpecError
+from ..measure.plots import check_plot
 from .args import add_pair_args, nonnegative_int, pair_from_args, positive_int
 
 SAMPLE_PROMPT = "Explain in a few sentences how a bicycle's gears make pedalling easier."
@@ -275,6 +276,7 @@ def main(args):
 
     if args.temp < 0 or args.temp != args.temp:
         raise SpecError(f"--temp must be >= 0, got {args.temp}")
+    check_plot(args.plot)
     pair = pair_from_args(args)  # the memory check counts a KV cache of --context tokens
     longest = args.context + max(PREDICT_KS) + 6  # the verify curve's largest pass is 16
     if pair.context_length and longest > pair.context_length:

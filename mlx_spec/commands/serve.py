@@ -271,6 +271,9 @@ def main(args):
         default_max = min(DEFAULT_MAX_TOKENS, limit or DEFAULT_MAX_TOKENS)
     if limit is not None and default_max > limit:
         raise SpecError("--default-max-tokens must not exceed --max-tokens-limit")
+    if args.api_key and not all(k.strip() for k in args.api_key):
+        # (an unset variable, `--api-key "$KEY"`: the server started with no key at all)
+        raise SpecError("--api-key must not be empty")
     keys = [k for k in (args.api_key or [os.environ.get(API_KEY_ENV) or ""]) if k]
     if not keys and not is_loopback(args.host):
         print(

@@ -21,6 +21,7 @@ per call, no host sync. A grammar mask (grammar.py) is a processor too.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import mlx.core as mx
@@ -165,6 +166,12 @@ def check_vocab(processors, vocab: int | None) -> None:
             check(vocab)
 
 
+def finite(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise SpecError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
 def make_processors(
     logit_bias: dict[int, float] | None = None,
     repetition_penalty: float = 0.0,
@@ -174,7 +181,31 @@ def make_processors(
     presence_context: int = DEFAULT_CONTEXT,
     frequency_context: int = DEFAULT_CONTEXT,
 ) -> list[LogitsProcessor]:
-    """The processors for these settings, in mlx-lm's order (bias first); [] when all are off."""
+    """The processors for these settings, in mlx-lm's order (bias first); [] when all are off.
+    Every number is checked (SpecError): a NaN bias or penalty made every reply one token
+    repeated, silently (found by an adversarial run)."""
+    for name, value in (
+        ("repetition_penalty", repetition_penalty),
+        ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty),
+    ):
+        finite(name, value)
+    if repetition_penalty < 0:
+        raise SpecError(f"repetition_penalty must be >= 0 (0: off), got {repetition_penalty}")
+    for name, size in (
+        ("repetition_context", repetition_context),
+        ("presence_context", presence_context),
+        ("frequency_context", frequency_context),
+    ):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise SpecError(f"{name} must be an integer >= 0, got {size!r}")
+    if logit_bias is not None and not isinstance(logit_bias, dict):
+        raise SpecError(f"logit_bias must map token ids to numbers, got {logit_bias!r}")
+    for key, value in (logit_bias or {}).items():
+        integer = isinstance(key, int) and not isinstance(key, bool)
+        if not integer and not (isinstance(key, str) and key.lstrip("-").isdigit()):
+            raise SpecError(f"logit_bias keys must be token ids, got {key!r}")
+        finite(f"logit_bias[{key}]", value)
     out: list[LogitsProcessor] = []
     if logit_bias:
         out.append(LogitBias(logit_bias))

@@ -110,10 +110,11 @@ from ..core.processors import apply as apply_processors
 from ..core.sampling import SamplingParams, check_seed, probabilities, sample
 from ..drafters.ngram import NGramDrafter
 from ..errors import SpecError
+from ..pairs.config import is_int
 from .batch_assistant import batch_head
 from .config import GenerationConfig
 from .engine import REPLAY_LIMIT  # a recurrent row's replay past which it drafts nothing
-from .prompts import request_processors
+from .prompts import check_token_ids, request_processors
 from .rounds import (
     Round,
     cut_at_end,
@@ -496,8 +497,17 @@ class BatchDecoder:
         server keeps such a copy at the end of the system prompt, as a single stream does);
         not for a head's batch (the copy would hold none of the head's features)."""
         config = GenerationConfig.of(config)
+        if isinstance(prompt, str) or not isinstance(prompt, list | tuple):
+            raise SpecError(f"a row's prompt is a list of token ids, not {type(prompt).__name__}")
         if not prompt:
             raise SpecError("the prompt is empty")
+        # MLX does not bounds-check a gather: an id past the vocabulary crashed the process
+        prompt = check_token_ids(prompt, self.vocab)
+        if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
+            raise SpecError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        if kept is not None and kept.pair is not None and self.pair is not None:
+            if kept.pair is not self.pair:  # (its caches are another model's: wrong tokens)
+                raise SpecError("the kept decoder was made for another pair")
         if processors is None:
             processors = request_processors(self.pair, config, len(prompt), self.vocab)
         params = config.sampling
@@ -623,7 +633,13 @@ class BatchDecoder:
         self.cancelled.add(row_id)
 
     def row(self, row_id: int) -> Row:
-        return next(r for r in self.rows if r.id == row_id)
+        return self.rows[self._index(row_id)]
+
+    def _index(self, row_id: int) -> int:
+        index = next((i for i, r in enumerate(self.rows) if r.id == row_id), None)
+        if index is None:
+            raise SpecError(f"no row {row_id!r} in the batch (it left, or never joined)")
+        return index
 
     def remove(self, row_id: int) -> RowState | None:
         """The row leaves now (from the thread that steps, between rounds): its caches when it
@@ -640,7 +656,7 @@ class BatchDecoder:
         """A copy of a row's caches, as `remove` would hand them over, the row staying: a
         request that shares the start of its sequence (an agent's sub-task beside its parent,
         one system prompt) starts from it rather than prefilling that part again."""
-        return self._extract(next(i for i, r in enumerate(self.rows) if r.id == row_id))
+        return self._extract(self._index(row_id))
 
     def _extract(self, i: int) -> RowState:
         """Row i's caches as single-row KVCaches (evaluated: nothing lazy points into the

@@ -116,6 +116,10 @@ def read_data(path: str | None, max_prompts: int | None = None, seed: int = 0) -
     if max_prompts is not None and len(prompts) > max_prompts:
         keep = np.random.default_rng(seed).choice(len(prompts), max_prompts, replace=False)
         prompts = [prompts[i] for i in sorted(keep)]
+    if len(prompts) < 2:  # (said here, before anything is loaded or an --out folder made)
+        raise SpecError(
+            f"need at least 2 prompts (one to train on, one held out), got {len(prompts)}"
+        )
     return prompts
 
 
