@@ -616,6 +616,8 @@ def test_what_is_not_batched_yet_is_refused(tiny_models, pair):
     finally:
         KINDS.pop(RepeatKind.name)
     assert mlx_spec.batch_generate(pair, []) == []
+    with pytest.raises(SpecError, match="a list of prompts"):  # (it ran one per character)
+        mlx_spec.batch_generate(pair, "hello")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

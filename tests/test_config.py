@@ -74,6 +74,9 @@ def test_generation_config_validates_and_names_where_a_setting_belongs():
         ({"max_tokens": 0}, "max-tokens"),
         ({"seed": 2**64}, "seed"),
         ({"temperature": -1}, "temperature"),
+        ({"temperature": "0"}, "temperature must be a number"),  # (was a TypeError)
+        ({"top_k": 1.5}, "top-k must be an integer"),  # (was taken as it was)
+        ({"top_p": "1"}, "top-p must be a number"),
         ({"logprobs": -1}, "logprobs"),
         ({"schema": {}, "regex": "a"}, "one of schema, grammar or regex"),
     ]:

@@ -9,6 +9,7 @@ from exactly the distribution `mlx_lm.generate` samples from with the same flags
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -29,6 +30,12 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "top_k", "min_p"):  # (a "0" raised TypeError)
+            value = getattr(self, name)
+            kind = numbers.Integral if name == "top_k" else numbers.Real
+            if isinstance(value, bool) or not isinstance(value, kind):
+                what = "an integer" if name == "top_k" else "a number"
+                raise SpecError(f"{name.replace('_', '-')} must be {what}, got {value!r}")
         if not 0 <= self.temperature < math.inf:  # also rejects NaN
             raise SpecError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -257,6 +257,8 @@ def batch_generate(
     decoded together at most (None: all); the others join as rows finish. Not batched yet
     (SpecError): a drafter kind that does not say how a batch drafts with it, chunked
     targets (sliding windows and recurrent targets batch)."""
+    if isinstance(prompts, str):  # (it ran as one prompt per character)
+        raise SpecError("batch_generate takes a list of prompts; for one, use generate")
     prompts = list(prompts)
     if isinstance(config, list | tuple):
         if len(config) != len(prompts):
