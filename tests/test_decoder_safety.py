@@ -159,6 +159,8 @@ def test_a_decoder_is_bound_to_its_pair(pair, plain):
     decoder = make_decoder(pair)
     with pytest.raises(SpecError, match="another pair"):
         generate(plain, PROMPT, max_tokens=3, decoder=decoder)
+    with pytest.raises(SpecError, match="decoder must be a Decoder"):  # (an AttributeError)
+        generate(pair, PROMPT, max_tokens=3, decoder=5)
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-7])

@@ -733,6 +733,19 @@ def test_max_batch_must_be_positive(value, tiny_models):
     assert len(lines) == 1 and "--max-batch" in lines[0] and value in lines[0]
 
 
+@pytest.mark.parametrize("flag", ["--keep-alive-timeout", "--header-timeout", "--request-timeout"])
+def test_a_timeout_must_be_finite(flag, tiny_models):
+    """inf was taken: an idle connection (or a slow request head) kept for ever."""
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_spec", "serve", "--target", str(tiny_models.target),
+         flag, "inf"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0] and "finite" in lines[0], r.stderr
+
+
 @pytest.mark.parametrize("key", ["", "  "])
 def test_an_empty_api_key_is_refused_not_dropped(key, tiny_models):
     """`--api-key "$KEY"` with the variable unset: the empty key was dropped and the server

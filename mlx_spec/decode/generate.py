@@ -102,6 +102,8 @@ def stream_rounds(
     grammar = grammar_of(processors)
     if decoder is None:
         decoder = make_decoder(pair, seed)
+    elif not isinstance(decoder, Decoder):
+        raise SpecError(f"decoder must be a Decoder (make_decoder(pair)), not {decoder!r}")
     elif decoder.pair is not None and decoder.pair is not pair:
         raise SpecError("this decoder was made for another pair; make one with make_decoder(pair)")
     elif seed is not None:
