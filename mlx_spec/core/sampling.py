@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import secrets
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -80,6 +81,11 @@ def draw(logits: mx.array, params: SamplingParams, key) -> tuple[mx.array, mx.ar
 
 
 SEED_LIMIT = 2**64  # MLX's random keys take an unsigned 64-bit seed
+
+
+def random_key(seed: int | None) -> mx.array:
+    """A random key from `seed` (checked), or a fresh one (None: unseeded)."""
+    return mx.random.key(check_seed(seed) if seed is not None else secrets.randbits(63))
 
 
 def check_seed(seed) -> int:

@@ -107,7 +107,7 @@ from ..core.grammar import GrammarStateError, grammar_of
 from ..core.hidden import capturing
 from ..core.policies import Auto, DraftLength, Fixed, draft_length
 from ..core.processors import apply as apply_processors
-from ..core.sampling import SamplingParams, check_seed, probabilities, sample
+from ..core.sampling import SamplingParams, probabilities, random_key, sample
 from ..drafters.ngram import NGramDrafter
 from ..errors import SpecError
 from ..pairs.config import is_int
@@ -511,10 +511,7 @@ class BatchDecoder:
         if processors is None:
             processors = request_processors(self.pair, config, len(prompt), self.vocab)
         params = config.sampling
-        key = None
-        if not params.greedy:
-            seed = check_seed(config.seed) if config.seed is not None else time.time_ns() % 2**63
-            key = mx.random.key(seed)
+        key = None if params.greedy else random_key(config.seed)
         row = Row(
             self._ids,
             list(prompt),
@@ -635,8 +632,11 @@ class BatchDecoder:
     def row(self, row_id: int) -> Row:
         return self.rows[self._index(row_id)]
 
+    def _find(self, row_id: int) -> int | None:
+        return next((i for i, r in enumerate(self.rows) if r.id == row_id), None)
+
     def _index(self, row_id: int) -> int:
-        index = next((i for i, r in enumerate(self.rows) if r.id == row_id), None)
+        index = self._find(row_id)
         if index is None:
             raise SpecError(f"no row {row_id!r} in the batch (it left, or never joined)")
         return index
@@ -645,7 +645,7 @@ class BatchDecoder:
         """The row leaves now (from the thread that steps, between rounds): its caches when it
         was added with keep=True (None otherwise, or when it is not in the batch)."""
         self.cancelled.discard(row_id)
-        index = next((i for i, r in enumerate(self.rows) if r.id == row_id), None)
+        index = self._find(row_id)
         if index is None:
             return None
         state = self._extract(index) if self.rows[index].keep else None

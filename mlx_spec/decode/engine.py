@@ -8,7 +8,6 @@ shared with the batch (batch.py).
 from __future__ import annotations
 
 import copy
-import secrets
 import time
 from collections.abc import Iterator
 
@@ -21,7 +20,7 @@ from ..core.hidden import capturing
 from ..core.policies import DraftLength, FixedK, Policy
 from ..core.processors import LogitsProcessor
 from ..core.processors import apply as apply_processors
-from ..core.sampling import SamplingParams, check_seed, probabilities, sample
+from ..core.sampling import SamplingParams, probabilities, random_key, sample
 from ..drafters import Drafter, TargetOutput
 from ..errors import Aborted, SpecError
 from ..models import distributed
@@ -57,7 +56,7 @@ class Decoder:
         self.sequence: list[int] = []
         self.unfed = 1
         self.stale = False  # the caches may not match `sequence`: the next prefill starts over
-        self.key = mx.random.key(check_seed(seed) if seed is not None else time.time_ns() % 2**63)
+        self.key = random_key(seed)
         mx.eval(self.key)  # nothing lazy may cross to the thread that generates (threads.py)
         self.pair = None  # the pair `make_decoder` made it for
         self.epoch = 0  # incremented by each stream that takes the decoder
@@ -134,7 +133,7 @@ class Decoder:
         # this one's stays: the server forks a reply's decoder as it prefills (checkpoints),
         # and splitting this key made a seeded reply draw other samples
         seed = distributed.agreed_seed(self.pair, None) if self.pair is not None else None
-        twin.key = mx.random.key(seed if seed is not None else secrets.randbits(63))
+        twin.key = random_key(seed)
         twin.epoch, twin.active = 0, False
         twin._policy, twin._policy_key = copy.deepcopy((self._policy, self._policy_key))
         twin.step_seconds, twin._drafting = self.step_seconds, self._drafting

@@ -25,6 +25,15 @@ def check_token_ids(ids: list, vocab: int | None) -> list[int]:
     return [int(t) for t in ids]
 
 
+def chat_text(tokenizer, messages: list, kwargs: dict) -> str:
+    """The chat template's text for `messages`: a new assistant turn opened after them, or,
+    with `continue_final_message` in `kwargs`, the last message (an assistant's) going on."""
+    start = not kwargs.get("continue_final_message")
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=start, **kwargs
+    )
+
+
 def encode_prompt(
     tokenizer, prompt, system: str | None = None, template_kwargs: dict | None = None
 ) -> list[int]:
@@ -51,11 +60,7 @@ def encode_prompt(
             prompt = [{"role": "system", "content": system}, *prompt]
         if not tokenizer.has_chat_template:
             raise SpecError("this model's tokenizer has no chat template; pass raw text instead")
-        kwargs = template_kwargs or {}
-        start = not kwargs.get("continue_final_message")  # (or the final turn goes on)
-        text = tokenizer.apply_chat_template(
-            list(prompt), tokenize=False, add_generation_prompt=start, **kwargs
-        )
+        text = chat_text(tokenizer, prompt, template_kwargs or {})
         return list(tokenizer.encode(text, add_special_tokens=False))
     if isinstance(prompt, list | tuple | mx.array | np.ndarray):
         ids = prompt.tolist() if isinstance(prompt, mx.array | np.ndarray) else list(prompt)

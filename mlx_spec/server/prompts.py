@@ -31,7 +31,7 @@ from jinja2 import TemplateError
 from mlx_lm.utils import common_prefix_len
 
 from ..core.processors import make_processors
-from ..decode.prompts import constraint_for, encode_prompt
+from ..decode.prompts import chat_text, constraint_for, encode_prompt
 from ..errors import SpecError
 from .output import check_tool_choice, forced_prefix, tool_grammar
 from .protocol import ApiError, GenRequest
@@ -152,13 +152,6 @@ def swapped(value, holders: dict[str, str]):
     return value
 
 
-def render(tokenizer, messages: list, kwargs: dict) -> str:
-    start = not kwargs.get("continue_final_message")  # (or the final turn goes on)
-    return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=start, **kwargs
-    )
-
-
 def refused(marked: list[str], specials: list[str]) -> ApiError:
     found = next((t for s in marked for t in specials if t in s), specials[0])
     return ApiError(
@@ -192,9 +185,9 @@ def chat_ids(tokenizer, messages: list, kwargs: dict) -> list[int]:
         raise SpecError("this model's tokenizer has no chat template; pass raw text instead")
     nonce = secrets.token_hex(8)
     holders = {s: f"MLXSPEC{nonce}X{i}Y" for i, s in enumerate(marked)}
-    real = render(tokenizer, messages, kwargs)
+    real = chat_text(tokenizer, messages, kwargs)
     tools = {"tools": swapped(kwargs["tools"], holders)} if "tools" in kwargs else {}
-    held = render(tokenizer, swapped(messages, holders), {**kwargs, **tools})
+    held = chat_text(tokenizer, swapped(messages, holders), {**kwargs, **tools})
     parts = re.split(f"MLXSPEC{nonce}X(\\d+)Y", held)
     texts, which = parts[0::2], [int(i) for i in parts[1::2]]
     ids: list[int] = []
