@@ -234,6 +234,99 @@ def family_configs(vocab_size: int) -> dict[str, dict]:
     }
 
 
+def cachelist_configs(vocab_size: int) -> dict[str, dict]:
+    """Families whose layer cache is an mlx-lm `CacheList` (several caches a layer), with
+    the fields their checkpoints ship: falcon_h1 (a Mamba-2 state beside attention),
+    DeepSeek-V3.2 (MLA attention beside its sparse indexer's own keys; MoE, a dense first
+    layer), baichuan_m1 (a convolution state beside attention, a sliding-window layer) and
+    longcat_flash (two MLA attentions a layer, zero experts)."""
+    common = {"vocab_size": vocab_size, "eos_token_id": 2, "max_position_embeddings": 512}
+    mla = {"kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "v_head_dim": 16,
+           "qk_nope_head_dim": 16, "num_attention_heads": 4}  # fmt: skip
+    return {
+        "falcon_h1": {
+            **common,
+            "model_type": "falcon_h1",
+            "hidden_size": 64,
+            "head_dim": 16,
+            "intermediate_size": 128,
+            "mamba_d_conv": 4,
+            "mamba_d_head": 16,
+            "mamba_d_ssm": 64,
+            "mamba_d_state": 16,
+            "mamba_expand": 2,
+            "mamba_n_groups": 1,
+            "mamba_n_heads": 4,
+            "mamba_chunk_size": 16,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "num_key_value_heads": 2,
+            "rope_theta": 1e4,
+            "tie_word_embeddings": False,
+        },
+        "deepseek_v32": {
+            **common,
+            **mla,
+            "model_type": "deepseek_v32",
+            "hidden_size": 64,
+            "index_head_dim": 16,
+            "index_n_heads": 2,
+            "index_topk": 8,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_key_value_heads": 4,
+            "n_shared_experts": 1,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+        },
+        "baichuan_m1": {
+            **common,
+            "model_type": "baichuan_m1",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rope_theta": 1e4,
+            "sliding_window": 16,
+            "sliding_window_layers": [0],
+            "conv_window": 2,
+            "rms_norm_eps": 1e-5,
+        },
+        "longcat_flash": {
+            **common,
+            **mla,
+            "model_type": "longcat_flash",
+            "attention_method": "MLA",
+            "zero_expert_type": "identity",
+            "hidden_size": 64,
+            "ffn_hidden_size": 128,
+            "moe_topk": 2,
+            "expert_ffn_hidden_size": 32,
+            "n_routed_experts": 4,
+            "zero_expert_num": 2,
+            "num_layers": 2,
+            "routed_scaling_factor": 1.0,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1e4,
+            "mla_scale_q_lora": True,
+            "mla_scale_kv_lora": True,
+            "attention_bias": False,
+        },
+    }
+
+
+def gpt_bigcode_config(vocab_size: int) -> dict:
+    """StarCoder's architecture: learned absolute positions, multi-query attention."""
+    return {
+        "model_type": "gpt_bigcode", "n_embd": 64, "n_layer": 2, "n_inner": 128, "n_head": 4,
+        "n_positions": 512, "layer_norm_epsilon": 1e-5, "vocab_size": vocab_size,
+        "tie_word_embeddings": False, "eos_token_id": 2,
+    }  # fmt: skip
+
+
 def family_weights(
     config: dict, seed: int, head_scale: float = 4.0, mute: int | None = 2
 ) -> dict[str, mx.array]:

@@ -246,7 +246,7 @@ def rollback_rows(cache: list, rejected: list[int]) -> None:
             raise CacheRollbackError(why)
     low = min(rejected)
     rest = [r - low for r in rejected]
-    for c in cache:
+    for c in _leaves(cache):
         if isinstance(c, ArraysCache):
             continue  # a recurrent state forgets nothing: its rows are restored (restore_rows)
         if low:

@@ -88,6 +88,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
     BatchKVCache,
+    CacheList,
     ChunkedKVCache,
     KVCache,
     RotatingKVCache,
@@ -151,6 +152,13 @@ def _why_not(c, windows: bool = True) -> str:
     return f"uses {type(c).__name__} layers, which cannot be batched with a roll-back per row"
 
 
+# mlx-lm models whose forward reads the cache's offset as one number (a batch holds one per
+# row): refused before anything runs, where they would fail in the first pass
+ONE_OFFSET = {
+    "gpt_bigcode": "computes its positions from one offset for the whole batch (np.arange)",
+}
+
+
 def check_batchable(
     model, role: str = "target", windows: bool = True, recurrent: bool = False
 ) -> None:
@@ -159,7 +167,14 @@ def check_batchable(
     sinks, `caches.make_cache`'s WindowedKVCache) into a BatchWindowedKVCache, both forget
     per row. `windows=False`: plain KVCache layers only (a caller that batches with
     BatchKVCache alone, as eagle_head's replies). `recurrent=True`: recurrent layers
-    (ArraysCache) too, which a BatchDecoder's target restores per row and replays."""
+    (ArraysCache) too, which a BatchDecoder's target restores per row and replays.
+    A model whose own code cannot take one position per row (`ONE_OFFSET`) is refused too."""
+    kind = getattr(model, "model_type", None)
+    if kind in ONE_OFFSET:
+        raise SpecError(
+            f"the {role} model ({kind}) {ONE_OFFSET[kind]}, so its rows cannot be batched; "
+            "decode it one request at a time (generate)"
+        )
     for c in caches._leaves(make_prompt_cache(model)):
         window = windows and type(c) is RotatingKVCache and not c.keep
         state = recurrent and type(c) is ArraysCache
@@ -171,17 +186,24 @@ def check_batchable(
 
 
 def merge_rows(row_caches: list[list]) -> list:
-    """Single-row caches (one list per row) -> one batched cache per layer, left-padded:
-    KVCache -> BatchKVCache, WindowedKVCache -> BatchWindowedKVCache."""
-    merged = []
-    for i in range(len(row_caches[0])):
-        layer = [c[i] for c in row_caches]
-        if isinstance(layer[0], ArraysCache):  # a state per row: no padding
-            merged.append(unmasked(ArraysCache.merge(layer), len(layer)))
-            continue
-        kind = BatchWindowedKVCache if isinstance(layer[0], WindowedKVCache) else BatchKVCache
-        merged.append(kind.merge(layer))
-    return merged
+    """Single-row caches (one list per row) -> one batched cache per layer, left-padded."""
+    return [merge_layer([c[i] for c in row_caches]) for i in range(len(row_caches[0]))]
+
+
+def merge_layer(layer: list):
+    """One layer's single-row caches -> its batched form: KVCache -> BatchKVCache,
+    WindowedKVCache -> BatchWindowedKVCache, ArraysCache -> one state per row (no padding),
+    a CacheList (falcon_h1, baichuan_m1, longcat_flash, DeepSeek-V3.2's indexer beside its
+    attention) -> a CacheList of its parts' batched forms, part by part."""
+    first = layer[0]
+    if isinstance(first, CacheList):
+        parts = zip(*(c.caches for c in layer), strict=True)
+        return CacheList(*(merge_layer(list(part)) for part in parts))
+    if isinstance(first, ArraysCache):
+        return unmasked(ArraysCache.merge(layer), len(layer))
+    if isinstance(first, WindowedKVCache):
+        return BatchWindowedKVCache.merge(layer)
+    return BatchKVCache.merge(layer)
 
 
 def unmasked(c: ArraysCache, rows: int) -> ArraysCache:
@@ -281,7 +303,7 @@ def _held(cache: list, tokens: int, what: str) -> None:
     oldest maybe dropped), or SpecError (a cache that is not what it says)."""
     sizes = {
         c.offset if isinstance(c, WindowedKVCache) else c.size()
-        for c in cache
+        for c in caches._leaves(cache)
         if not isinstance(c, ArraysCache)  # (a recurrent state has no length to check)
     }
     if sizes and sizes != {tokens}:
@@ -290,7 +312,7 @@ def _held(cache: list, tokens: int, what: str) -> None:
 
 def _plain(cache: list, what: str, recurrent: bool = False) -> None:
     kinds = (KVCache, WindowedKVCache) + ((ArraysCache,) if recurrent else ())
-    if any(type(c) not in kinds for c in cache):
+    if any(type(c) not in kinds for c in caches._leaves(cache)):
         raise SpecError(f"the kept {what} cache is not made of plain or windowed KV caches")
 
 
@@ -342,7 +364,9 @@ def into_decoder(decoder, state: RowState):
 
 def _extract_layer(c, i: int):
     """Row i of a batched layer as a single stream's (a recurrent state not taken in yet:
-    None, as a fresh cache holds it)."""
+    None, as a fresh cache holds it; a CacheList part by part)."""
+    if isinstance(c, CacheList):
+        return CacheList(*(_extract_layer(part, i) for part in c.caches))
     if isinstance(c, ArraysCache):
         one = ArraysCache(len(c.cache))
         one.cache = [a[i : i + 1] if a is not None else None for a in c.cache]
@@ -670,10 +694,10 @@ class BatchDecoder:
         # a draft cache never fed, as a lone 2-token prompt that ends at once leaves it, holds
         # nothing to hand back: mlx-lm's extract fails on its empty keys)
         fed = self.draft_cache is not None and all(
-            getattr(c, "keys", True) is not None for c in self.draft_cache
+            getattr(c, "keys", True) is not None for c in caches._leaves(self.draft_cache)
         )
         if self.draft is not None and row.use_draft and row.prompt_tokens >= 2 and fed:
-            draft_cache = [c.extract(i) for c in self.draft_cache]
+            draft_cache = [_extract_layer(c, i) for c in self.draft_cache]
             draft_tokens = row.sequence[: len(row.sequence) - self.lag]
             _held(draft_cache, len(draft_tokens), "batch row's draft")
         head = self.heads.extract(i, row.sequence) if self.heads is not None else None
@@ -712,12 +736,13 @@ class BatchDecoder:
     def _settle(self) -> None:
         """Queue the evaluation of what is kept between rounds, so no graph grows across them
         (queued, not waited for: the next pass needs it first anyway)."""
-        for c in self.cache:
+        for c in caches._leaves(self.cache):
             if isinstance(c, ArraysCache):
                 unmasked(c, len(self.rows))
         keys = [r.key for r in self.rows if r.key is not None]
         heads = self.heads.arrays() if self.heads is not None else []
-        mx.async_eval([c.state for c in self.cache + (self.draft_cache or [])], *keys, *heads)
+        layers = caches._leaves(self.cache + (self.draft_cache or []))
+        mx.async_eval([c.state for c in layers], *keys, *heads)
 
     # ------------------------------------------------------------------------------ a round
 

@@ -1,0 +1,111 @@
+"""Families whose layer cache is an mlx-lm `CacheList` in a batch: every row's output is the
+target's alone (they crashed the whole batch: `merge_rows` handed the CacheList itself to
+BatchKVCache.merge). Target and draft are of the family (a noisy copy as the draft), so both
+batched caches hold CacheLists; rows join, reject different numbers, leave, are cancelled,
+come from and go into single streams. Two concurrent clients of a real server get the
+target's text. gpt_bigcode, whose own code takes one position for the whole batch, is
+refused in one line before anything runs and served one request at a time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import openai
+import pytest
+import tiny
+from conftest import VOCAB
+from mlx_lm.models.cache import CacheList, make_prompt_cache
+from test_batch import (
+    CANCELLED,
+    SCHEDULE,
+    TEXTS,
+    assert_a_row_comes_from_and_goes_into_single_streams,
+    run_schedule,
+)
+from test_greedy_equality import reference
+from test_server import serving
+
+import mlx_spec
+from mlx_spec import SpecError, generate, load_pair
+from mlx_spec.decode.generate import make_batch_decoder
+
+FAMILIES = list(tiny.cachelist_configs(VOCAB))
+
+
+@pytest.fixture(scope="module")
+def dirs(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cachelist")
+    out = {}
+    configs = {**tiny.cachelist_configs(VOCAB), "gpt_bigcode": tiny.gpt_bigcode_config(VOCAB)}
+    for name, cfg in configs.items():
+        weights = tiny.family_weights(cfg, seed=0)
+        target = tiny.write_model(root / name, cfg, weights, tiny_models.tokenizer)
+        noisy = tiny.noisy(weights, 0.05)
+        draft = tiny.write_model(root / f"{name}-draft", cfg, noisy, tiny_models.tokenizer)
+        out[name] = (target, draft)
+    return root, out
+
+
+def pair_of(dirs, family):
+    target, draft = dirs[1][family]
+    return load_pair(target=str(target), draft=str(draft))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_rows_equal_each_alone(dirs, family):
+    pair = pair_of(dirs, family)
+    assert any(isinstance(c, CacheList) for c in make_prompt_cache(pair.target))
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS]
+    decoder = make_batch_decoder(pair, 3)
+    out, reasons = run_schedule(decoder, prompts)
+    for i, (p, _, max_tokens) in enumerate(SCHEDULE):
+        expected = reference(pair, prompts[p], max_tokens)
+        if i == CANCELLED:
+            assert reasons[i] == "cancelled"
+            assert 0 < len(out[i]) < len(expected) and out[i] == expected[: len(out[i])]
+        else:
+            assert out[i] == expected, f"{family} row {i}"
+    assert decoder.drafted > 0 and len(decoder) == 0
+
+
+# (attention-only CacheLists: a recurrent state, falcon_h1's, cannot go back to the shared part)
+@pytest.mark.parametrize("family", ["deepseek_v32", "longcat_flash"])
+def test_a_row_comes_from_and_goes_into_single_streams(dirs, family):
+    assert_a_row_comes_from_and_goes_into_single_streams(pair_of(dirs, family))
+
+
+def test_a_model_that_takes_one_offset_is_refused_in_one_line(dirs):
+    pair = pair_of(dirs, "gpt_bigcode")
+    with pytest.raises(SpecError, match=r"gpt_bigcode\) computes its positions .*one request"):
+        mlx_spec.batch_generate(pair, TEXTS[:2], max_tokens=4)
+    prompt = pair.tokenizer.encode(TEXTS[2])
+    res = generate(pair, prompt, max_tokens=12, num_draft_tokens=3)  # alone it speculates
+    assert res.tokens == reference(pair, prompt, 12) and res.stats.drafted > 0
+
+
+@pytest.mark.parametrize("family", ["falcon_h1", "deepseek_v32", "gpt_bigcode"])
+def test_two_concurrent_clients_get_the_targets_text(dirs, family):
+    """`mlx-spec serve --max-batch 4`: two clients at once; each reply is what the target
+    alone gives (a batch of CacheList rows; gpt_bigcode one after the other)."""
+    root, _ = dirs
+    target, draft = dirs[1][family]
+    args = ["--target", str(target), "--draft", str(draft), "--num-draft-tokens", "3",
+            "--max-batch", "4"]  # fmt: skip
+    pair = pair_of(dirs, family)
+    prompts = TEXTS[:2]
+    alone = [generate(pair, p, max_tokens=24, use_draft=False) for p in prompts]
+    assert [r.tokens for r in alone] == [reference(pair, p, 24) for p in prompts]
+    expected = [r.text for r in alone]
+    with serving(args, root) as (_, url):
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
+
+        def ask(prompt):
+            res = client.completions.create(
+                model=family, prompt=prompt, max_tokens=24, temperature=0
+            )
+            return res.choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(ask, prompts))
+    assert got == expected
