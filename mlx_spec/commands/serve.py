@@ -135,12 +135,19 @@ def setup_arg_parser(parser):
     g.add_argument(
         "--max-tokens-limit",
         type=positive_int,
-        help="largest max_tokens a request may ask for (default: no limit but the model's context)",
+        help="the most tokens a reply gets: a larger max_tokens is clamped to it, and the reply"
+        " ends with finish_reason length (default: no limit but the model's context)",
     )
     g.add_argument(
         "--default-max-tokens",
         type=positive_int,
         help="when a request sets none (default: 512, or --max-tokens-limit if lower)",
+    )
+    g.add_argument(
+        "--keep-attribution-header",
+        action="store_true",
+        help="keep Claude Code's x-anthropic-billing-header system block in prompts (dropped by"
+        " default: it changes every request, so every session would prefill its whole prompt)",
     )
     g.add_argument(
         "--prompt-cache", type=size, default=2 << 30, help="bytes of KV caches kept (2G)"
@@ -320,7 +327,7 @@ def main(args):
         shared_history=args.shared_history,
         max_body_bytes=args.max_body,
         request_timeout=args.request_timeout,
-        limits=Limits(limit, default_max),
+        limits=Limits(limit, default_max, args.keep_attribution_header),
         host=args.host,
         allowed_hosts=args.allow_host,
         allowed_origins=args.allow_origin,

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from .output import Delta
 from .protocol import ApiError, GenRequest, Limits, bad, parse_chat
-from .streaming import Encoder, sse
+from .streaming import KEEPALIVE, Encoder, sse
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -58,7 +58,10 @@ def error_body(err: ApiError) -> dict:
     kind = ERROR_TYPES.get(
         err.status, "api_error" if err.status >= 500 else "invalid_request_error"
     )
-    return {"type": "error", "error": {"type": kind, "message": err.message}}
+    message = err.message
+    if err.code == "context_length_exceeded":  # the words Claude Code compacts on
+        message = f"prompt is too long: {err.prompt_tokens} tokens > {err.context} maximum"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_response(err: ApiError) -> Response:
@@ -77,6 +80,27 @@ def text_of(blocks, where: str) -> str:
             raise bad("only text blocks are supported here", f"{where}[{j}]")
         out.append(b["text"])
     return "".join(out)
+
+
+ATTRIBUTION = "x-anthropic-billing-header:"  # Claude Code's first system block; its hex
+# suffix changes with every prompt, so kept it would end the prompt cache's match 25 tokens in
+
+
+def system_text(system, keep_attribution: bool) -> str:
+    """The system prompt, less Claude Code's per-request attribution block (a text block, or
+    a string's first line, that starts with x-anthropic-billing-header:) unless kept."""
+    if keep_attribution:
+        return text_of(system, "system")
+    if isinstance(system, str):
+        first, newline, rest = system.partition("\n")
+        return rest if first.startswith(ATTRIBUTION) else system
+    if isinstance(system, list):
+        system = [
+            b
+            for b in system
+            if not (isinstance(b, dict) and str(b.get("text", "")).startswith(ATTRIBUTION))
+        ]
+    return text_of(system, "system")
 
 
 def refuse_block(kind, where: str) -> ApiError:
@@ -216,7 +240,7 @@ def parse_messages(data: dict, limits: Limits, counting: bool = False) -> GenReq
     chat: list[dict] = []
     system = data.get("system")
     if system is not None:
-        text = text_of(system, "system")
+        text = system_text(system, limits.keep_attribution)
         if text:
             chat.append({"role": "system", "content": text})
     for i, m in enumerate(messages):
@@ -325,18 +349,25 @@ class MessagesEncoder(Encoder):
         self.rid = "msg_" + job_id
         self.index = -1  # the open block's index
         self.open: str | None = None  # its type
+        self.opened = False  # message_start went out
 
     def error_response(self, err: ApiError) -> Response:
         return error_response(err)
 
+    # message_start goes out with the first text, when the prefill has said how much of the
+    # prompt came from the cache (it said 0 before, and message_delta disagreed); until then
+    # a waiting stream gets SSE comments, which every client skips
+    opens_late = True
+
     def keepalive(self) -> dict:
-        return sse({"type": "ping"}, "ping")
+        return sse({"type": "ping"}, "ping") if self.opened else KEEPALIVE
 
     def event(self, data: dict) -> dict:
         return sse(data, data["type"])
 
-    def opening(self) -> list[dict]:
-        n = len(self.req.prompt_ids or ())
+    def opening(self, prompt: tuple[int, int] | None = None) -> list[dict]:
+        self.opened = True
+        n, cached = prompt or (len(self.req.prompt_ids or ()), 0)
         message = {
             "id": self.rid,
             "type": "message",
@@ -346,9 +377,9 @@ class MessagesEncoder(Encoder):
             "stop_reason": None,
             "stop_sequence": None,
             "usage": {
-                "input_tokens": n,
+                "input_tokens": n - cached,
                 "output_tokens": 0,
-                "cache_read_input_tokens": 0,
+                "cache_read_input_tokens": cached,
                 "cache_creation_input_tokens": 0,
             },
         }

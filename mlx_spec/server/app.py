@@ -11,6 +11,7 @@ its job mid-prefill or mid-stream.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hashlib
 import hmac
 import ipaddress
@@ -455,7 +456,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         partition = authorize(request, settings)
         entry = stored.get(partition, request.path_params["rid"])
         if entry is None:
-            raise not_found(request.path_params["rid"])
+            raise not_found(request.path_params["rid"], "response_id")
         return JSONResponse(entry["response"])
 
     async def models(request: Request) -> Response:
@@ -464,10 +465,18 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         created = int(time.time())
         names = [engine.resident.name] if engine.resident.name else []
         names += [n for n in engine.resident.models if n != engine.resident.name]
-        data = [
-            {"id": n, "object": "model", "created": created, "owned_by": "mlx-spec"} for n in names
-        ]
-        return JSONResponse({"object": "list", "data": data})
+        data = [model_entry(n, created, window(n)) for n in names]
+        # one body both SDKs read: OpenAI's list and Anthropic's page
+        first, last = (names[0], names[-1]) if names else (None, None)
+        page = {"has_more": False, "first_id": first, "last_id": last}
+        return JSONResponse({"object": "list", "data": data, **page})
+
+    def window(name: str) -> tuple[int | None, int | None]:
+        """(context, output cap) of a pair: known for the loaded one (others once loaded)."""
+        pair = engine.resident.pair
+        context = getattr(pair, "context_length", None) if name == engine.resident.name else None
+        cap = settings.limits.max_tokens
+        return context, min(filter(None, (cap, context)), default=None)
 
     async def health(request: Request) -> Response:
         if not engine.alive:  # a supervisor restarts the server on this (it exits too)
@@ -524,6 +533,30 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
     )
     app.add_middleware(Guard, settings=settings)
     return app
+
+
+def model_entry(name: str, created: int, window: tuple[int | None, int | None]) -> dict:
+    """A /v1/models entry in OpenAI's and Anthropic's shapes at once, with the context window
+    where each client family reads it: vLLM's max_model_len (Codex, LiteLLM), LM Studio's
+    max_context_length, Anthropic's max_input_tokens / max_tokens."""
+    context, cap = window
+    stamp = datetime.datetime.fromtimestamp(created, datetime.UTC)
+    entry = {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "mlx-spec",
+        "type": "model",
+        "display_name": name,
+        "created_at": stamp.isoformat().replace("+00:00", "Z"),
+        "lifecycle": "active",
+    }
+    if context is not None:
+        entry |= {"max_model_len": context, "max_context_length": context}
+        entry |= {"context_length": context, "max_input_tokens": context}
+    if cap is not None:
+        entry["max_tokens"] = cap
+    return entry
 
 
 class GracefulServer(uvicorn.Server):

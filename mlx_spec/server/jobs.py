@@ -40,6 +40,9 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)  # in the response and the log
     shutdown: bool = False  # its deadline is the shutdown's grace period (SIGTERM)
+    # (prompt tokens, of them read from a cache), once its prefill is done: what a Messages
+    # stream's message_start says, in agreement with the usage at its end
+    prompt_usage: tuple[int, int] | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -57,8 +60,9 @@ class Reply:
     with the text they belong to, deltas and the outcome put on the job's queue. The
     single-stream and the batched paths both feed it events."""
 
-    def __init__(self, job: Job, pair, tokens: list[int], raw_reasoning: bool):
+    def __init__(self, job: Job, pair, tokens: list[int], raw_reasoning: bool, stats=None):
         req = job.request
+        self.stats = stats  # the generation's Stats: its prompt figures go out with the text
         self.job, self.req = job, req
         self.stops = StopText(req.stop)
         self.output = Output(pair.tokenizer, req, tokens, raw_reasoning)
@@ -96,6 +100,8 @@ class Reply:
             self.held = self.held[len(ready) :]
             entries = [x[1] for x in ready]
         delta = self.output.feed(text, entries)
+        if self.job.prompt_usage is None and self.stats is not None:  # before the first delta
+            self.job.prompt_usage = (self.stats.prompt_tokens, self.stats.prompt_tokens_reused)
         if delta:
             self.job.put("delta", delta)
         return self.check()

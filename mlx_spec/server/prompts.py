@@ -230,6 +230,30 @@ def prompt_chars(req: GenRequest) -> int:
     return total
 
 
+def too_long(tokens: int, context: int, param: str) -> ApiError:
+    """The over-length 400 each client acts on: OpenAI's code context_length_exceeded, and
+    `prompt_tokens` / `context` for Anthropic's `prompt is too long: N tokens > M maximum`
+    (on which Claude Code compacts its conversation)."""
+    err = ApiError(
+        400,
+        f"the prompt is {tokens} tokens, longer than the model's context of {context}",
+        param,
+        "context_length_exceeded",
+    )
+    err.prompt_tokens, err.context = tokens, context
+    return err
+
+
+def param_of(req: GenRequest) -> str:
+    return "messages" if req.kind == "chat" else "prompt"
+
+
+def check_length(pair, req: GenRequest, tokens: list[int]) -> None:
+    context = getattr(pair, "context_length", None)
+    if context and len(tokens) >= context:
+        raise too_long(len(tokens), context, param_of(req))
+
+
 def check_size(pair, req: GenRequest) -> None:
     """A 400 at once for a prompt the context cannot hold, before any tokenising: more ids
     than the context, or more characters than it could hold at MAX_CHARS_PER_TOKEN each."""
@@ -237,21 +261,15 @@ def check_size(pair, req: GenRequest) -> None:
     if not context:
         return
     if req.kind != "chat" and isinstance(req.prompt, list) and len(req.prompt) >= context:
-        raise ApiError(
-            400,
-            f"the prompt is {len(req.prompt)} tokens, longer than the model's context of {context}",
-            "prompt",
-            "context_length_exceeded",
-        )
+        raise too_long(len(req.prompt), context, "prompt")
     chars = prompt_chars(req)
     if chars > context * MAX_CHARS_PER_TOKEN:
-        raise ApiError(
-            400,
+        err = too_long(chars // MAX_CHARS_PER_TOKEN, context, param_of(req))
+        err.message = (
             f"the prompt is {chars} characters: more than the model's context of {context}"
-            f" tokens can hold (at most {MAX_CHARS_PER_TOKEN} characters a token)",
-            "messages" if req.kind == "chat" else "prompt",
-            "context_length_exceeded",
+            f" tokens can hold (at most {MAX_CHARS_PER_TOKEN} characters a token)"
         )
+        raise err
 
 
 def make_pool() -> ThreadPoolExecutor:
@@ -279,14 +297,7 @@ async def prepare(engine, req: GenRequest, pool: ThreadPoolExecutor) -> None:
         traceback.print_exception(err, file=sys.stderr)
         message = f"internal error: {type(err).__name__}: {err}"
         raise ApiError(500, message, code="internal_error") from None
-    context = getattr(pair, "context_length", None)
-    if context and len(tokens) >= context:
-        raise ApiError(
-            400,
-            f"the prompt is {len(tokens)} tokens, longer than the model's context of {context}",
-            "messages" if req.kind == "chat" else "prompt",
-            "context_length_exceeded",
-        )
+    check_length(pair, req, tokens)
     if not resident.cache.freely:  # marks in the prompt only for caches that need them
         req.prompt_system_end = await loop.run_in_executor(pool, system_end, pair, req, tokens)
     req.prompt_ids, req.prompt_pair = tokens, pair
@@ -300,7 +311,9 @@ def request_tokens(pair, req: GenRequest) -> list[int]:
     rendered here (a request that swapped the pair in); for the engine thread."""
     if req.prompt_ids is not None and req.prompt_pair is pair:
         return list(req.prompt_ids)
-    return prompt_ids(pair, req, req.parse_special)
+    tokens = prompt_ids(pair, req, req.parse_special)
+    check_length(pair, req, tokens)
+    return tokens
 
 
 def request_config(pair, req: GenRequest):

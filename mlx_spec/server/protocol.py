@@ -90,8 +90,9 @@ MESSAGE_FIELDS = {
 
 @dataclass
 class Limits:
-    max_tokens: int | None = None  # the most a request may ask for (None: the context bounds it)
+    max_tokens: int | None = None  # a cap on what a request gets (None: the context bounds it)
     default_max_tokens: int = 512  # when it asks for nothing
+    keep_attribution: bool = False  # keep Claude Code's per-request billing block in prompts
 
 
 class ApiError(Exception):
@@ -115,6 +116,8 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
+        if status in (401, 403):  # a wrong key stays wrong: Claude Code retried a 401 8 times
+            self.headers.setdefault("x-should-retry", "false")
 
     def body(self) -> dict:
         kind = self.TYPES.get(self.status, "server_error")
@@ -387,11 +390,9 @@ def common(data: dict, kind: str, prompt, limits: Limits, max_tokens) -> GenRequ
     elif max_tokens < 1:
         raise bad(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     elif limits.max_tokens is not None and max_tokens > limits.max_tokens:
-        raise bad(
-            f"max_tokens must be in [1, {limits.max_tokens}] on this server"
-            f" (--max-tokens-limit), got {max_tokens}",
-            "max_tokens",
-        )
+        # Clamped, not refused: Claude Code always asks 32000, and a 400 here leaves it unable
+        # to work at all; the reply ends with finish_reason "length" if it reaches the cap.
+        max_tokens = limits.max_tokens
     constraint = response_format(data)
     if constraint is not None and data.get("stop"):
         raise bad(

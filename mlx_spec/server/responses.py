@@ -95,13 +95,12 @@ class ResponseStore:
         return sum(self.entries[k][1] for k in keys)
 
 
-def not_found(rid) -> ApiError:
-    return ApiError(
-        404,
-        f"No response with id {str(rid)[:64]!r} is stored for this API key",
-        "previous_response_id",
-        "previous_response_not_found",
-    )
+def not_found(rid, param: str = "previous_response_id") -> ApiError:
+    """The 404 of an unknown response id: named by the field that carried it (the path's
+    response_id for GET /v1/responses/{id})."""
+    code = "previous_response_not_found" if param == "previous_response_id" else "not_found"
+    message = f"No response with id {str(rid)[:64]!r} is stored for this API key"
+    return ApiError(404, message, param, code)
 
 
 def parts_text(content, where: str) -> str:

@@ -65,8 +65,11 @@ class Encoder:
         """What a waiting stream gets every `keepalive` seconds."""
         return KEEPALIVE
 
-    def opening(self) -> list[dict]:
-        """The events right after a stream's headers."""
+    opens_late = False  # the opening waits for the first item (it carries prompt figures)
+
+    def opening(self, prompt: tuple[int, int] | None = None) -> list[dict]:
+        """The events right after a stream's headers (`prompt`: the job's prompt tokens and
+        cached tokens, for an encoder that `opens_late`)."""
         return [sse(self.chunk(None, first=True))] if self.req.kind == "chat" else []
 
     def delta(self, delta: Delta) -> list[dict]:
@@ -278,10 +281,17 @@ class JobResponse:
         await send(
             {"type": "http.response.start", "status": 200, "headers": self.header_list(headers)}
         )
-        await self.send_all(send, self.encoder.opening(), end=False)
+        if not self.encoder.opens_late:
+            await self.send_all(send, self.encoder.opening(), end=False)
 
     async def stream(self, send, item) -> None:
         await self.start_stream(send)
+        if self.encoder.opens_late and item[0] != "error":
+            prompt = self.job.prompt_usage
+            if prompt is None and item[0] == "done":  # no text at all: the outcome's figures
+                u = item[1].usage
+                prompt = (u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"])
+            await self.send_all(send, self.encoder.opening(prompt), end=False)
         while item[0] == "delta":
             await self.send_all(send, self.encoder.delta(item[1]), end=False)
             item = await self.job.items.get()

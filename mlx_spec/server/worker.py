@@ -279,7 +279,7 @@ class Engine:
         config = request_config(pair, req)  # before the decoder is taken: a bad schema is a 400
         decoder = cache.take(tokens)  # a copy of the best kept one: entries stay as they are
         stats = Stats()
-        reply = Reply(job, pair, tokens, self.raw_reasoning)
+        reply = Reply(job, pair, tokens, self.raw_reasoning, stats)
         marks = cache.marks(tokens, request_system_end(pair, req, tokens))
 
         def keep(mark: int) -> None:  # the prefill passed a segment's end: keep a copy there
@@ -424,7 +424,7 @@ class Engine:
             stats.prefill_seconds = time.perf_counter() - begin
             # a copy of the detokenizer per row: rows are detokenized side by side
             maker = EventMaker(pair.tokenizer.detokenizer, stats, time.perf_counter(), max_tokens)
-            reply = Reply(job, pair, tokens, self.raw_reasoning)
+            reply = Reply(job, pair, tokens, self.raw_reasoning, stats)
             live[rid] = BatchRow(
                 job, reply, stats, maker, list(tokens), time.monotonic(), cache, kept, config
             )
