@@ -17,6 +17,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import openai
@@ -78,6 +79,9 @@ def health(url: str) -> int:
 
 def start_server(args: list[str], log, env=None) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "mlx_spec", "serve", "--port", "0", "--log-level", "warning"]
+    if "--cache-dir" not in args and "--no-disk-cache" not in args:
+        # a disk tier of its own: no server finds another test's entries
+        args = [*args, "--cache-dir", tempfile.mkdtemp(prefix="mlx-spec-cache-")]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLX_SPEC_API_KEY": "", **(env or {})}
     proc = subprocess.Popen(cmd + args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     sel = selectors.DefaultSelector()

@@ -144,6 +144,20 @@ def setup_arg_parser(parser):
         help="when a request sets none (default: 512, or --max-tokens-limit if lower)",
     )
     g.add_argument(
+        "--cache-dir",
+        type=Path,
+        help="folder of the prompt cache's disk tier: entries written as they are kept, found"
+        " again after an eviction, a restart or a pair swap (default: ~/.cache/mlx-spec/"
+        "prompt-cache, or $XDG_CACHE_HOME/mlx-spec/prompt-cache)",
+    )
+    g.add_argument(
+        "--cache-disk-bytes",
+        type=size,
+        default=20 << 30,
+        help="bytes the disk tier may hold; least recently used files go first (20G)",
+    )
+    g.add_argument("--no-disk-cache", action="store_true", help="keep the prompt cache in RAM only")
+    g.add_argument(
         "--keep-attribution-header",
         action="store_true",
         help="keep Claude Code's x-anthropic-billing-header system block in prompts (dropped by"
@@ -310,6 +324,11 @@ def main(args):
             raise SpecError(f"--allow-swap names unknown pairs: {', '.join(unknown)}")
         local &= set(args.allow_swap)
     models = sorted({name, *local})
+    disk = None
+    if not args.no_disk_cache:
+        from ..server.disk_cache import DiskStore, default_dir
+
+        disk = DiskStore(args.cache_dir or default_dir(), args.cache_disk_bytes)
     engine = Engine(
         None,  # loaded by start(), on the engine thread: the one that generates (threads.py)
         name,
@@ -321,6 +340,7 @@ def main(args):
         max_queue_per_key=per_key_queue(args, keys),
         raw_reasoning=args.raw_reasoning,
         max_batch=args.max_batch,
+        disk=disk,
     )
     settings = Settings(
         api_keys=keys,
@@ -389,6 +409,11 @@ def main(args):
     except KeyboardInterrupt:
         status = 130
     engine.stop(timeout=args.shutdown_timeout + 5)
+    if disk is not None:  # the entries kept last go to disk before the exit
+        try:
+            disk.flush()
+        except Exception as err:  # noqa: BLE001 - the exit must not wait on a broken disk
+            print(f"mlx-spec serve: prompt cache writes not finished: {err}", file=sys.stderr)
     if engine.failure is not None:  # non-zero, so that a supervisor restarts the server
         status = 1
     sys.stdout.flush()

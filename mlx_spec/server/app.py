@@ -297,6 +297,24 @@ def metrics_text(engine: Engine) -> str:
         ("batch_streams_moved_total",
          "Lone streams that went on as batch rows when a request came.", m.streams_moved),
     ]  # fmt: skip
+    disk = engine.resident.disk
+    if disk is not None:  # the prompt cache's disk tier (disk_cache.py)
+        d = disk.metrics
+        counters += [
+            ("disk_cache_hits_total", "Prompt cache entries loaded from disk.", d.hits),
+            ("disk_cache_misses_total",
+             "Requests whose prompt no RAM or disk entry shared more of.", d.misses),
+            ("disk_cache_read_bytes_total", "Bytes of cache files loaded.", d.bytes_read),
+            ("disk_cache_written_bytes_total", "Bytes of cache files written.", d.bytes_written),
+            ("disk_cache_load_seconds_total", "Seconds spent loading cache files.",
+             round(d.load_seconds, 4)),
+            ("disk_cache_save_seconds_total", "Seconds spent writing cache files.",
+             round(d.save_seconds, 4)),
+            ("disk_cache_evictions_total", "Cache files removed by --cache-disk-bytes.",
+             d.evictions),
+            ("disk_cache_errors_total",
+             "Cache files that did not read back (removed) or could not be written.", d.errors),
+        ]  # fmt: skip
     out.each("counter", counters)
     rate = m.accepted / m.drafted if m.drafted else 0.0
     gauges = [

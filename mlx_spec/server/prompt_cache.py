@@ -19,7 +19,8 @@ marks inside the prompt as it prefills (`marks`), and kept prefixes stay.
 
 The bytes are bounded per server, across partitions (`trim`), evicting in mlx-lm's order:
 assistant entries before user ones before system ones, least recently used first within a
-kind, unless a later kind holds more entries than the earlier one.
+kind, unless a later kind holds more entries than the earlier one. Every kept entry is also
+written to the disk tier (disk_cache.py) as it is kept; an evicted one is found there again.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..core import caches
 from ..decode.generate import make_decoder
 from ..decode.history import HistoryIndex
 from ..errors import SpecError
+from .disk_cache import disk_capable, model_identity
 
 SEGMENTS = ("assistant", "user", "system")  # eviction order: the first kind goes first
 
@@ -156,7 +158,9 @@ class Entry:
 class PromptCache:
     """One partition's kept decoders (an API key's, or the default one's)."""
 
-    def __init__(self, pair, max_bytes: int, history: HistoryIndex | None):
+    def __init__(
+        self, pair, max_bytes: int, history: HistoryIndex | None, disk=None, partition: str = ""
+    ):
         self.pair, self.max_bytes, self.history = pair, max_bytes, history
         self.trie = PromptTrie()
         self.bytes = 0
@@ -164,6 +168,9 @@ class PromptCache:
         self.freely = pair is None or caches.rolls_back_freely(
             caches.make_cache(pair.target, strict=False)
         )
+        # the disk tier (disk_cache.py): this partition's folder for this pair's entries
+        self.disk = disk if pair is not None and pair.target_path is not None else None
+        self.folder = disk.folder(model_identity(pair), partition) if self.disk else None
 
     @property
     def entries(self) -> list[Entry]:
@@ -188,6 +195,9 @@ class PromptCache:
                 best is not None and reuse == most and entry.last_used > best.last_used
             ):
                 best, most = entry, reuse
+        loaded = self._from_disk(tokens, most)
+        if loaded is not None:
+            best = loaded
         if best is None:
             return None
         best.last_used = time.monotonic()
@@ -195,6 +205,38 @@ class PromptCache:
             return best.decoder.fork()
         except SpecError:  # a cache or drafter kind that cannot be copied: start afresh
             return None
+
+    def _from_disk(self, tokens: list[int], most: int) -> Entry | None:
+        """The disk entry that reuses more of `tokens` than the RAM's best (`most`), loaded
+        into a RAM entry, when loading it beats prefilling what it saves; None otherwise."""
+        if self.disk is None or not self.disk.enabled:
+            return None
+        found, reuse = self.disk.best(self.folder, tokens, self.freely)
+        if found is None or not self.disk.worth_loading(found, reuse - most):
+            if reuse <= most:
+                self.disk.metrics.misses += 1
+            return None
+        decoder = self.new()
+        if not disk_capable(decoder):
+            return None
+        state = self.disk.load(found)
+        if state is None:
+            return None
+        target, draft = state
+        draft = (draft, found.tokens[: found.draft_tokens]) if draft is not None else None
+        decoder.adopt(found.tokens, target, draft)
+        decoder.settle()
+        if decoder.reusable(tokens) <= most:  # (the index promised more than the state holds)
+            return None
+        entry = Entry(decoder, found.segment, decoder_bytes(decoder))
+        previous = self.trie.add(decoder.sequence, entry)
+        self.bytes += entry.bytes - (previous.bytes if previous is not None else 0)
+        return entry
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill's rate, which loading from disk must beat."""
+        if self.disk is not None:
+            self.disk.note_prefill(tokens, seconds)
 
     def take(self, tokens: list[int]):
         """The decoder a request generates with: a copy of the best entry, or a new one."""
@@ -221,6 +263,8 @@ class PromptCache:
         entry = Entry(decoder, segment, decoder_bytes(decoder))
         previous = self.trie.add(decoder.sequence, entry)
         self.bytes += entry.bytes - (previous.bytes if previous is not None else 0)
+        if self.disk is not None:  # written as it is kept: a kill -9 loses nothing kept
+            self.disk.write(self.folder, decoder, segment)
         if self.freely:
             along, _, _ = self.trie.search(decoder.sequence)
             for kept in along:
@@ -237,6 +281,13 @@ class PromptCache:
         self.save(twin, segment)
 
     def drop(self, entry: Entry) -> None:
+        """Forget an entry a longer one made redundant, on disk too."""
+        self.evict(entry)
+        if self.disk is not None:
+            self.disk.forget(self.folder, entry.tokens)
+
+    def evict(self, entry: Entry) -> None:
+        """Out of RAM (the byte budget): its file, if any, stays for a later request."""
         self.trie.pop(entry.tokens)
         self.bytes -= entry.bytes
 
@@ -271,5 +322,5 @@ def trim(prompt_caches: list[PromptCache], max_bytes: int) -> None:
         if kind is None:
             break
         _, _, entry, cache = queues[kind].pop()
-        cache.drop(entry)
+        cache.evict(entry)
         total -= entry.bytes

@@ -36,8 +36,10 @@ class Resident:
         prompt_cache_bytes: int = 2 << 30,
         history_tokens: int = 0,
         max_batch: int = 1,
+        disk=None,
     ):
         self.loader, self.models = loader, models
+        self.disk = disk  # disk_cache.DiskStore, or None (--no-disk-cache)
         self.prompt_cache_bytes = prompt_cache_bytes
         self.history_tokens = history_tokens  # 0: no history lookup
         self.max_batch = max_batch  # 1: one stream at a time
@@ -48,7 +50,7 @@ class Resident:
     def install(self, pair, name: str) -> None:
         self.pair, self.name = pair, name
         self.history = self._new_history()
-        self.cache = PromptCache(pair, self.prompt_cache_bytes, self.history)
+        self.cache = PromptCache(pair, self.prompt_cache_bytes, self.history, self.disk)
         self.batch, self.batch_plain = None, False  # a BatchDecoder, when the pair batches
         if pair is not None and self.max_batch > 1:
             self.batch = self.new_batch()
@@ -103,7 +105,8 @@ class Resident:
         entry = self.partitions.get(key)
         if entry is None or entry[0].pair is not self.pair:
             history = self._new_history()
-            entry = (PromptCache(self.pair, self.prompt_cache_bytes, history), history)
+            cache = PromptCache(self.pair, self.prompt_cache_bytes, history, self.disk, key)
+            entry = (cache, history)
             self.partitions[key] = entry
         return entry
 

@@ -93,6 +93,7 @@ class Engine:
         max_queue_per_key: int | None = None,
         raw_reasoning: bool = False,
         max_batch: int = 1,
+        disk=None,
     ):
         self.metrics = Metrics()
         self.scheduler = Scheduler(self.metrics, max_queue, max_queue_per_key)
@@ -102,6 +103,7 @@ class Engine:
             prompt_cache_bytes=prompt_cache_bytes,
             history_tokens=history_tokens,
             max_batch=max_batch,
+            disk=disk,
         )
         self.raw_reasoning = raw_reasoning  # think text stays in content
         self.thread = threading.Thread(target=self._run, name="mlx-spec-engine", daemon=True)
@@ -224,6 +226,9 @@ class Engine:
         if decoder is not None:
             cache.save(decoder, "assistant")  # (not when a failure left it mid-round)
             self.resident.trim_caches()
+        if not batched:  # (a row's prefill is timed where it joins)
+            cache.note_prefill(stats.prompt_tokens - stats.prompt_tokens_reused,
+                               stats.prefill_seconds or 0.0)  # fmt: skip
         self.metrics.add(stats, passes=not batched)  # a batch counts its passes itself
         if history is not None:  # later requests may draft from it
             history.add(sequence)
@@ -422,6 +427,7 @@ class Engine:
             )  # fmt: skip
             stats.prompt_tokens_reused = decoder.row(rid).reused
             stats.prefill_seconds = time.perf_counter() - begin
+            cache.note_prefill(len(tokens) - stats.prompt_tokens_reused, stats.prefill_seconds)
             # a copy of the detokenizer per row: rows are detokenized side by side
             maker = EventMaker(pair.tokenizer.detokenizer, stats, time.perf_counter(), max_tokens)
             reply = Reply(job, pair, tokens, self.raw_reasoning, stats)

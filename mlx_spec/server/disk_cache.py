@@ -1,0 +1,469 @@
+"""The prompt cache's disk tier: kept decoders written to safetensors files as they are kept, so
+an entry the RAM budget evicts, every entry after a restart (a clean stop or `kill -9`) and a
+swapped-out pair's entries are loaded again instead of prefilled.
+
+The files are mlx-lm's `save_prompt_cache` format (the caches' states flattened into
+safetensors, `[metadata, classes, scalars]` in its metadata), written by `cache_file_parts` /
+read by `read_cache_file`, which are mlx-lm's two functions with one change: a layer class
+may be mlx-spec's `WindowedKVCache` (its state carries its offset and window too). The
+metadata holds the token sequence, so a restart indexes the folder from the files' headers
+without loading an array.
+
+Layout: `<dir>/<model>/<partition>/<entry>.safetensors`. `<model>` hashes what makes a state
+valid (the target's and draft's paths, weight file sizes and times, adapter, drafter kind);
+`<partition>` is an HMAC of the API key's partition under a secret kept in the folder, never
+the key; `<entry>` is a hash of the tokens and the file's own SHA-256, checked on every load.
+Files are written to a unique temporary name, fsynced and renamed: a crash, `kill -9` or a
+second server on the folder leaves a whole file or none. Anything that does not read back
+(torn, corrupt, foreign, another format version) is removed with one log line, never loaded;
+a folder that cannot be written (full, read-only) turns the tier off with one warning.
+
+What goes to disk: the target's caches and a draft model's; a drafter that keeps nothing but
+tokens (prompt lookup) is rebuilt from them. A head drafter (EAGLE-3, DFlash, MTP) reads the
+target's hidden states, which no file keeps: such pairs keep RAM entries only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import cache as mlx_lm_cache
+from mlx_lm.utils import common_prefix_len
+
+from ..core import caches
+from ..errors import SpecError
+
+log = logging.getLogger("mlx_spec.server")
+
+FORMAT = "mlx-spec-prompt-cache/1"
+SUFFIX = ".safetensors"
+
+
+def default_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mlx-spec" / "prompt-cache"
+
+
+# ------------------------------------------------------------------ the file format
+
+
+def layer_state(c):
+    """A layer's (class name, state) as save_prompt_cache flattens it; WindowedKVCache's with
+    what its `state` leaves out (the rows it holds, offset, dropped, window settings)."""
+    if isinstance(c, mlx_lm_cache.CacheList):
+        return "CacheList", [layer_state(x)[::-1] for x in c.caches]
+    if type(c) is caches.WindowedKVCache:
+        held = c.stored
+        keys, values = (
+            (None, None) if c.keys is None else (c.keys[..., :held, :], c.values[..., :held, :])
+        )
+        return "WindowedKVCache", (keys, values, c.offset, c.dropped, c.window, c.margin, c.slack)
+    return type(c).__name__, c.state
+
+
+def from_layer_state(name: str, state):
+    if name == "CacheList":
+        cl = mlx_lm_cache.CacheList.__new__(mlx_lm_cache.CacheList)
+        cl.caches = [from_layer_state(n, s) for s, n in state]
+        return cl
+    if name == "WindowedKVCache":
+        keys, values, offset, dropped, window, margin, slack = state
+        c = caches.WindowedKVCache(int(window), int(margin), int(slack))
+        c.keys, c.values, c.offset, c.dropped = keys, values, int(offset), int(dropped)
+        return c
+    kind = getattr(mlx_lm_cache, name, None)
+    if not (isinstance(kind, type) and issubclass(kind, mlx_lm_cache._BaseCache)):
+        raise ValueError(f"unknown cache class {name!r}")
+    return kind.from_state(state)
+
+
+def cache_file_parts(cache: list, metadata: dict) -> tuple[dict, dict]:
+    """mlx-lm's save_prompt_cache up to the write: (arrays, metadata) of a safetensors file."""
+    scalars = [""]
+
+    def map_data(item):
+        i, data = item
+        if isinstance(data, mx.array):
+            return item
+        if isinstance(data, bool | int | float):
+            scalars.append((i, "scalar"))
+            return i, mx.array(data)
+        if isinstance(data, str):
+            scalars.append((i, "string"))
+            return i, mx.array([ord(ch) for ch in data])
+        if data is None:
+            scalars.append((i, "none"))
+            return i, mx.array([])
+        raise ValueError(f"cache state is not serializable: {data!r}")
+
+    named = [layer_state(c) for c in cache]
+    arrays = dict(map(map_data, tree_flatten([s for _, s in named])))
+    meta = dict(tree_flatten([metadata, [n for n, _ in named], scalars]))
+    return arrays, meta
+
+
+def read_cache_file(path: Path) -> tuple[list, dict]:
+    """mlx-lm's load_prompt_cache (with `layer_state`'s classes): (caches, metadata)."""
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    metadata, classes, scalars = tree_unflatten(list(meta.items()))
+    for pos, kind in scalars[1:]:
+        a = arrays[pos]
+        if kind == "scalar":
+            arrays[pos] = a.item()
+        elif kind == "string":
+            arrays[pos] = "".join(map(chr, a.tolist()))
+        elif kind == "none":
+            arrays[pos] = None
+        else:
+            raise ValueError(f"unknown scalar type {kind!r}")
+    states = tree_unflatten(list(arrays.items())) if arrays else []
+    if isinstance(states, dict):  # (tree_unflatten of "0.x" keys gives a list; guard anyway)
+        raise ValueError("cache states are not a list")
+    return [from_layer_state(c, s) for c, s in zip(classes, states, strict=True)], metadata
+
+
+def header_metadata(path: Path) -> dict:
+    """A safetensors file's metadata from its header alone (no array is read)."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        if size > 64 << 20:
+            raise ValueError("header too large")
+        header = json.loads(f.read(size))
+    return header.get("__metadata__", {})
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------ identity
+
+
+def model_identity(pair) -> str:
+    """A hash of what makes a kept state valid for `pair`: another model, other weights (a
+    new size or modification time), another adapter or drafter never finds these files."""
+    parts = [FORMAT, pair.config.drafter or "", str(pair.speculative)]
+    for path in (pair.target_path, pair.draft_path, pair.draft_adapter):
+        if path is None:
+            parts.append("-")
+            continue
+        path = Path(path).resolve()
+        parts.append(str(path))
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        for f in files + [path / "config.json"] * path.is_dir():
+            try:
+                st = f.stat()
+                parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+            except OSError:
+                parts.append(f"{f.name}:?")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def disk_capable(decoder) -> bool:
+    """Whether a decoder's state can live on disk: no head reading the target's layers."""
+    return not decoder.hidden_layers
+
+
+# ------------------------------------------------------------------ the store
+
+
+@dataclass
+class DiskMetrics:
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0
+    evictions: int = 0
+    errors: int = 0
+
+
+@dataclass(eq=False)
+class DiskEntry:
+    path: Path
+    tokens: list[int]  # the decoder's sequence (its caches hold all but the last)
+    segment: str
+    bytes: int
+    draft: int  # how many of the cache list's layers are the draft model's (at the end)
+    draft_tokens: int  # how many tokens the draft's cache holds
+    used: float = field(default_factory=time.time)
+
+
+class DiskStore:
+    """One cache folder, shared by every partition and model of this server."""
+
+    def __init__(self, root: Path, max_bytes: int):
+        if max_bytes <= 0:
+            raise SpecError("--cache-disk-bytes must be positive")
+        root = Path(root).expanduser()
+        if root.exists() and not root.is_dir():
+            raise SpecError(f"--cache-dir {root} is not a directory")
+        try:
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.secret = self._secret(root)
+        except OSError as err:
+            raise SpecError(f"--cache-dir {root} cannot be used: {err.strerror or err}") from None
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise SpecError(f"--cache-dir {root} is not writable")
+        self.root, self.max_bytes = root, max_bytes
+        self.enabled = True
+        self.metrics = DiskMetrics()
+        self.lock = threading.Lock()  # the index, between the engine and the writer thread
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-spec-disk")
+        self.folders: dict[Path, dict[str, DiskEntry]] = {}  # folder -> name -> entry
+        # seconds a byte takes to load and a token to prefill, as measured (None: not yet)
+        self.load_rate: float | None = None  # bytes per second
+        self.prefill_rate: float | None = None  # tokens per second
+
+    @staticmethod
+    def _secret(root: Path) -> bytes:
+        path = root / "secret"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            data = path.read_bytes()
+            if len(data) != 32:
+                raise SpecError(f"{path} is not this format's secret (remove the folder)") from None
+            return data
+        data = secrets.token_bytes(32)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return data
+
+    def folder(self, model: str, partition: str) -> Path:
+        keyed = hmac.new(self.secret, partition.encode(), "sha256").hexdigest()[:32]
+        return self.root / model / keyed
+
+    def entries(self, folder: Path) -> dict[str, DiskEntry]:
+        """The folder's entries, indexed from the files' headers the first time it is asked."""
+        with self.lock:
+            known = self.folders.get(folder)
+            if known is not None:
+                return known
+            known = self.folders[folder] = {}
+        for path in sorted(folder.glob("*" + SUFFIX)) if folder.is_dir() else []:
+            entry = self._index(path)
+            if entry is not None:
+                with self.lock:
+                    known[path.name] = entry
+        return known
+
+    def _index(self, path: Path) -> DiskEntry | None:
+        try:
+            meta = header_metadata(path)
+            info = json.loads(meta["0.info"])
+            if info.get("format") != FORMAT:
+                raise ValueError(f"format {info.get('format')!r}")
+            st = path.stat()
+            return DiskEntry(
+                path, [int(t) for t in info["tokens"]], str(info["segment"]), st.st_size,
+                int(info["draft"]), int(info["draft_tokens"]), st.st_mtime,
+            )  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - whatever it is, it is not ours to load
+            self.discard(path, f"unreadable header ({type(err).__name__}: {err})")
+            return None
+
+    def discard(self, path: Path, why: str) -> None:
+        log.warning("prompt cache on disk: removed %s: %s", path.name, why)
+        self.metrics.errors += 1
+        with self.lock:
+            self.folders.get(path.parent, {}).pop(path.name, None)
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+    def best(self, folder: Path, tokens: list[int], freely: bool) -> tuple[DiskEntry | None, int]:
+        """The entry that would reuse the most of `tokens`, and how many: a caches that roll
+        back freely reuse any shared prefix; others only an entry wholly inside the prompt."""
+        best, most = None, 0
+        for entry in list(self.entries(folder).values()):
+            held = entry.tokens[:-1]
+            shared = common_prefix_len(held, tokens)
+            if not freely and shared < len(held):
+                continue
+            reuse = min(shared, len(tokens) - 1)
+            if reuse > most or (best is not None and reuse == most and entry.used > best.used):
+                best, most = entry, reuse
+        return best, most
+
+    def worth_loading(self, entry: DiskEntry, gain: int) -> bool:
+        """Whether loading `entry` beats prefilling the `gain` tokens it saves, at the rates
+        measured so far (loading first, when nothing is measured yet)."""
+        if gain <= 0:
+            return False
+        if self.load_rate is None or self.prefill_rate is None:
+            return True
+        return entry.bytes / self.load_rate < gain / self.prefill_rate
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= 64 and seconds > 0:  # (short prefills time the overhead, not the rate)
+            rate = tokens / seconds
+            self.prefill_rate = (
+                rate if self.prefill_rate is None else 0.8 * self.prefill_rate + 0.2 * rate
+            )
+
+    def load(self, entry: DiskEntry) -> tuple[list, list | None] | None:
+        """(target caches, draft caches or None), checked against the file's digest; None
+        (the file removed) when it does not read back."""
+        begin = time.perf_counter()
+        try:
+            digest = entry.path.stem.rsplit("-", 1)[-1]
+            if file_digest(entry.path)[: len(digest)] != digest:
+                raise ValueError("checksum mismatch")
+            cache, _ = read_cache_file(entry.path)
+            mx.eval([c.state for c in caches._leaves(cache)])
+        except FileNotFoundError:  # another server removed it
+            with self.lock:
+                self.folders.get(entry.path.parent, {}).pop(entry.path.name, None)
+            return None
+        except Exception as err:  # noqa: BLE001
+            self.discard(entry.path, f"{type(err).__name__}: {err}")
+            return None
+        seconds = time.perf_counter() - begin
+        self.metrics.hits += 1
+        self.metrics.bytes_read += entry.bytes
+        self.metrics.load_seconds += seconds
+        rate = entry.bytes / max(seconds, 1e-6)
+        self.load_rate = rate if self.load_rate is None else 0.8 * self.load_rate + 0.2 * rate
+        entry.used = time.time()
+        try:
+            os.utime(entry.path)
+        except OSError:
+            pass
+        log.debug("prompt cache on disk: loaded %s (%d bytes, %.3f s)", entry.path.name,
+                  entry.bytes, seconds)  # fmt: skip
+        split = len(cache) - entry.draft
+        return cache[:split], (cache[split:] if entry.draft else None)
+
+    def write(self, folder: Path, decoder, segment: str) -> None:
+        """Queue a file for `decoder` (a kept entry: nothing generates with it). Its arrays are
+        sliced and evaluated here, on the engine thread (a lazy array cannot be evaluated on
+        another: threads.py); the writer thread only writes."""
+        if not self.enabled or decoder.unfed != 1 or not disk_capable(decoder):
+            return
+        tokens = list(decoder.sequence)
+        name_hash = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:24]
+        with self.lock:
+            if any(n.startswith(name_hash) for n in self.folders.get(folder, {})):
+                return  # (already on disk)
+        cache = list(decoder.cache)
+        draft, draft_tokens = [], 0
+        held = decoder.drafter.held_cache() if decoder.drafter is not None else None
+        if held is not None:
+            draft, cached = held
+            draft, draft_tokens = list(draft), len(cached)
+        info = {"format": FORMAT, "tokens": tokens, "segment": segment,
+                "draft": len(draft), "draft_tokens": draft_tokens}  # fmt: skip
+        try:
+            arrays, meta = cache_file_parts(cache + draft, {"info": json.dumps(info)})
+            mx.eval(list(arrays.values()))
+        except Exception as err:  # noqa: BLE001 - the request goes on; the entry stays in RAM
+            self.metrics.errors += 1
+            log.warning("prompt cache on disk: an entry cannot be written: %s: %s",
+                        type(err).__name__, err)  # fmt: skip
+            return
+        self.writer.submit(self._write, folder, name_hash, arrays, meta, info)
+
+    def _write(self, folder: Path, name_hash: str, arrays: dict, meta: dict, info: dict) -> None:
+        begin = time.perf_counter()
+        tmp = folder / f".tmp-{os.getpid()}-{uuid.uuid4().hex}{SUFFIX}"
+        try:
+            for part in (folder.parent, folder):  # <model>/<partition>, both 0700
+                part.mkdir(mode=0o700, exist_ok=True)
+            mx.save_safetensors(str(tmp), arrays, meta)
+            os.chmod(tmp, 0o600)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            path = folder / f"{name_hash}-{file_digest(tmp)[:32]}{SUFFIX}"
+            os.replace(tmp, path)
+            dir_fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as err:  # a full disk, a read-only folder: RAM only from now on
+            self.enabled = False
+            log.warning("prompt cache on disk turned off (RAM only): %s", err)
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            return
+        size = path.stat().st_size
+        entry = DiskEntry(path, info["tokens"], info["segment"], size, info["draft"],
+                          info["draft_tokens"])  # fmt: skip
+        with self.lock:
+            self.folders.setdefault(folder, {})[path.name] = entry
+        self.metrics.bytes_written += size
+        self.metrics.save_seconds += time.perf_counter() - begin
+        log.debug("prompt cache on disk: wrote %s (%d bytes)", path.name, size)
+        self.trim()
+
+    def forget(self, folder: Path, tokens: list[int]) -> None:
+        """Remove the file of exactly `tokens` (a RAM entry made redundant by a longer one)."""
+        name_hash = hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()[:24]
+
+        def remove():
+            with self.lock:
+                names = [n for n in self.folders.get(folder, {}) if n.startswith(name_hash)]
+                for n in names:
+                    self.folders[folder].pop(n)
+            for n in names:
+                try:
+                    (folder / n).unlink()
+                except OSError:
+                    pass
+
+        self.writer.submit(remove)  # after its write, on the same thread
+
+    def trim(self) -> None:
+        """Least recently used files out until the folder fits --cache-disk-bytes (every
+        model's and partition's, this server's index and the files on disk alike)."""
+        files = []
+        for path in self.root.glob("*/*/*" + SUFFIX):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            files.append((st.st_mtime, st.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.max_bytes:
+                break
+            try:
+                path.unlink()
+            except OSError:
+                continue
+            total -= size
+            self.metrics.evictions += 1
+            with self.lock:
+                self.folders.get(path.parent, {}).pop(path.name, None)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for queued writes (tests, shutdown)."""
+        self.writer.submit(lambda: None).result(timeout)
+
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.root.glob("*/*/*" + SUFFIX) if p.exists())

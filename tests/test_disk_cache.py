@@ -1,0 +1,219 @@
+"""The prompt cache's disk tier (server/disk_cache.py) on real `mlx-spec serve` processes:
+entries survive a clean stop and `kill -9`, an entry the RAM budget evicted is loaded from
+disk, a reloaded entry continues exactly as without one (greedy text equal to
+`mlx_spec.generate`) for a plain, a sliding-window and a hybrid (recurrent) target with a
+draft model and with prompt lookup, another key never reads a key's entries, a corrupt or
+truncated file is removed with one log line (never loaded), and a bad --cache-dir is one line
+and exit code 2.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import tiny
+from conftest import VOCAB
+from test_server import KEY, metrics, start_server, stop_server
+
+from mlx_spec import generate, load_pair
+
+OTHER, ADMIN = "other-key", "admin-key"
+SYSTEM = " ".join(f"Rule {i}: answer in one word and name the file." for i in range(12))
+ASK = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which file?"}]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, tmp_path_factory):
+    """(target, draft) per target kind: plain KV, sliding window, hybrid recurrent."""
+    root = tmp_path_factory.mktemp("disk_models")
+    out = {}
+    for family in ("llama", "llama_sliding", "qwen3_5"):
+        cfg = tiny.family_configs(VOCAB)[family]
+        weights = tiny.family_weights(cfg, seed=0)
+        target = tiny.write_model(root / family, cfg, weights, tiny_models.tokenizer)
+        noisy = tiny.noisy(weights, 0.02)
+        out[family] = (target, tiny.write_model(root / f"{family}-draft", cfg, noisy,
+                                                tiny_models.tokenizer))  # fmt: skip
+    return out
+
+
+class Server:
+    def __init__(self, args: list[str], log: Path):
+        self.log = log
+        self.file = open(log, "a")
+        self.proc, self.url = start_server(args, self.file)
+        self.client = openai.OpenAI(base_url=self.url, api_key=KEY, max_retries=0, timeout=60)
+
+    def ask(self, messages=ASK, key: str = KEY, max_tokens: int = 8):
+        client = self.client if key == KEY else self.client.with_options(api_key=key)
+        r = client.chat.completions.create(
+            model=self.model(), messages=messages, max_tokens=max_tokens, temperature=0
+        )
+        return r.choices[0].message.content, r.usage
+
+    def model(self) -> str:
+        return self.client.models.list().data[0].id
+
+    def stop(self, kill: bool = False) -> None:
+        if kill:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+        else:
+            stop_server(self.proc)
+        self.file.close()
+
+
+def args_for(target, draft, drafter: str, cache_dir: Path, *extra) -> list[str]:
+    args = ["--target", str(target), "--api-key", KEY, "--api-key", OTHER, "--cache-dir",
+            str(cache_dir), "--drafter", drafter, "--num-draft-tokens", "3"]  # fmt: skip
+    args += ["--draft", str(draft)] if "model" in drafter else []
+    return args + list(extra)
+
+
+def cached(usage) -> int:
+    return usage.prompt_tokens_details.cached_tokens
+
+
+def wait_for_files(folder: Path, n: int = 1, timeout: float = 30) -> list[Path]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        files = sorted(folder.rglob("*.safetensors"))
+        if len(files) >= n:
+            return files
+        time.sleep(0.1)
+    raise AssertionError(f"no cache file appeared in {folder}")
+
+
+def wait_for_writes(server: Server, timeout: float = 30) -> dict:
+    """/metrics once the disk tier has written something (the file is then indexed too)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        figures = metrics(server.url, key=ADMIN)
+        if figures["mlx_spec_disk_cache_written_bytes_total"] > 0:
+            return figures
+        time.sleep(0.1)
+    raise AssertionError("the disk tier wrote nothing")
+
+
+@pytest.mark.parametrize(
+    "family, drafter",
+    [
+        ("llama", "ngram+model"),
+        ("llama", "ngram"),
+        ("llama_sliding", "model"),
+        ("qwen3_5", "model"),
+    ],  # fmt: skip
+)
+def test_a_restart_reuses_the_prompt_and_continues_exactly(models, tmp_path, family, drafter):
+    target, draft = models[family]
+    pair = load_pair(target=str(target), draft=str(draft) if "model" in drafter else None)
+    pair = pair.configured(drafter=drafter) if drafter == "ngram" else pair
+    expected = generate(pair, ASK, max_tokens=8, temperature=0.0, num_draft_tokens=3)
+    args = args_for(target, draft, drafter, tmp_path / "cache")
+    first = Server(args, tmp_path / "a.log")
+    text, usage = first.ask()
+    first.stop()  # a clean stop: the queued writes finish before the exit
+    assert cached(usage) == 0 and text == expected.text
+    second = Server(args, tmp_path / "b.log")
+    try:
+        text, usage = second.ask()
+    finally:
+        second.stop()
+    assert text == expected.text
+    assert cached(usage) >= 0.9 * usage.prompt_tokens, (usage, (tmp_path / "b.log").read_text())
+
+
+def test_kill_9_loses_nothing_kept_and_another_key_reads_nothing(models, tmp_path):
+    target, draft = models["llama"]
+    args = args_for(target, draft, "ngram+model", tmp_path / "cache")
+    first = Server(args, tmp_path / "a.log")
+    text, _ = first.ask()
+    wait_for_files(tmp_path / "cache")  # the reply's entry (it makes the prompt's redundant)
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(30)
+    second = Server(args, tmp_path / "b.log")
+    try:
+        other_text, other = second.ask(key=OTHER)
+        again, usage = second.ask()
+    finally:
+        second.stop()
+    assert cached(other) == 0 and other_text == text  # another key: its own prefill
+    assert cached(usage) >= 0.9 * usage.prompt_tokens and again == text
+    # on disk: no key, files 0600 in 0700 folders
+    for path in (tmp_path / "cache").rglob("*"):
+        assert KEY not in path.name and OTHER not in path.name
+        mode = path.stat().st_mode & 0o777
+        assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
+
+
+def test_an_entry_evicted_from_ram_is_loaded_from_disk(models, tmp_path):
+    target, draft = models["llama"]
+    args = args_for(target, draft, "ngram+model", tmp_path / "cache", "--prompt-cache", "1K",
+                    "--admin-key", ADMIN)  # fmt: skip
+    server = Server(args, tmp_path / "a.log")
+    try:
+        text, _ = server.ask()
+        wait_for_writes(server)
+        again, usage = server.ask()  # the RAM budget (1K) kept nothing
+        figures = metrics(server.url, key=ADMIN)
+    finally:
+        server.stop()
+    assert figures["mlx_spec_disk_cache_hits_total"] == 1
+    assert figures["mlx_spec_disk_cache_read_bytes_total"] > 0
+    assert again == text and cached(usage) >= 0.9 * usage.prompt_tokens
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+def test_a_damaged_file_is_removed_never_loaded(models, tmp_path, damage):
+    target, draft = models["llama"]
+    args = args_for(target, draft, "ngram+model", tmp_path / "cache")
+    first = Server(args, tmp_path / "a.log")
+    text, _ = first.ask()
+    first.stop()
+    files = wait_for_files(tmp_path / "cache", 1)
+    damaged = {}
+    for path in files:
+        data = bytearray(path.read_bytes())
+        if damage == "corrupt":
+            data[-100] ^= 0xFF  # inside the arrays: the header still reads
+        else:
+            data = data[: len(data) // 2]
+        path.write_bytes(bytes(data))
+        damaged[path.name] = bytes(data)
+    second = Server(args, tmp_path / "b.log")
+    try:
+        again, usage = second.ask()
+    finally:
+        second.stop()
+    assert again == text
+    assert cached(usage) < 0.5 * usage.prompt_tokens  # nothing damaged was loaded
+    assert "prompt cache on disk: removed" in (tmp_path / "b.log").read_text()
+    # what is on disk now is whole again (the reply's entry written anew)
+    for path in (tmp_path / "cache").rglob("*.safetensors"):
+        assert path.read_bytes() != damaged.get(path.name)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--cache-dir", "FILE"], "is not a directory"),
+        (["--cache-disk-bytes", "0"], "--cache-disk-bytes"),
+    ],  # fmt: skip
+)
+def test_a_bad_cache_folder_is_one_line_and_exit_2(models, tmp_path, flags, message):
+    target, _ = models["llama"]
+    (tmp_path / "FILE").write_text("x")
+    flags = [str(tmp_path / "FILE") if f == "FILE" else f for f in flags]
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_spec", "serve", "--target", str(target), "--port", "0",
+         *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
