@@ -238,3 +238,34 @@ def test_a_turn_after_a_plain_reply_stays_exact(models, plain, kind):
     res = generate(pair, again, max_tokens=TOKENS, decoder=decoder)
     assert res.tokens == generate(plain, again, max_tokens=TOKENS, temperature=0.0).tokens
     assert res.stats.drafted > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_restart_finds_the_prompt_on_disk_with_a_head(models, expected, kind, tmp_path):
+    """The prompt cache's disk tier with a head pair: after a restart over the same
+    --cache-dir the reply is the target's own; EAGLE-3's state is stored (its KV cache and
+    features: the prompt is read from disk and the head drafts on), the other kinds keep RAM
+    entries only (docs/serve.md), so they prefill again."""
+    args = [*head_args(models, kind), "--num-draft-tokens", "3", "--cache-dir", str(tmp_path / "c")]
+    replies = []
+    for _ in ("first", "after a restart"):
+        with serving(args, tmp_path) as (_, url):
+            client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+            replies.append(
+                client.chat.completions.create(
+                    model=target_of(models, kind).name,
+                    messages=CHAT,
+                    max_tokens=TOKENS,
+                    temperature=0,
+                )  # fmt: skip
+            )
+    first, second = replies
+    for resp in replies:
+        assert resp.choices[0].message.content == expected.text
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    if kind == "eagle3":
+        assert cached >= 0.9 * second.usage.prompt_tokens, second.usage
+        assert second.model_extra["speculation"]["drafted"] > 0
+    else:
+        assert cached == 0

@@ -112,6 +112,17 @@ class Drafter:
         `cached`; `unfed` are the sequence's tokens after them."""
         raise SpecError(f"a {type(self).__name__} keeps no cache another could hand it")
 
+    def disk_state(self) -> tuple[list, dict] | None:
+        """A head's per-sequence state for the prompt cache's disk tier: (cache layers in
+        mlx-lm's cache classes, JSON-able figures), or None where it cannot be stored (the
+        entry then stays in RAM only). Kinds whose state is a draft model's cache
+        (`held_cache`) or tokens alone need none."""
+        return None
+
+    def restore_disk_state(self, layers: list, figures: dict) -> None:
+        """Take back what `disk_state` gave (a fresh drafter of the same kind and head)."""
+        raise SpecError(f"a {type(self).__name__} drafter keeps no state on disk")
+
     def use_history(self, history) -> None:
         """Search a history.HistoryIndex of earlier requests too (kinds with uses_history)."""
 

@@ -36,7 +36,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.utils import common_prefix_len
 
 from ..core import caches
@@ -492,6 +492,25 @@ class EagleDrafter(Drafter):
         if valid > have >= 0:
             self._take(output, valid - have, have)
         self.target_at = first + output.kept
+
+    def disk_state(self) -> tuple[list, dict]:
+        """The head's KV cache, then one ArraysCache of (pending, last, last_fused)."""
+        extra = ArraysCache(3)
+        extra.cache = [self.pending, self.last, self.last_fused]
+        figures = {"tokens": self.tokens, "rows": self.rows, "entries": self.entries,
+                   "target_at": self.target_at}  # fmt: skip
+        return [*self.cache, extra], figures
+
+    def restore_disk_state(self, layers: list, figures: dict) -> None:
+        *cache, extra = layers
+        if len(cache) != len(self.cache):
+            raise SpecError("the stored head state has another number of layers")
+        self.cache = cache
+        self.pending, self.last, self.last_fused = extra.cache
+        self.tokens = [int(t) for t in figures["tokens"]]
+        self.rows, self.entries = int(figures["rows"]), int(figures["entries"])
+        at = figures["target_at"]
+        self.target_at = None if at is None else int(at)
 
     def _cache_arrays(self) -> list:
         return [a for c in self.cache if c.keys is not None for a in (c.keys, c.values)]

@@ -19,8 +19,9 @@ second server on the folder leaves a whole file or none. Anything that does not 
 a folder that cannot be written (full, read-only) turns the tier off with one warning.
 
 What goes to disk: the target's caches and a draft model's; a drafter that keeps nothing but
-tokens (prompt lookup) is rebuilt from them. A head drafter (EAGLE-3, DFlash, MTP) reads the
-target's hidden states, which no file keeps: such pairs keep RAM entries only.
+tokens (prompt lookup) is rebuilt from them; an EAGLE-3 head's state (its KV cache and the
+fused features it holds) through `Drafter.disk_state`. Other heads (DFlash, MTP) read the
+target's hidden states, which their kinds do not store yet: such pairs keep RAM entries only.
 """
 
 from __future__ import annotations
@@ -160,8 +161,17 @@ def file_digest(path: Path) -> str:
 def model_identity(pair) -> str:
     """A hash of what makes a kept state valid for `pair`: another model, other weights (a
     new size or modification time), another adapter or drafter never finds these files."""
-    parts = [FORMAT, pair.config.drafter or "", str(pair.speculative)]
-    for path in (pair.target_path, pair.draft_path, pair.draft_adapter):
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("mlx-spec")  # (a head shipped in the package may change with it)
+    except PackageNotFoundError:
+        ours = "?"
+    c = pair.config
+    parts = [FORMAT, ours, str(pair.speculative)]
+    parts += [str(x) for x in (c.drafter, c.draft_bits, c.draft_group_size, c.dtype, c.head)]
+    head = Path(c.head) if c.head and Path(c.head).exists() else None
+    for path in (pair.target_path, pair.draft_path, pair.draft_adapter, head):
         if path is None:
             parts.append("-")
             continue
@@ -178,8 +188,12 @@ def model_identity(pair) -> str:
 
 
 def disk_capable(decoder) -> bool:
-    """Whether a decoder's state can live on disk: no head reading the target's layers."""
-    return not decoder.hidden_layers
+    """Whether a decoder's state can live on disk: no head reading the target's layers, or
+    one that stores its state (`Drafter.disk_state`: EAGLE-3's) and has every position's
+    features (no gap a plain reply left)."""
+    if not decoder.hidden_layers:
+        return True
+    return decoder.hidden_gap is None and decoder.drafter.disk_state() is not None
 
 
 # ------------------------------------------------------------------ the store
@@ -205,6 +219,7 @@ class DiskEntry:
     bytes: int
     draft: int  # how many of the cache list's layers are the draft model's (at the end)
     draft_tokens: int  # how many tokens the draft's cache holds
+    head: dict | None = None  # a head's figures (Drafter.disk_state): its layers are `draft`
     used: float = field(default_factory=time.time)
 
 
@@ -278,7 +293,7 @@ class DiskStore:
             st = path.stat()
             return DiskEntry(
                 path, [int(t) for t in info["tokens"]], str(info["segment"]), st.st_size,
-                int(info["draft"]), int(info["draft_tokens"]), st.st_mtime,
+                int(info["draft"]), int(info["draft_tokens"]), info.get("head"), st.st_mtime,
             )  # fmt: skip
         except Exception as err:  # noqa: BLE001 - whatever it is, it is not ours to load
             self.discard(path, f"unreadable header ({type(err).__name__}: {err})")
@@ -333,7 +348,8 @@ class DiskStore:
             if file_digest(entry.path)[: len(digest)] != digest:
                 raise ValueError("checksum mismatch")
             cache, _ = read_cache_file(entry.path)
-            mx.eval([c.state for c in caches._leaves(cache)])
+            arrays = tree_flatten([c.state for c in caches._leaves(cache)])
+            mx.eval([a for _, a in arrays if isinstance(a, mx.array)])
         except FileNotFoundError:  # another server removed it
             with self.lock:
                 self.folders.get(entry.path.parent, {}).pop(entry.path.name, None)
@@ -369,13 +385,15 @@ class DiskStore:
             if any(n.startswith(name_hash) for n in self.folders.get(folder, {})):
                 return  # (already on disk)
         cache = list(decoder.cache)
-        draft, draft_tokens = [], 0
+        draft, draft_tokens, head = [], 0, None
         held = decoder.drafter.held_cache() if decoder.drafter is not None else None
-        if held is not None:
+        if decoder.hidden_layers:
+            draft, head = decoder.drafter.disk_state()
+        elif held is not None:
             draft, cached = held
             draft, draft_tokens = list(draft), len(cached)
         info = {"format": FORMAT, "tokens": tokens, "segment": segment,
-                "draft": len(draft), "draft_tokens": draft_tokens}  # fmt: skip
+                "draft": len(draft), "draft_tokens": draft_tokens, "head": head}  # fmt: skip
         try:
             arrays, meta = cache_file_parts(cache + draft, {"info": json.dumps(info)})
             mx.eval(list(arrays.values()))
@@ -413,7 +431,7 @@ class DiskStore:
             return
         size = path.stat().st_size
         entry = DiskEntry(path, info["tokens"], info["segment"], size, info["draft"],
-                          info["draft_tokens"])  # fmt: skip
+                          info["draft_tokens"], info["head"])  # fmt: skip
         with self.lock:
             self.folders.setdefault(folder, {})[path.name] = entry
         self.metrics.bytes_written += size

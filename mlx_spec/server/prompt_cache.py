@@ -32,7 +32,7 @@ from ..core import caches
 from ..decode.generate import make_decoder
 from ..decode.history import HistoryIndex
 from ..errors import SpecError
-from .disk_cache import disk_capable, model_identity
+from .disk_cache import model_identity
 
 SEGMENTS = ("assistant", "user", "system")  # eviction order: the first kind goes first
 
@@ -217,14 +217,20 @@ class PromptCache:
                 self.disk.metrics.misses += 1
             return None
         decoder = self.new()
-        if not disk_capable(decoder):
-            return None
         state = self.disk.load(found)
         if state is None:
             return None
         target, draft = state
-        draft = (draft, found.tokens[: found.draft_tokens]) if draft is not None else None
-        decoder.adopt(found.tokens, target, draft)
+        if found.head is not None:  # a head's state: the decoder's own drafter takes it back
+            try:
+                decoder.drafter.restore_disk_state(draft, found.head)
+            except Exception as err:  # noqa: BLE001 - another head's file: not ours to load
+                self.disk.discard(found.path, f"head state: {type(err).__name__}: {err}")
+                return None
+            decoder.adopt(found.tokens, target, head=decoder.drafter)
+        else:
+            draft = (draft, found.tokens[: found.draft_tokens]) if draft is not None else None
+            decoder.adopt(found.tokens, target, draft)
         decoder.settle()
         if decoder.reusable(tokens) <= most:  # (the index promised more than the state holds)
             return None
