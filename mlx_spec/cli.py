@@ -26,6 +26,7 @@ COMMANDS = {
     "serve": "Serve an OpenAI-compatible API on this machine, speculating",
     "distill": "Teach the draft to agree with its target on your text (a LoRA adapter)",
     "heads": "Extract a model's own drafting head (MTP layer) from its checkpoint",
+    "cache": "List, remove or prune the server's prompt cache on disk",
 }
 # commands that time, draw or listen on one machine; under mlx.launch every rank would run its
 # own (the server's requests reach rank 0 only, and every rank must run each generation)

@@ -217,3 +217,82 @@ def test_a_bad_cache_folder_is_one_line_and_exit_2(models, tmp_path, flags, mess
     )  # fmt: skip
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mlx_spec", "cache", *args],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def test_cache_command_lists_prunes_and_removes(models, tmp_path):
+    target, draft = models["llama"]
+    folder = tmp_path / "cache"
+    server = Server(args_for(target, draft, "ngram+model", folder), tmp_path / "a.log")
+    server.ask()
+    server.ask([{"role": "user", "content": "Something else entirely"}])
+    server.stop()
+    listed = cli("ls", "--cache-dir", str(folder))
+    assert listed.returncode == 0, listed.stderr
+    assert "2 entries" in listed.stdout and str(target) in listed.stdout  # (model.json)
+    model = listed.stdout.splitlines()[1].split()[0]
+    assert (folder / model).is_dir()
+    files = sorted(folder.rglob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+    pruned = cli("prune", "--cache-dir", str(folder), "--max-bytes", str(files[-1].stat().st_size))
+    assert pruned.returncode == 0 and "removed 1 entries" in pruned.stdout, pruned
+    assert [p.exists() for p in files] == [False, True]  # the least recently used went
+    bad = cli("rm", "--cache-dir", str(folder))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert cli("rm", model, "--cache-dir", str(folder)).returncode == 0
+    assert not (folder / model).exists() and (folder / "secret").exists()
+
+
+def test_two_servers_on_one_folder_share_it_whole(models, tmp_path):
+    """Two servers write the same folder at once: every file reads back (unique temporary
+    names, atomic renames), and each finds the other's entries after a restart."""
+    target, draft = models["llama"]
+    folder = tmp_path / "cache"
+    args = args_for(target, draft, "ngram+model", folder)
+    a, b = Server(args, tmp_path / "a.log"), Server(args, tmp_path / "b.log")
+    asks = [[{"role": "user", "content": f"Question number {i} about files"}] for i in range(4)]
+    try:
+        texts = {}
+        for i, ask in enumerate(asks):
+            texts[i] = (a if i % 2 else b).ask(ask)[0]
+    finally:
+        a.stop()
+        b.stop()
+    c = Server(args, tmp_path / "c.log")
+    try:
+        for i, ask in enumerate(asks):
+            text, usage = c.ask(ask)
+            assert text == texts[i] and cached(usage) >= 0.9 * usage.prompt_tokens
+    finally:
+        c.stop()
+    assert "removed" not in (tmp_path / "c.log").read_text()
+
+
+def test_a_full_disk_turns_the_tier_off_and_requests_go_on(models, tmp_path):
+    """Writes past a file-size limit fail (EFBIG, as a full disk's ENOSPC): one warning, RAM
+    only from then on, every request answered."""
+    import resource
+
+    target, draft = models["llama"]
+    args = args_for(target, draft, "ngram+model", tmp_path / "cache")
+    limit = (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1])
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, limit)  # inherited by the server process
+    try:
+        server = Server(args, tmp_path / "a.log")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    try:
+        text, _ = server.ask()
+        time.sleep(1)  # (the write fails on the writer thread)
+        again, usage = server.ask()
+    finally:
+        server.stop()
+    assert again == text and cached(usage) >= 0.9 * usage.prompt_tokens  # from RAM
+    log = (tmp_path / "a.log").read_text()
+    assert log.count("prompt cache on disk turned off (RAM only)") == 1, log
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))
+    assert not list((tmp_path / "cache").rglob(".tmp-*"))

@@ -54,6 +54,25 @@ FORMAT = "mlx-spec-prompt-cache/1"
 SUFFIX = ".safetensors"
 
 
+def stored(root: Path) -> list[dict]:
+    """What a cache folder holds, per model folder: {model, about, entries, bytes, used}."""
+    out = []
+    for folder in sorted(p for p in Path(root).iterdir() if p.is_dir()):
+        files = [f for f in folder.glob("*/*" + SUFFIX)]
+        stats = [f.stat() for f in files]
+        try:
+            about = json.loads((folder / "model.json").read_text())
+        except (OSError, ValueError):
+            about = {}
+        out.append({
+            "model": folder.name, "about": about, "entries": len(files),
+            "partitions": len({f.parent for f in files}),
+            "bytes": sum(st.st_size for st in stats),
+            "used": max((st.st_mtime for st in stats), default=None),
+        })  # fmt: skip
+    return out
+
+
 def default_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "mlx-spec" / "prompt-cache"
@@ -266,6 +285,23 @@ class DiskStore:
             os.fsync(f.fileno())
         return data
 
+    def describe(self, model: str, pair) -> None:
+        """`<model>/model.json`: what the hashed folder holds, for `mlx-spec cache ls`."""
+        path = self.root / model / "model.json"
+        if path.exists():
+            return
+        c = pair.config
+        about = {"target": c.target, "draft": c.draft, "drafter": c.drafter, "head": c.head,
+                 "name": c.name}  # fmt: skip
+        try:
+            (self.root / model).mkdir(mode=0o700, exist_ok=True)
+            tmp = path.with_name(f".tmp-{os.getpid()}-{uuid.uuid4().hex}")
+            tmp.write_text(json.dumps(about))
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except OSError:  # (the writes will say so, once)
+            pass
+
     def folder(self, model: str, partition: str) -> Path:
         keyed = hmac.new(self.secret, partition.encode(), "sha256").hexdigest()[:32]
         return self.root / model / keyed
@@ -405,6 +441,8 @@ class DiskStore:
         self.writer.submit(self._write, folder, name_hash, arrays, meta, info)
 
     def _write(self, folder: Path, name_hash: str, arrays: dict, meta: dict, info: dict) -> None:
+        if not self.enabled:  # (turned off while this one waited)
+            return
         begin = time.perf_counter()
         tmp = folder / f".tmp-{os.getpid()}-{uuid.uuid4().hex}{SUFFIX}"
         try:
@@ -421,9 +459,11 @@ class DiskStore:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
-        except OSError as err:  # a full disk, a read-only folder: RAM only from now on
+        except Exception as err:  # noqa: BLE001 - a full disk, a read-only folder (OSError,
+            # or MLX's RuntimeError from save_safetensors): RAM only from now on
             self.enabled = False
-            log.warning("prompt cache on disk turned off (RAM only): %s", err)
+            log.warning("prompt cache on disk turned off (RAM only): %s: %s",
+                        type(err).__name__, err)  # fmt: skip
             try:
                 tmp.unlink()
             except OSError:

@@ -170,7 +170,11 @@ class PromptCache:
         )
         # the disk tier (disk_cache.py): this partition's folder for this pair's entries
         self.disk = disk if pair is not None and pair.target_path is not None else None
-        self.folder = disk.folder(model_identity(pair), partition) if self.disk else None
+        self.folder = None
+        if self.disk is not None:
+            model = model_identity(pair)
+            self.disk.describe(model, pair)
+            self.folder = self.disk.folder(model, partition)
 
     @property
     def entries(self) -> list[Entry]:
