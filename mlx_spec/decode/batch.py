@@ -203,7 +203,10 @@ def merge_layer(layer: list):
         return unmasked(ArraysCache.merge(layer), len(layer))
     if isinstance(first, WindowedKVCache):
         return BatchWindowedKVCache.merge(layer)
-    return BatchKVCache.merge(layer)
+    if type(first) is KVCache:
+        return BatchKVCache.merge(layer)
+    # (check_batchable refuses such a model before any row; never merged as the wrong kind)
+    raise SpecError(f"a {type(first).__name__} layer cannot be batched")
 
 
 def unmasked(c: ArraysCache, rows: int) -> ArraysCache:
