@@ -29,9 +29,11 @@ API = {  # name -> the module that defines it
     "Stats": ".core.stats",
     "batch_generate": ".decode.generate",
     "generate": ".decode.generate",
+    "load_decoder": ".decode.saved",
     "load_pair": ".pairs.loading",
     "make_batch_decoder": ".decode.generate",
     "make_decoder": ".decode.generate",
+    "save_decoder": ".decode.saved",
     "stream": ".decode.generate",
     "stream_rounds": ".decode.generate",
 }
@@ -51,6 +53,7 @@ if TYPE_CHECKING:  # what the names are, for readers and type checkers
         stream,
         stream_rounds,
     )
+    from .decode.saved import load_decoder, save_decoder
     from .pairs.config import PairConfig
     from .pairs.loading import Pair, load_pair
 
@@ -81,9 +84,11 @@ __all__ = [
     "Stats",
     "batch_generate",
     "generate",
+    "load_decoder",
     "load_pair",
     "make_batch_decoder",
     "make_decoder",
+    "save_decoder",
     "stream",
     "stream_rounds",
 ]

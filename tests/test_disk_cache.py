@@ -83,7 +83,7 @@ def cached(usage) -> int:
 def wait_for_files(folder: Path, n: int = 1, timeout: float = 30) -> list[Path]:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        files = sorted(folder.rglob("*.safetensors"))
+        files = sorted(p for p in folder.rglob("*.safetensors") if not p.name.startswith("."))
         if len(files) >= n:
             return files
         time.sleep(0.1)
@@ -296,3 +296,24 @@ def test_a_full_disk_turns_the_tier_off_and_requests_go_on(models, tmp_path):
     assert log.count("prompt cache on disk turned off (RAM only)") == 1, log
     assert not list((tmp_path / "cache").rglob("*.safetensors"))
     assert not list((tmp_path / "cache").rglob(".tmp-*"))
+
+
+def test_another_servers_temporary_file_is_left_alone(models, tmp_path):
+    """A write in progress (another server's, or one `kill -9` cut) is a dot-named temporary
+    file: the index neither loads nor removes it (it removed a live server's temporary file,
+    whose rename then failed)."""
+    target, draft = models["llama"]
+    args = args_for(target, draft, "ngram+model", tmp_path / "cache")
+    first = Server(args, tmp_path / "a.log")
+    first.ask()
+    first.stop()
+    (entry,) = wait_for_files(tmp_path / "cache")
+    partial = entry.with_name(".tmp-1-abc.safetensors")
+    partial.write_bytes(entry.read_bytes()[:100])
+    second = Server(args, tmp_path / "b.log")
+    try:
+        _, usage = second.ask()
+    finally:
+        second.stop()
+    assert cached(usage) >= 0.9 * usage.prompt_tokens
+    assert partial.exists() and "removed" not in (tmp_path / "b.log").read_text()

@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import secrets
-import struct
 import threading
 import time
 import uuid
@@ -41,24 +40,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models import cache as mlx_lm_cache
+from mlx.utils import tree_flatten
 from mlx_lm.utils import common_prefix_len
 
 from ..core import caches
+from ..core.cache_files import (
+    decoder_file,
+    file_digest,
+    file_info,
+    header_metadata,
+    read_cache_file,
+    restore_decoder,
+    storable,
+)
 from ..errors import SpecError
 
 log = logging.getLogger("mlx_spec.server")
 
-FORMAT = "mlx-spec-prompt-cache/1"
 SUFFIX = ".safetensors"
+STALE_TMP_SECONDS = 3600  # a temporary file this old is no live server's write
 
 
 def stored(root: Path) -> list[dict]:
     """What a cache folder holds, per model folder: {model, about, entries, bytes, used}."""
     out = []
     for folder in sorted(p for p in Path(root).iterdir() if p.is_dir()):
-        files = [f for f in folder.glob("*/*" + SUFFIX)]
+        files = entry_files(folder, "*/*" + SUFFIX)
         stats = [f.stat() for f in files]
         try:
             about = json.loads((folder / "model.json").read_text())
@@ -73,146 +80,15 @@ def stored(root: Path) -> list[dict]:
     return out
 
 
+def entry_files(root: Path, pattern: str) -> list[Path]:
+    """The entries' files under `root` matching `pattern`: never a temporary file (a dot name:
+    another server may be writing it right now)."""
+    return [p for p in Path(root).glob(pattern) if not p.name.startswith(".")]
+
+
 def default_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "mlx-spec" / "prompt-cache"
-
-
-# ------------------------------------------------------------------ the file format
-
-
-def layer_state(c):
-    """A layer's (class name, state) as save_prompt_cache flattens it; WindowedKVCache's with
-    what its `state` leaves out (the rows it holds, offset, dropped, window settings)."""
-    if isinstance(c, mlx_lm_cache.CacheList):
-        return "CacheList", [layer_state(x)[::-1] for x in c.caches]
-    if type(c) is caches.WindowedKVCache:
-        held = c.stored
-        keys, values = (
-            (None, None) if c.keys is None else (c.keys[..., :held, :], c.values[..., :held, :])
-        )
-        return "WindowedKVCache", (keys, values, c.offset, c.dropped, c.window, c.margin, c.slack)
-    return type(c).__name__, c.state
-
-
-def from_layer_state(name: str, state):
-    if name == "CacheList":
-        cl = mlx_lm_cache.CacheList.__new__(mlx_lm_cache.CacheList)
-        cl.caches = [from_layer_state(n, s) for s, n in state]
-        return cl
-    if name == "WindowedKVCache":
-        keys, values, offset, dropped, window, margin, slack = state
-        c = caches.WindowedKVCache(int(window), int(margin), int(slack))
-        c.keys, c.values, c.offset, c.dropped = keys, values, int(offset), int(dropped)
-        return c
-    kind = getattr(mlx_lm_cache, name, None)
-    if not (isinstance(kind, type) and issubclass(kind, mlx_lm_cache._BaseCache)):
-        raise ValueError(f"unknown cache class {name!r}")
-    return kind.from_state(state)
-
-
-def cache_file_parts(cache: list, metadata: dict) -> tuple[dict, dict]:
-    """mlx-lm's save_prompt_cache up to the write: (arrays, metadata) of a safetensors file."""
-    scalars = [""]
-
-    def map_data(item):
-        i, data = item
-        if isinstance(data, mx.array):
-            return item
-        if isinstance(data, bool | int | float):
-            scalars.append((i, "scalar"))
-            return i, mx.array(data)
-        if isinstance(data, str):
-            scalars.append((i, "string"))
-            return i, mx.array([ord(ch) for ch in data])
-        if data is None:
-            scalars.append((i, "none"))
-            return i, mx.array([])
-        raise ValueError(f"cache state is not serializable: {data!r}")
-
-    named = [layer_state(c) for c in cache]
-    arrays = dict(map(map_data, tree_flatten([s for _, s in named])))
-    meta = dict(tree_flatten([metadata, [n for n, _ in named], scalars]))
-    return arrays, meta
-
-
-def read_cache_file(path: Path) -> tuple[list, dict]:
-    """mlx-lm's load_prompt_cache (with `layer_state`'s classes): (caches, metadata)."""
-    arrays, meta = mx.load(str(path), return_metadata=True)
-    metadata, classes, scalars = tree_unflatten(list(meta.items()))
-    for pos, kind in scalars[1:]:
-        a = arrays[pos]
-        if kind == "scalar":
-            arrays[pos] = a.item()
-        elif kind == "string":
-            arrays[pos] = "".join(map(chr, a.tolist()))
-        elif kind == "none":
-            arrays[pos] = None
-        else:
-            raise ValueError(f"unknown scalar type {kind!r}")
-    states = tree_unflatten(list(arrays.items())) if arrays else []
-    if isinstance(states, dict):  # (tree_unflatten of "0.x" keys gives a list; guard anyway)
-        raise ValueError("cache states are not a list")
-    return [from_layer_state(c, s) for c, s in zip(classes, states, strict=True)], metadata
-
-
-def header_metadata(path: Path) -> dict:
-    """A safetensors file's metadata from its header alone (no array is read)."""
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        if size > 64 << 20:
-            raise ValueError("header too large")
-        header = json.loads(f.read(size))
-    return header.get("__metadata__", {})
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-# ------------------------------------------------------------------ identity
-
-
-def model_identity(pair) -> str:
-    """A hash of what makes a kept state valid for `pair`: another model, other weights (a
-    new size or modification time), another adapter or drafter never finds these files."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        ours = version("mlx-spec")  # (a head shipped in the package may change with it)
-    except PackageNotFoundError:
-        ours = "?"
-    c = pair.config
-    parts = [FORMAT, ours, str(pair.speculative)]
-    parts += [str(x) for x in (c.drafter, c.draft_bits, c.draft_group_size, c.dtype, c.head)]
-    head = Path(c.head) if c.head and Path(c.head).exists() else None
-    for path in (pair.target_path, pair.draft_path, pair.draft_adapter, head):
-        if path is None:
-            parts.append("-")
-            continue
-        path = Path(path).resolve()
-        parts.append(str(path))
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        for f in files + [path / "config.json"] * path.is_dir():
-            try:
-                st = f.stat()
-                parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
-            except OSError:
-                parts.append(f"{f.name}:?")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
-
-
-def disk_capable(decoder) -> bool:
-    """Whether a decoder's state can live on disk: no head reading the target's layers, or
-    one that stores its state (`Drafter.disk_state`: EAGLE-3's) and has every position's
-    features (no gap a plain reply left)."""
-    if not decoder.hidden_layers:
-        return True
-    return decoder.hidden_gap is None and decoder.drafter.disk_state() is not None
 
 
 # ------------------------------------------------------------------ the store
@@ -236,9 +112,6 @@ class DiskEntry:
     tokens: list[int]  # the decoder's sequence (its caches hold all but the last)
     segment: str
     bytes: int
-    draft: int  # how many of the cache list's layers are the draft model's (at the end)
-    draft_tokens: int  # how many tokens the draft's cache holds
-    head: dict | None = None  # a head's figures (Drafter.disk_state): its layers are `draft`
     used: float = field(default_factory=time.time)
 
 
@@ -313,7 +186,7 @@ class DiskStore:
             if known is not None:
                 return known
             known = self.folders[folder] = {}
-        for path in sorted(folder.glob("*" + SUFFIX)) if folder.is_dir() else []:
+        for path in sorted(entry_files(folder, "*" + SUFFIX)) if folder.is_dir() else []:
             entry = self._index(path)
             if entry is not None:
                 with self.lock:
@@ -322,15 +195,10 @@ class DiskStore:
 
     def _index(self, path: Path) -> DiskEntry | None:
         try:
-            meta = header_metadata(path)
-            info = json.loads(meta["0.info"])
-            if info.get("format") != FORMAT:
-                raise ValueError(f"format {info.get('format')!r}")
+            info = file_info(header_metadata(path))
             st = path.stat()
-            return DiskEntry(
-                path, [int(t) for t in info["tokens"]], str(info["segment"]), st.st_size,
-                int(info["draft"]), int(info["draft_tokens"]), info.get("head"), st.st_mtime,
-            )  # fmt: skip
+            tokens = [int(t) for t in info["tokens"]]
+            return DiskEntry(path, tokens, str(info["segment"]), st.st_size, st.st_mtime)
         except Exception as err:  # noqa: BLE001 - whatever it is, it is not ours to load
             self.discard(path, f"unreadable header ({type(err).__name__}: {err})")
             return None
@@ -375,17 +243,18 @@ class DiskStore:
                 rate if self.prefill_rate is None else 0.8 * self.prefill_rate + 0.2 * rate
             )
 
-    def load(self, entry: DiskEntry) -> tuple[list, list | None] | None:
-        """(target caches, draft caches or None), checked against the file's digest; None
-        (the file removed) when it does not read back."""
+    def load(self, entry: DiskEntry, decoder):
+        """`decoder` (a fresh one) holding the entry's state, checked against the file's
+        digest; None (the file removed) when it does not read back."""
         begin = time.perf_counter()
         try:
             digest = entry.path.stem.rsplit("-", 1)[-1]
             if file_digest(entry.path)[: len(digest)] != digest:
                 raise ValueError("checksum mismatch")
-            cache, _ = read_cache_file(entry.path)
+            cache, meta = read_cache_file(entry.path)
             arrays = tree_flatten([c.state for c in caches._leaves(cache)])
             mx.eval([a for _, a in arrays if isinstance(a, mx.array)])
+            restore_decoder(decoder, cache, file_info(meta))
         except FileNotFoundError:  # another server removed it
             with self.lock:
                 self.folders.get(entry.path.parent, {}).pop(entry.path.name, None)
@@ -406,32 +275,21 @@ class DiskStore:
             pass
         log.debug("prompt cache on disk: loaded %s (%d bytes, %.3f s)", entry.path.name,
                   entry.bytes, seconds)  # fmt: skip
-        split = len(cache) - entry.draft
-        return cache[:split], (cache[split:] if entry.draft else None)
+        return decoder
 
     def write(self, folder: Path, decoder, segment: str) -> None:
         """Queue a file for `decoder` (a kept entry: nothing generates with it). Its arrays are
         sliced and evaluated here, on the engine thread (a lazy array cannot be evaluated on
         another: threads.py); the writer thread only writes."""
-        if not self.enabled or decoder.unfed != 1 or not disk_capable(decoder):
+        if not self.enabled or not storable(decoder):
             return
         tokens = list(decoder.sequence)
         name_hash = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:24]
         with self.lock:
             if any(n.startswith(name_hash) for n in self.folders.get(folder, {})):
                 return  # (already on disk)
-        cache = list(decoder.cache)
-        draft, draft_tokens, head = [], 0, None
-        held = decoder.drafter.held_cache() if decoder.drafter is not None else None
-        if decoder.hidden_layers:
-            draft, head = decoder.drafter.disk_state()
-        elif held is not None:
-            draft, cached = held
-            draft, draft_tokens = list(draft), len(cached)
-        info = {"format": FORMAT, "tokens": tokens, "segment": segment,
-                "draft": len(draft), "draft_tokens": draft_tokens, "head": head}  # fmt: skip
         try:
-            arrays, meta = cache_file_parts(cache + draft, {"info": json.dumps(info)})
+            arrays, meta, info = decoder_file(decoder, segment=segment)
             mx.eval(list(arrays.values()))
         except Exception as err:  # noqa: BLE001 - the request goes on; the entry stays in RAM
             self.metrics.errors += 1
@@ -470,8 +328,7 @@ class DiskStore:
                 pass
             return
         size = path.stat().st_size
-        entry = DiskEntry(path, info["tokens"], info["segment"], size, info["draft"],
-                          info["draft_tokens"], info["head"])  # fmt: skip
+        entry = DiskEntry(path, info["tokens"], info["segment"], size)
         with self.lock:
             self.folders.setdefault(folder, {})[path.name] = entry
         self.metrics.bytes_written += size
@@ -500,12 +357,18 @@ class DiskStore:
         """Least recently used files out until the folder fits --cache-disk-bytes (every
         model's and partition's, this server's index and the files on disk alike)."""
         files = []
-        for path in self.root.glob("*/*/*" + SUFFIX):
+        for path in entry_files(self.root, "*/*/*" + SUFFIX):
             try:
                 st = path.stat()
             except OSError:
                 continue
             files.append((st.st_mtime, st.st_size, path))
+        for path in self.root.glob("*/*/.tmp-*"):  # a write `kill -9` cut, long ago
+            try:
+                if time.time() - path.stat().st_mtime > STALE_TMP_SECONDS:
+                    path.unlink()
+            except OSError:
+                pass
         total = sum(size for _, size, _ in files)
         for _, size, path in sorted(files):
             if total <= self.max_bytes:
@@ -524,4 +387,4 @@ class DiskStore:
         self.writer.submit(lambda: None).result(timeout)
 
     def total_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.root.glob("*/*/*" + SUFFIX) if p.exists())
+        return sum(p.stat().st_size for p in entry_files(self.root, "*/*/*" + SUFFIX))

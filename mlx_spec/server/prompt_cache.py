@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass, field
 
 from ..core import caches
+from ..core.cache_files import model_identity
 from ..decode.generate import make_decoder
 from ..decode.history import HistoryIndex
 from ..errors import SpecError
-from .disk_cache import model_identity
 
 SEGMENTS = ("assistant", "user", "system")  # eviction order: the first kind goes first
 
@@ -220,22 +220,9 @@ class PromptCache:
             if reuse <= most:
                 self.disk.metrics.misses += 1
             return None
-        decoder = self.new()
-        state = self.disk.load(found)
-        if state is None:
+        decoder = self.disk.load(found, self.new())
+        if decoder is None:
             return None
-        target, draft = state
-        if found.head is not None:  # a head's state: the decoder's own drafter takes it back
-            try:
-                decoder.drafter.restore_disk_state(draft, found.head)
-            except Exception as err:  # noqa: BLE001 - another head's file: not ours to load
-                self.disk.discard(found.path, f"head state: {type(err).__name__}: {err}")
-                return None
-            decoder.adopt(found.tokens, target, head=decoder.drafter)
-        else:
-            draft = (draft, found.tokens[: found.draft_tokens]) if draft is not None else None
-            decoder.adopt(found.tokens, target, draft)
-        decoder.settle()
         if decoder.reusable(tokens) <= most:  # (the index promised more than the state holds)
             return None
         entry = Entry(decoder, found.segment, decoder_bytes(decoder))

@@ -1,0 +1,195 @@
+"""Kept decoders as files: mlx-lm's `save_prompt_cache` format (the caches' states flattened
+into safetensors, `[metadata, classes, scalars]` in its metadata), with one class of ours added
+(`WindowedKVCache`, whose `state` leaves out its offset and window), and the identity of the
+models a state belongs to. The server's disk tier (server/disk_cache.py) and the Python API's
+`save_decoder` / `load_decoder` (decode/saved.py) write and read these files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import cache as mlx_lm_cache
+
+from . import caches
+
+FORMAT = "mlx-spec-prompt-cache/1"
+
+
+def layer_state(c):
+    """A layer's (class name, state) as save_prompt_cache flattens it; WindowedKVCache's with
+    what its `state` leaves out (the rows it holds, offset, dropped, window settings)."""
+    if isinstance(c, mlx_lm_cache.CacheList):
+        return "CacheList", [layer_state(x)[::-1] for x in c.caches]
+    if type(c) is caches.WindowedKVCache:
+        held = c.stored
+        keys, values = (
+            (None, None) if c.keys is None else (c.keys[..., :held, :], c.values[..., :held, :])
+        )
+        return "WindowedKVCache", (keys, values, c.offset, c.dropped, c.window, c.margin, c.slack)
+    return type(c).__name__, c.state
+
+
+def from_layer_state(name: str, state):
+    if name == "CacheList":
+        cl = mlx_lm_cache.CacheList.__new__(mlx_lm_cache.CacheList)
+        cl.caches = [from_layer_state(n, s) for s, n in state]
+        return cl
+    if name == "WindowedKVCache":
+        keys, values, offset, dropped, window, margin, slack = state
+        c = caches.WindowedKVCache(int(window), int(margin), int(slack))
+        c.keys, c.values, c.offset, c.dropped = keys, values, int(offset), int(dropped)
+        return c
+    kind = getattr(mlx_lm_cache, name, None)
+    if not (isinstance(kind, type) and issubclass(kind, mlx_lm_cache._BaseCache)):
+        raise ValueError(f"unknown cache class {name!r}")
+    return kind.from_state(state)
+
+
+def cache_file_parts(cache: list, metadata: dict) -> tuple[dict, dict]:
+    """mlx-lm's save_prompt_cache up to the write: (arrays, metadata) of a safetensors file."""
+    scalars = [""]
+
+    def map_data(item):
+        i, data = item
+        if isinstance(data, mx.array):
+            return item
+        if isinstance(data, bool | int | float):
+            scalars.append((i, "scalar"))
+            return i, mx.array(data)
+        if isinstance(data, str):
+            scalars.append((i, "string"))
+            return i, mx.array([ord(ch) for ch in data])
+        if data is None:
+            scalars.append((i, "none"))
+            return i, mx.array([])
+        raise ValueError(f"cache state is not serializable: {data!r}")
+
+    named = [layer_state(c) for c in cache]
+    arrays = dict(map(map_data, tree_flatten([s for _, s in named])))
+    meta = dict(tree_flatten([metadata, [n for n, _ in named], scalars]))
+    return arrays, meta
+
+
+def read_cache_file(path: Path) -> tuple[list, dict]:
+    """mlx-lm's load_prompt_cache (with `layer_state`'s classes): (caches, metadata)."""
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    metadata, classes, scalars = tree_unflatten(list(meta.items()))
+    for pos, kind in scalars[1:]:
+        a = arrays[pos]
+        if kind == "scalar":
+            arrays[pos] = a.item()
+        elif kind == "string":
+            arrays[pos] = "".join(map(chr, a.tolist()))
+        elif kind == "none":
+            arrays[pos] = None
+        else:
+            raise ValueError(f"unknown scalar type {kind!r}")
+    states = tree_unflatten(list(arrays.items())) if arrays else []
+    if isinstance(states, dict):  # (tree_unflatten of "0.x" keys gives a list; guard anyway)
+        raise ValueError("cache states are not a list")
+    return [from_layer_state(c, s) for c, s in zip(classes, states, strict=True)], metadata
+
+
+def header_metadata(path: Path) -> dict:
+    """A safetensors file's metadata from its header alone (no array is read)."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        if size > 64 << 20:
+            raise ValueError("header too large")
+        header = json.loads(f.read(size))
+    return header.get("__metadata__", {})
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def model_identity(pair) -> str:
+    """A hash of what makes a kept state valid for `pair`: another model, other weights (a
+    new size or modification time), another adapter or drafter never finds these files."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("mlx-spec")  # (a head shipped in the package may change with it)
+    except PackageNotFoundError:
+        ours = "?"
+    c = pair.config
+    parts = [FORMAT, ours, str(pair.speculative)]
+    parts += [str(x) for x in (c.drafter, c.draft_bits, c.draft_group_size, c.dtype, c.head)]
+    head = Path(c.head) if c.head and Path(c.head).exists() else None
+    for path in (pair.target_path, pair.draft_path, pair.draft_adapter, head):
+        if path is None:
+            parts.append("-")
+            continue
+        path = Path(path).resolve()
+        parts.append(str(path))
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        for f in files + [path / "config.json"] * path.is_dir():
+            try:
+                st = f.stat()
+                parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+            except OSError:
+                parts.append(f"{f.name}:?")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def storable(decoder) -> bool:
+    """Whether a decoder's state can go to a file: between rounds (one unfed token), and no
+    head reading the target's layers unless it stores its state (`Drafter.disk_state`:
+    EAGLE-3's) and has every position's features (no gap a plain reply left)."""
+    if decoder.unfed != 1 or decoder.stale or not decoder.sequence:
+        return False
+    if not decoder.hidden_layers:
+        return True
+    return decoder.hidden_gap is None and decoder.drafter.disk_state() is not None
+
+
+def decoder_file(decoder, **extra) -> tuple[dict, dict, dict]:
+    """A storable decoder's file: (arrays, safetensors metadata, info): the target's layers
+    then the drafter's (a draft model's cache, or a head's `disk_state`), the token sequence
+    and how to split them back in `info` (with `extra`). The arrays are sliced lazily: evaluate
+    them on the thread that made them."""
+    draft, draft_tokens, head = [], 0, None
+    if decoder.hidden_layers:
+        draft, head = decoder.drafter.disk_state()
+    elif decoder.drafter is not None and decoder.drafter.held_cache() is not None:
+        draft, cached = decoder.drafter.held_cache()
+        draft, draft_tokens = list(draft), len(cached)
+    info = {"format": FORMAT, "tokens": list(decoder.sequence), "draft": len(draft),
+            "draft_tokens": draft_tokens, "head": head, **extra}  # fmt: skip
+    arrays, meta = cache_file_parts(list(decoder.cache) + draft, {"info": json.dumps(info)})
+    return arrays, meta, info
+
+
+def file_info(meta: dict) -> dict:
+    """The info `decoder_file` put in a file's metadata (ValueError: not this format)."""
+    info = json.loads(meta["0.info"] if "0.info" in meta else meta["info"])
+    if info.get("format") != FORMAT:
+        raise ValueError(f"format {info.get('format')!r}, not {FORMAT!r}")
+    return info
+
+
+def restore_decoder(decoder, layers: list, info: dict):
+    """A fresh decoder (make_decoder) holding a file's state: the target's layers adopted, a
+    draft model's cache taken over, a head's state given back to the decoder's own head."""
+    split = len(layers) - int(info["draft"])
+    target, draft = layers[:split], layers[split:]
+    tokens = [int(t) for t in info["tokens"]]
+    if info.get("head") is not None:
+        decoder.drafter.restore_disk_state(draft, info["head"])
+        decoder.adopt(tokens, target, head=decoder.drafter)
+    else:
+        held = (draft, tokens[: int(info["draft_tokens"])]) if draft else None
+        decoder.adopt(tokens, target, held)
+    decoder.settle()
+    return decoder

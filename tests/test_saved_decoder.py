@@ -1,0 +1,113 @@
+"""`mlx_spec.save_decoder` / `load_decoder`: a conversation's caches written to a file and read
+back, in this process and in another one, so the next turn prefills only what is new; the
+reply stays the target's own (greedy equality) for a plain, a sliding-window and a hybrid
+target with a draft model, and for prompt lookup. A file of other models, or a damaged one,
+is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import tiny
+from conftest import VOCAB
+
+import mlx_spec
+from mlx_spec import SpecError, generate, load_decoder, load_pair, make_decoder, save_decoder
+
+TURN1 = [{"role": "user", "content": "Tell me a story about a file"}]
+
+
+def prompt_ids(pair) -> list[int]:
+    return pair.tokenizer.apply_chat_template(TURN1, add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("saved_models")
+    out = {}
+    for family in ("llama", "llama_sliding", "qwen3_5"):
+        cfg = tiny.family_configs(VOCAB)[family]
+        weights = tiny.family_weights(cfg, seed=0)
+        target = tiny.write_model(root / family, cfg, weights, tiny_models.tokenizer)
+        draft = tiny.write_model(root / f"{family}-d", cfg, tiny.noisy(weights, 0.02),
+                                 tiny_models.tokenizer)  # fmt: skip
+        out[family] = (target, draft)
+    return out
+
+
+def turn2(pair, first) -> list[int]:
+    """The next turn as token ids: the first prompt, its reply, more (a recurrent state only
+    continues a sequence it holds exactly; text would be re-tokenized)."""
+    return first.prompt_ids + first.tokens + pair.tokenizer.encode(" And then?")
+
+
+def ask(pair, prompt, **kw):
+    result = generate(pair, prompt, max_tokens=12, temperature=0.0, **kw)
+    result.prompt_ids = list(prompt) if isinstance(prompt[0], int) else None
+    return result
+
+
+@pytest.mark.parametrize(
+    "family, drafter",
+    [
+        ("llama", "model"),
+        ("llama", "ngram"),
+        ("llama_sliding", "model"),
+        ("qwen3_5", "model"),
+    ],  # fmt: skip
+)
+def test_a_saved_conversation_continues_exactly(models, tmp_path, family, drafter):
+    target, draft = models[family]
+    pair = load_pair(target=str(target), draft=str(draft) if drafter == "model" else None)
+    pair = pair.configured(drafter="ngram") if drafter == "ngram" else pair
+    decoder = make_decoder(pair)
+    first = ask(pair, prompt_ids(pair), decoder=decoder)
+    path = save_decoder(decoder, tmp_path / "conversation.safetensors")
+    loaded = load_decoder(pair, path)
+    second = ask(pair, turn2(pair, first), decoder=loaded)
+    fresh = ask(pair, turn2(pair, first))
+    assert second.tokens == fresh.tokens
+    assert second.stats.prompt_tokens_reused >= first.stats.prompt_tokens  # turn 1's prompt
+
+
+def test_another_process_continues_from_the_file(models, tmp_path):
+    target, draft = models["llama"]
+    pair = load_pair(target=str(target), draft=str(draft))
+    decoder = make_decoder(pair)
+    first = ask(pair, prompt_ids(pair), decoder=decoder)
+    save_decoder(decoder, tmp_path / "c.safetensors")
+    script = f"""
+import json, mlx_spec
+pair = mlx_spec.load_pair(target={str(target)!r}, draft={str(draft)!r})
+d = mlx_spec.load_decoder(pair, {str(tmp_path / "c.safetensors")!r})
+r = mlx_spec.generate(pair, {json.dumps(turn2(pair, first))}, max_tokens=12, temperature=0.0,
+                      decoder=d)
+print(json.dumps({{"tokens": r.tokens, "reused": r.stats.prompt_tokens_reused}}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    fresh = ask(pair, turn2(pair, first))
+    assert got["tokens"] == fresh.tokens and got["reused"] >= first.stats.prompt_tokens
+
+
+def test_other_models_or_a_damaged_file_are_refused(models, tmp_path):
+    target, draft = models["llama"]
+    pair = load_pair(target=str(target), draft=str(draft))
+    decoder = make_decoder(pair)
+    generate(pair, TURN1, max_tokens=4, temperature=0.0, decoder=decoder)
+    path = save_decoder(decoder, tmp_path / "c.safetensors")
+    other = load_pair(target=str(models["llama_sliding"][0]))
+    with pytest.raises(SpecError, match="saved for other models"):
+        load_decoder(other, path)
+    data = bytearray(path.read_bytes())
+    path.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(SpecError, match="cannot be loaded|is not a saved decoder"):
+        load_decoder(pair, path)
+    with pytest.raises(SpecError, match="holds nothing"):
+        save_decoder(make_decoder(pair), tmp_path / "empty.safetensors")
+    assert mlx_spec.load_decoder is load_decoder
