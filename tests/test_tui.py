@@ -427,6 +427,42 @@ async def test_copy_save_and_system_message(chat_pair, tmp_path, monkeypatch):
         assert not list(tmp_path.glob("mlx-spec-chat-*"))
 
 
+async def test_a_saved_chat_reopens_without_prefilling_it_again(chat_pair, tmp_path, monkeypatch):
+    """ctrl+s writes the conversation's caches beside its .json; `--load` (read_saved) finds
+    them, and the next turn prefills only what is new, with the same reply as a chat reopened
+    without them."""
+    import asyncio
+
+    from tui.app import read_saved
+
+    monkeypatch.setenv("MLX_SPEC_DATA", str(tmp_path / "data"))
+    first = ChatApp(chat_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=12))
+    async with first.run_test(size=(120, 40)) as pilot:
+        await send(pilot, PROMPT)
+        await finish(first, pilot)
+        turn_one = first.stats_panel.stats["prompt_tokens"]
+        await pilot.press("ctrl+s")
+        caches = first.saved_to.with_suffix(".safetensors")
+        for _ in range(200):  # written on the model thread
+            if caches.is_file():
+                break
+            await asyncio.sleep(0.05)
+        await pilot.pause()
+    assert caches.is_file()
+    saved = read_saved(first.saved_to.with_suffix(".json"))
+    assert saved["cache"] == caches
+    replies = {}
+    for name, record in (("cached", saved), ("plain", {**saved, "cache": None})):
+        app = ChatApp(chat_pair, pair_name="tiny", saved=record,
+                      generation=GenerationConfig(max_tokens=12))  # fmt: skip
+        async with app.run_test(size=(120, 40)) as pilot:
+            await send(pilot, "And then?")
+            reply = await finish(app, pilot)
+            replies[name] = (reply.text, app.stats_panel.stats["prompt_tokens_reused"])
+    assert replies["cached"][0] == replies["plain"][0]
+    assert replies["plain"][1] == 0 and replies["cached"][1] >= turn_one
+
+
 def cycle_pair(tiny_models, root):
     """A target that writes one line over and over (each token's successor is fixed: attention
     and MLP write nothing, and the head maps each token's embedding to the next token), with a
@@ -694,7 +730,11 @@ async def test_a_saved_chat_reloads_and_goes_on(chat_pair, tmp_path, monkeypatch
         await pilot.pause()
         saved, history = app.saved_to, list(app.history)
     record = read_saved(saved.with_suffix(".json"))
-    assert record == {"messages": history, "system": "Be brief."}
+    assert record == {
+        "messages": history,
+        "system": "Be brief.",
+        "cache": saved.with_suffix(".safetensors"),
+    }
     markdown = saved.with_suffix(".md").read_text()
     assert all(m["content"] in markdown for m in history) and "Be brief." in markdown
     again = ChatApp(

@@ -24,7 +24,15 @@ from textual.widgets import Footer, Input, OptionList, ProgressBar, Static
 from textual.widgets.option_list import Option
 from textual.worker import get_current_worker
 
-from mlx_spec import GenerationConfig, SpecError, Stats, make_decoder, stream_rounds
+from mlx_spec import (
+    GenerationConfig,
+    SpecError,
+    Stats,
+    load_decoder,
+    make_decoder,
+    save_decoder,
+    stream_rounds,
+)
 from mlx_spec.core.policies import Auto, Fixed
 from mlx_spec.models.hub import DownloadProgress
 from mlx_spec.runtime.threads import ModelThread
@@ -107,7 +115,9 @@ def read_saved(path: str | Path) -> dict:
     )
     if not good or not isinstance(record.get("system"), str | None):
         raise SpecError(f"{path} is not a saved chat (no list of user/assistant messages)")
-    return {"messages": messages, "system": record.get("system")}
+    cache = Path(path).with_suffix(".safetensors")  # ctrl+s saves the caches beside it
+    return {"messages": messages, "system": record.get("system"),
+            "cache": cache if cache.is_file() else None}  # fmt: skip
 
 
 class ReplyDone(Message):
@@ -197,6 +207,8 @@ class ChatApp(App):
         if saved and system is None:
             self.system = saved.get("system")
         self.decoder = None  # made on the model thread, by the first reply with a pair
+        # the saved chat's caches (ctrl+s writes them): its next turn prefills only what is new
+        self.saved_cache: Path | None = saved.get("cache") if saved else None
         # every load and every reply runs here, in order (not on Textual's shared pool)
         self.models = ModelThread("mlx-spec-chat")
         self.reply: ReplyView | None = None  # the reply being generated
@@ -379,7 +391,7 @@ class ChatApp(App):
         so_far, plain_turns = "", not self.pair.tokenizer.has_chat_template
         try:
             if self.decoder is None or self.decoder.pair is not self.pair:
-                self.decoder = make_decoder(self.pair, self.generation.seed)
+                self.decoder = self._first_decoder()
             config = self.generation.replace(
                 temperature=self.temperature,
                 num_draft_tokens=retimed(self.k),
@@ -509,6 +521,25 @@ class ChatApp(App):
             self.copy_to_clipboard(replies[-1])
             self.set_status("copied the last reply")
 
+    def _first_decoder(self):
+        """The saved chat's caches when it has them and they are this pair's (once), else a
+        new decoder; on the model thread."""
+        path, self.saved_cache = self.saved_cache, None
+        if path is not None:
+            try:
+                return load_decoder(self.pair, path, self.generation.seed)
+            except SpecError as err:
+                self.call_from_thread(self.set_status, f"prefilling again: {err}")
+        return make_decoder(self.pair, self.generation.seed)
+
+    def _save_caches(self, path: Path) -> str:
+        """The conversation's caches beside its .json (on the model thread)."""
+        try:
+            save_decoder(self.decoder, path)
+        except SpecError as err:
+            return f" (caches not saved: {err})"
+        return " and its caches"
+
     def action_save(self) -> None:
         """Write the conversation with its stats as Markdown and JSON (mlx-spec-chat-*.md)
         in the chats folder (`chats_dir`), never the working directory (a git checkout)."""
@@ -547,7 +578,14 @@ class ChatApp(App):
             self.set_status(f"could not save: {err.strerror}")
             return
         self.saved_to = stem
-        self.set_status(f"saved {stem}.md and .json")
+        if self.decoder is None or self.reply is not None:
+            self.set_status(f"saved {stem}.md and .json")
+            return
+        self.run_worker(self._save_with_caches(stem), group="save")
+
+    async def _save_with_caches(self, stem: Path) -> None:
+        done = await self.models.run(self._save_caches, stem.with_suffix(".safetensors"))
+        self.set_status(f"saved {stem}.md and .json{done}")
 
     def action_toggle_rejected(self) -> None:
         """Show the draft's rejected guesses inline, struck through, in every reply."""
