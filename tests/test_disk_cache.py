@@ -317,3 +317,30 @@ def test_another_servers_temporary_file_is_left_alone(models, tmp_path):
         second.stop()
     assert cached(usage) >= 0.9 * usage.prompt_tokens
     assert partial.exists() and "removed" not in (tmp_path / "b.log").read_text()
+
+
+def test_a_pair_swap_finds_the_other_pairs_entries_on_disk(models, tiny_models, tmp_path):
+    """--allow-swap drops the swapped-out pair's RAM caches; its entries stay on disk and the
+    next request for it reads them back."""
+    target, draft = models["llama"]
+    catalog = tmp_path / "models.toml"
+    catalog.write_text(
+        f'[pairs."tiny2"]\ntarget = "{tiny_models.target2}"\ndraft = "{tiny_models.draft2}"\n'
+    )
+    args = args_for(target, draft, "ngram+model", tmp_path / "cache", "--allow-swap")
+    with open(tmp_path / "a.log", "w") as log:
+        proc, url = start_server(args, log, env={"MLX_SPEC_MODELS": str(catalog)})
+    client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60)
+
+    def ask(model):
+        r = client.chat.completions.create(model=model, messages=ASK, max_tokens=8,
+                                           temperature=0)  # fmt: skip
+        return r.choices[0].message.content, r.usage
+
+    try:
+        text, _ = ask("llama")
+        ask("tiny2")  # the swap: llama's RAM entries are gone
+        again, usage = ask("llama")  # and back
+    finally:
+        stop_server(proc)
+    assert again == text and cached(usage) >= 0.9 * usage.prompt_tokens
