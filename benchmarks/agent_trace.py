@@ -701,6 +701,8 @@ def replay_session(args) -> int:
     servers = {}  # name -> (command, protocol, model)
     spec = [sys.executable, "-m", "mlx_spec", "serve", "--pair", args.pair,
             "--log-level", "warning", *shlex.split(args.serve_flags)]  # fmt: skip
+    if "--cache-dir" not in args.serve_flags:  # a disk tier of the run's own (restarts find it)
+        spec += ["--cache-dir", str(root / "prompt-cache")]
     for protocol in args.protocols.split(","):
         if protocol not in PROTOCOLS:
             raise SystemExit(f"--protocols takes {', '.join(PROTOCOLS)}")
@@ -731,6 +733,8 @@ def replay_session(args) -> int:
         seen = {n: [] for n in servers}  # the tokens of each earlier request and its reply
         began = time.perf_counter()
         for turn in range(len(labels)):
+            if args.restart_after and turn == args.restart_after:
+                restart(servers, procs, urls, root, args.restart_signal)
             for name, (_, protocol, model) in servers.items():
                 last = rows[name][-1]["text"] if rows[name] else None
                 label, messages, max_tokens = gens[name].send(last) if turn else next(gens[name])
@@ -765,6 +769,21 @@ def replay_session(args) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
     return report_session(args, labels, system_len, rows)
+
+
+def restart(servers: dict, procs: dict, urls: dict, root, how: str) -> None:
+    """Every server stopped (SIGTERM, or SIGKILL: `--restart-signal kill`) and started again
+    on a fresh port; mlx-spec's find their disk tier again, the others start empty."""
+    from serve_batch import start
+
+    for name, proc in procs.items():
+        proc.send_signal(signal.SIGKILL if how == "kill" else signal.SIGTERM)
+        proc.wait(120)
+        print(f"restarted {name} ({how})", file=sys.stderr, flush=True)
+    for i, (name, (cmd, _, _)) in enumerate(servers.items()):
+        port = free_port()
+        log = root / f"{i}-restarted.log"
+        procs[name], urls[name] = start(cmd + ["--port", str(port)], port, log)
 
 
 def session_summary(rows: list[dict]) -> dict:
@@ -929,6 +948,10 @@ def main():
     session.add_argument("--serve-flags", default="", help="more flags for mlx-spec serve")
     session.add_argument("--out", help="write the session's requests and summary (JSON)")
     session.add_argument("--dry-run", action="store_true", help="print the requests' sizes only")
+    session.add_argument(
+        "--restart-after", type=int, default=0, help="restart every server after this request"
+    )
+    session.add_argument("--restart-signal", choices=["term", "kill"], default="term")
     args = parser.parse_args()
     shapes = args.shapes.split(",")
     if set(shapes) - set(SHAPES) - {"session"}:
