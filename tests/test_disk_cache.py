@@ -344,3 +344,32 @@ def test_a_pair_swap_finds_the_other_pairs_entries_on_disk(models, tiny_models, 
     finally:
         stop_server(proc)
     assert again == text and cached(usage) >= 0.9 * usage.prompt_tokens
+
+
+def test_a_file_copied_into_another_keys_folder_is_refused(models, tmp_path):
+    """The partition folders are an HMAC of the key; a file moved into another key's folder
+    (or another model's) says so in its own metadata and is removed, never loaded."""
+    import shutil
+
+    from mlx_spec.core.cache_files import file_info, header_metadata
+
+    target, draft = models["llama"]
+    args = args_for(target, draft, "ngram+model", tmp_path / "cache")
+    first = Server(args, tmp_path / "a.log")
+    first.ask()
+    first.ask([{"role": "user", "content": "Hi"}], key=OTHER)
+    first.stop()
+    files = wait_for_files(tmp_path / "cache", 2)
+    size = {p: len(file_info(header_metadata(p))["tokens"]) for p in files}
+    mine, others = max(files, key=size.get), min(files, key=size.get)
+    assert mine.parent != others.parent
+    stolen = others.parent / mine.name
+    shutil.copy(mine, stolen)
+    mine.unlink()  # (KEY's own entry gone: only the stolen copy could serve the prompt)
+    second = Server(args, tmp_path / "b.log")
+    try:
+        _, usage = second.ask(key=OTHER)
+    finally:
+        second.stop()
+    assert cached(usage) < 0.5 * usage.prompt_tokens
+    assert "another key's or model's folder" in (tmp_path / "b.log").read_text()

@@ -2,12 +2,11 @@
 an entry the RAM budget evicts, every entry after a restart (a clean stop or `kill -9`) and a
 swapped-out pair's entries are loaded again instead of prefilled.
 
-The files are mlx-lm's `save_prompt_cache` format (the caches' states flattened into
-safetensors, `[metadata, classes, scalars]` in its metadata), written by `cache_file_parts` /
-read by `read_cache_file`, which are mlx-lm's two functions with one change: a layer class
-may be mlx-spec's `WindowedKVCache` (its state carries its offset and window too). The
-metadata holds the token sequence, so a restart indexes the folder from the files' headers
-without loading an array.
+The files are mlx-lm's `save_prompt_cache` format (core/cache_files.py: the caches' states
+flattened into safetensors, `[metadata, classes, scalars]` in its metadata; one class of ours
+added, `WindowedKVCache`). The metadata holds the token sequence and the folders the file was
+written for, so a restart indexes the folder from the files' headers without loading an
+array, and a file copied into another key's or model's folder is refused.
 
 Layout: `<dir>/<model>/<partition>/<entry>.safetensors`. `<model>` hashes what makes a state
 valid (the target's and draft's paths, weight file sizes and times, adapter, drafter kind);
@@ -196,6 +195,9 @@ class DiskStore:
     def _index(self, path: Path) -> DiskEntry | None:
         try:
             info = file_info(header_metadata(path))
+            if (info.get("model"), info.get("partition")) != (path.parent.parent.name,
+                                                               path.parent.name):  # fmt: skip
+                raise ValueError("written for another key's or model's folder")
             st = path.stat()
             tokens = [int(t) for t in info["tokens"]]
             return DiskEntry(path, tokens, str(info["segment"]), st.st_size, st.st_mtime)
@@ -217,7 +219,10 @@ class DiskStore:
         """The entry that would reuse the most of `tokens`, and how many: a caches that roll
         back freely reuse any shared prefix; others only an entry wholly inside the prompt."""
         best, most = None, 0
-        for entry in list(self.entries(folder).values()):
+        known = self.entries(folder)
+        with self.lock:  # (the writer thread adds entries meanwhile)
+            candidates = list(known.values())
+        for entry in candidates:
             held = entry.tokens[:-1]
             shared = common_prefix_len(held, tokens)
             if not freely and shared < len(held):
@@ -289,7 +294,9 @@ class DiskStore:
             if any(n.startswith(name_hash) for n in self.folders.get(folder, {})):
                 return  # (already on disk)
         try:
-            arrays, meta, info = decoder_file(decoder, segment=segment)
+            arrays, meta, info = decoder_file(
+                decoder, segment=segment, model=folder.parent.name, partition=folder.name
+            )
             mx.eval(list(arrays.values()))
         except Exception as err:  # noqa: BLE001 - the request goes on; the entry stays in RAM
             self.metrics.errors += 1
