@@ -91,6 +91,19 @@ def run_schedule(decoder: BatchDecoder, prompts: list[list[int]], cancel_at: int
     return out, reasons
 
 
+def assert_schedule_exact(pair, prompts, out: dict, reasons: dict, label: str = "") -> None:
+    """Every row of SCHEDULE equal to the target alone (greedy, mlx-lm's reference); the
+    cancelled one a prefix of it."""
+    for i, (p, _, max_tokens) in enumerate(SCHEDULE):
+        expected = reference(pair, prompts[p], max_tokens)
+        if i == CANCELLED:
+            assert reasons[i] == "cancelled"
+            assert 0 < len(out[i]) < len(expected) and out[i] == expected[: len(out[i])]
+        else:
+            assert out[i] == expected, f"{label} row {i}"
+            assert reasons[i] == ("length" if len(expected) == max_tokens else "stop")
+
+
 @pytest.mark.parametrize(
     "family,drafter,k",
     [
@@ -110,14 +123,7 @@ def test_greedy_rows_equal_each_alone(tiny_models, qwen3_dirs, family, drafter, 
     prompts = [pair.tokenizer.encode(t) for t in TEXTS]
     decoder = make_batch_decoder(pair, k if k else None)
     out, reasons = run_schedule(decoder, prompts)
-    for i, (p, _, max_tokens) in enumerate(SCHEDULE):
-        expected = reference(pair, prompts[p], max_tokens)
-        if i == CANCELLED:
-            assert reasons[i] == "cancelled"
-            assert 0 < len(out[i]) < len(expected) and out[i] == expected[: len(out[i])]
-        else:
-            assert out[i] == expected, f"row {i}"
-            assert reasons[i] == ("length" if len(expected) == max_tokens else "stop")
+    assert_schedule_exact(pair, prompts, out, reasons)
     assert len(decoder) == 0 and decoder.cache is None
     if k == 3:  # the rows did draft (else the test would show nothing of speculation)
         assert decoder.drafted > 0

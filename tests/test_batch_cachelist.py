@@ -17,10 +17,9 @@ import tiny
 from conftest import VOCAB
 from mlx_lm.models.cache import CacheList, make_prompt_cache
 from test_batch import (
-    CANCELLED,
-    SCHEDULE,
     TEXTS,
     assert_a_row_comes_from_and_goes_into_single_streams,
+    assert_schedule_exact,
     run_schedule,
 )
 from test_greedy_equality import reference
@@ -59,13 +58,7 @@ def test_greedy_rows_equal_each_alone(dirs, family):
     prompts = [pair.tokenizer.encode(t) for t in TEXTS]
     decoder = make_batch_decoder(pair, 3)
     out, reasons = run_schedule(decoder, prompts)
-    for i, (p, _, max_tokens) in enumerate(SCHEDULE):
-        expected = reference(pair, prompts[p], max_tokens)
-        if i == CANCELLED:
-            assert reasons[i] == "cancelled"
-            assert 0 < len(out[i]) < len(expected) and out[i] == expected[: len(out[i])]
-        else:
-            assert out[i] == expected, f"{family} row {i}"
+    assert_schedule_exact(pair, prompts, out, reasons, family)
     assert decoder.drafted > 0 and len(decoder) == 0
 
 

@@ -32,15 +32,8 @@ ASK = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which
 def models(tiny_models, tmp_path_factory):
     """(target, draft) per target kind: plain KV, sliding window, hybrid recurrent."""
     root = tmp_path_factory.mktemp("disk_models")
-    out = {}
-    for family in ("llama", "llama_sliding", "qwen3_5"):
-        cfg = tiny.family_configs(VOCAB)[family]
-        weights = tiny.family_weights(cfg, seed=0)
-        target = tiny.write_model(root / family, cfg, weights, tiny_models.tokenizer)
-        noisy = tiny.noisy(weights, 0.02)
-        out[family] = (target, tiny.write_model(root / f"{family}-draft", cfg, noisy,
-                                                tiny_models.tokenizer))  # fmt: skip
-    return out
+    families = ("llama", "llama_sliding", "qwen3_5")
+    return tiny.family_pairs(root, tiny_models.tokenizer, VOCAB, families)
 
 
 class Server:

@@ -26,16 +26,10 @@ def prompt_ids(pair) -> list[int]:
 
 @pytest.fixture(scope="module")
 def models(tiny_models, tmp_path_factory):
+    """(target, draft) per target kind: plain KV, sliding window, hybrid recurrent."""
     root = tmp_path_factory.mktemp("saved_models")
-    out = {}
-    for family in ("llama", "llama_sliding", "qwen3_5"):
-        cfg = tiny.family_configs(VOCAB)[family]
-        weights = tiny.family_weights(cfg, seed=0)
-        target = tiny.write_model(root / family, cfg, weights, tiny_models.tokenizer)
-        draft = tiny.write_model(root / f"{family}-d", cfg, tiny.noisy(weights, 0.02),
-                                 tiny_models.tokenizer)  # fmt: skip
-        out[family] = (target, draft)
-    return out
+    families = ("llama", "llama_sliding", "qwen3_5")
+    return tiny.family_pairs(root, tiny_models.tokenizer, VOCAB, families)
 
 
 def turn2(pair, first) -> list[int]:

@@ -611,3 +611,16 @@ def write_gemma4(path: Path, tokenizer_from: Path, vocab_size: int = 320, moe: b
                  seed: int = 0, hidden: int = 64, scale: float = 2.0) -> Path:  # fmt: skip
     cfg = gemma4_config(vocab_size, moe, hidden)
     return write_model(path, cfg, gemma4_weights(cfg, seed, scale), tokenizer_from)
+
+
+def family_pairs(root: Path, tokenizer: Path, vocab: int, families, noise=0.02) -> dict:
+    """{family: (target dir, draft dir)}: each family's tiny target (family_configs) and a
+    noisy copy as its draft (agrees often: mixed rounds)."""
+    out = {}
+    for family in families:
+        cfg = family_configs(vocab)[family]
+        weights = family_weights(cfg, seed=0)
+        target = write_model(root / family, cfg, weights, tokenizer)
+        draft = write_model(root / f"{family}-draft", cfg, noisy(weights, noise), tokenizer)
+        out[family] = (target, draft)
+    return out
