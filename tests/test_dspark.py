@@ -379,3 +379,14 @@ def test_bad_heads_are_refused_in_one_line(tiny_models, heads, capsys):
     dflash_head = write_dflash(heads["root"] / "bad" / "plain", plain_cfg)
     with pytest.raises(SpecError, match="no markov_rank .*--drafter dflash"):
         load_pair(target=target, drafter="dspark", head=str(dflash_head))
+
+
+def test_rope_pairing_defaults_to_neox_as_the_peers_read_it():
+    """A config without rope_is_neox_style: NeoX (split halves; MLX traditional=False), as
+    mlx-vlm 0.7.10's DSparkConfig (rope_is_neox_style: bool = True) and mlx-dspark 0.20.3
+    (absent -> the family default, neox) read it; it was interleaved here before. The
+    published heads say false, which stays interleaved."""
+    cfg = head_config(tiny.family_configs(320)["qwen3"], [1, 2])
+    assert DSparkArgs(cfg).rope_traditional is True  # the published heads' own setting
+    del cfg["rope_is_neox_style"]
+    assert DSparkArgs(cfg).rope_traditional is False

@@ -63,7 +63,7 @@ class DFlashArgs:
     """The fields of a z-lab DFlash config.json the forward needs."""
 
     name = "DFlash"  # in error messages (DSparkArgs: "DSpark")
-    neox_rope = True  # rope pairing when the config has no rope_is_neox_style (DSpark: False)
+    neox_rope = True  # rope pairing when the config has no rope_is_neox_style (the peers' too)
 
     def __init__(self, cfg: dict):
         dflash = cfg.get("dflash_config") or {}

@@ -18,8 +18,10 @@ implement them:
   divides by, is the distribution given that guess: DSparkDrafter draws position by position
   (`DFlashDrafter.chained`) and hands over each position's q as it drew from it.
 
-Rope pairing: the checkpoints say `rope_is_neox_style: false` (interleaved pairs, MLX's
-"traditional"), which is also the default when they do not (mlx-vlm's). The checkpoint's
+Rope pairing: Liquid AI's checkpoints say `rope_is_neox_style: false` (interleaved pairs, MLX's
+"traditional"); a config that does not say gets NeoX pairing (split halves), DFlash's and the
+Qwen family's default, as both peers read it (mlx-vlm 0.7.10's DSparkConfig and mlx-dspark
+0.20.3's `rope_traditional`: absent means NeoX). The checkpoint's
 `confidence_head.proj` (a sigmoid over [hidden, markov embedding], for DeepSpec's
 confidence-scheduled early stop; off by default there, threshold 0) is not used: the
 controller chooses how many guesses the target verifies. It is dropped at load, as are
@@ -46,7 +48,6 @@ class DSparkArgs(DFlashArgs):
     """A DSpark config.json: DFlash's fields and the Markov head's."""
 
     name = "DSpark"
-    neox_rope = False  # mlx-vlm's DSparkConfig default; the LFM2.5 checkpoints say so too
 
     def __init__(self, cfg: dict):
         super().__init__(cfg)
