@@ -384,3 +384,30 @@ def test_each_curated_qwen35_target_has_an_mtp_pair():
     for target, head in heads.items():  # the original repository of the same model
         assert head.startswith(("Qwen/Qwen3.5-", "Qwen/Qwen3.6-"))
         assert head.split("/")[1] + "-" in target
+
+
+def test_a_checkpoint_rewritten_in_place_gets_its_own_head(tiny_models, tmp_path, monkeypatch):
+    """The head cache is keyed by the checkpoint's content (its files' sizes and times, a hub
+    id's revision), not its path alone: rewritten in place, it gets a new head with the new
+    weights (the old head drafted for other weights: 0 proposals equal to the peer's)."""
+    import shutil
+    import time
+
+    from mlx_spec.drafters.mtp_extract import cached_head
+
+    monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "qwen35"
+    before = original_checkpoint(source, 320, tiny_models.tokenizer, seed=0)
+    first = cached_head(str(source), None, report=lambda line: None)
+    time.sleep(0.01)  # (a new modification time even on a coarse clock)
+    shutil.rmtree(source)  # a re-download into the same folder
+    after = original_checkpoint(source, 320, tiny_models.tokenizer, seed=5)
+    second = cached_head(str(source), None, report=lambda line: None)
+    assert first != second
+    name = "mtp.fc.weight"
+    assert not mx.array_equal(before[name], after[name])
+    for head, tensors in ((first, before), (second, after)):
+        stored = mx.load(str(head / "model.safetensors"))
+        key = next(k for k in stored if k.endswith("fc.weight"))
+        assert mx.allclose(stored[key].astype(mx.float32), tensors[name].astype(mx.float32))
+    assert cached_head(str(source), None, report=lambda line: None) == second  # reused

@@ -57,11 +57,36 @@ def cache_root() -> Path:
     return (base if env else base / "mlx-spec") / "heads"
 
 
+def source_identity(source: str) -> str:
+    """What the source's content is, cheaply: a directory's config and weight files (names,
+    sizes, modification times); a hub id's snapshot revision on this machine ("" when none
+    is). A checkpoint rewritten in place, re-downloaded or at a new revision gets another
+    head: its old one drafted for other weights (0 of 26 proposals equal to the peer's)."""
+    path = Path(source)
+    if path.is_dir():
+        parts = []
+        for f in sorted([*path.glob("*.json"), *path.glob("*.safetensors")]):
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(source, "config.json")
+    except Exception:  # noqa: BLE001 - a malformed id: the extract says what is wrong
+        return ""
+    return Path(found).parent.name if isinstance(found, str) else ""  # snapshots/<revision>
+
+
 def cache_name(source: str, bits: int | None, group_size: int) -> str:
-    """One directory per source (a hub id, or a directory's absolute path) and quantization."""
+    """One directory per source (a hub id, or a directory's absolute path), its content
+    (`source_identity`) and quantization."""
 
     slug = re.sub(r"[^A-Za-z0-9._-]+", "--", source.strip("/"))[-60:]
-    digest = hashlib.sha256(source.encode()).hexdigest()[:10]
+    digest = hashlib.sha256(f"{source}\n{source_identity(source)}".encode()).hexdigest()[:10]
     return f"{slug}-{digest}-{f'{bits}bit-g{group_size}' if bits else 'float'}"
 
 
