@@ -8,6 +8,7 @@ message_start and message_delta (also after keep-alives), x-should-retry: false 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -60,7 +61,8 @@ def server(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def unlimited(model, tmp_path_factory):
     """One request at a time and no cap on replies: a long one holds the engine."""
-    args = ["--target", str(model), "--no-draft", "--api-key", KEY, "--max-batch", "1"]
+    args = ["--target", str(model), "--no-draft", "--api-key", KEY, "--max-batch", "1",
+            "--keepalive", "0.2"]  # fmt: skip
     with serving(args, tmp_path_factory.mktemp("unlimited_server")) as (_, url):
         yield url
 
@@ -213,11 +215,21 @@ def test_a_waiting_stream_gets_comments_then_a_message_start_that_agrees(unlimit
         f"Content-Type: application/json\r\nContent-Length: {len(long)}\r\n\r\n{long}".encode()
     )
     blocker.recv(1024)  # its first bytes: it runs, for seconds, until its client leaves
+
+    def drain():  # read on: a client that stops reading is cut after --send-timeout
+        with contextlib.suppress(OSError):
+            while blocker.recv(1 << 16):
+                pass
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
     waited = threading.Event()
 
     def free_the_engine():
         waited.set()
-        blocker.close()  # the client leaves: its generation stops
+        blocker.shutdown(socket.SHUT_RDWR)  # the client leaves: its generation stops
+        reader.join(10)
+        blocker.close()
 
     body = {"model": "agent", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
     events = stream_message(server, body, on_headers=free_the_engine)

@@ -198,6 +198,13 @@ def setup_arg_parser(parser):
         help="seconds an idle keep-alive connection stays open between requests (default 5)",
     )
     g.add_argument(
+        "--keepalive",
+        type=seconds,
+        default=2.0,
+        help="seconds between keep-alives of a stream that waits (queued, prefilling): its"
+        " headers, then an SSE comment this often (default 2)",
+    )
+    g.add_argument(
         "--send-timeout",
         type=seconds,
         default=SEND_TIMEOUT,
@@ -352,6 +359,7 @@ def main(args):
         allowed_hosts=args.allow_host,
         allowed_origins=args.allow_origin,
         send_timeout=args.send_timeout,
+        keepalive=args.keepalive,
         parse_special=args.parse_special_in_content,
         admin_keys=args.admin_key,
         body_timeout=args.header_timeout,
