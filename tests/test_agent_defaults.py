@@ -260,3 +260,26 @@ def test_an_unknown_stored_response_names_the_path_parameter(server):
     r = request("GET", server + "/responses/resp_nothing")
     assert r.status_code == 404
     assert r.json()["error"]["param"] == "response_id"
+
+
+def test_the_root_answers_claude_codes_preconnect(server):
+    """Claude Code 2.1.197 sends `HEAD /` to its base URL before every `claude -p` session
+    (benchmarks/real_agents.py saw it in each task); it was a 404, the only error status of
+    those sessions. Now `/` is a 200 with no key needed, and says nothing of the traffic."""
+    host, _, port = server.removeprefix("http://").split("/")[0].rpartition(":")
+    for method in ("HEAD", "GET"):
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request(method, "/")
+        r = conn.getresponse()
+        body = r.read()
+        conn.close()
+        assert r.status == 200, (method, body)
+        if method == "GET":
+            assert json.loads(body)["status"] == "ok"
+        else:
+            assert body == b""
+    # only GET and HEAD: a POST to / is still no endpoint
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("POST", "/", "{}", {"Authorization": f"Bearer {KEY}"})
+    assert conn.getresponse().status == 405
+    conn.close()

@@ -624,3 +624,124 @@ def family_pairs(root: Path, tokenizer: Path, vocab: int, families, noise=0.02) 
         draft = write_model(root / f"{family}-draft", cfg, noisy(weights, noise), tokenizer)
         out[family] = (target, draft)
     return out
+
+
+# ------------------------------------------------------ a scripted agent model (any tool call)
+# The bigram mechanism above, generalised for real coding-agent clients (benchmarks/
+# real_agents.py): each reply is a chain of tokens, and the chat template picks which chain by
+# the token it ends the prompt with (what the model conditions on). After the last assistant
+# turn: a tool result -> `<|answer|>` (the answer, quoting the file); a user text holding
+# `trigger`, tools offered -> `<|read|>` (think, maybe say `preamble`, call the tool); holding
+# `recall` once a tool result is anywhere in the history (a resumed session resent it) ->
+# `<|answer|>`; else `<|plain|>`.
+SCRIPT_MODES = ["<|read|>", "<|answer|>", "<|plain|>"]
+SCRIPT_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
+{% endif %}# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+For each function call, return a json object within <tool_call></tool_call> tags.<|im_end|>
+{% endif %}
+{%- set ns = namespace(user='', fresh=false, ever=false) %}
+{%- for m in messages %}
+{%- if m['role'] == 'system' and tools %}
+{%- elif m['role'] == 'assistant' %}{% set ns.user = '' %}{% set ns.fresh = false %}\
+<|im_start|>assistant
+{% if m.content %}{{ m.content }}{% endif %}
+{%- for tc in m.tool_calls or [] %}{% set tool_call = tc.function %}<tool_call>
+{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m['role'] == 'tool' %}{% set ns.fresh = true %}{% set ns.ever = true %}\
+<|im_start|>user
+<tool_response>
+{{ m['content'] }}
+</tool_response><|im_end|>
+{% else %}{% if m['role'] == 'user' %}{% set ns.user = ns.user + m['content'] %}{% endif %}\
+<|im_start|>{{ m['role'] }}
+{{ m['content'] }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{%- if ns.fresh %}<|answer|>{% elif tools and TRIGGER in ns.user %}<|read|>\
+{% elif RECALL in ns.user and ns.ever %}<|answer|>{% else %}<|plain|>{% endif %}{% endif %}"""
+
+
+def write_scripted_tool_model(
+    root: Path,
+    call: dict,
+    answer: str,
+    trigger: str,
+    plain: str = "Hello from the scripted model.",
+    thought: str = "I should read the file.",
+    recall: str = "again",
+    preamble: str | None = None,
+    corpus: list[str] | None = None,
+    vocab_size: int = 320,
+    context: int = 4096,
+) -> Path:
+    """A one-layer model whose greedy reply is scripted (the comment above): `call` is the tool
+    call it writes, `{"name": ..., "arguments": {...}}`; `answer` what it says once the tool's
+    result is back; `plain` its reply to anything else; `preamble`, text it writes between its
+    thinking and the call. `corpus` (and `vocab_size`) train its
+    byte-level BPE: a bigger one makes a client's long prompt fewer tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    call_text = json.dumps(call, ensure_ascii=False)
+    template = SCRIPT_TEMPLATE.replace("TRIGGER", json.dumps(trigger)).replace(
+        "RECALL", json.dumps(recall)
+    )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus or CORPUS, trainer=trainer)
+    specials = [*TOOL_SPECIALS, *SCRIPT_MODES]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    pieces = [call_text, thought, answer, plain, *([preamble] if preamble else [])]
+    tok.add_tokens([AddedToken(t, normalized=False) for t in pieces])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token=None, pad_token="<|endoftext|>"
+    )
+    fast.chat_template = template
+    tok_dir = root / "scripted_tokenizer"
+    fast.save_pretrained(str(tok_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    ids = tokenizer.convert_tokens_to_ids
+    end = ids("<|im_end|>")
+    chains = [
+        ["<|read|>", "<think>", thought, "</think>", *([preamble] if preamble else [])]
+        + ["<tool_call>", call_text, "</tool_call>"],
+        ["<|answer|>", answer],
+        ["<|plain|>", plain],
+    ]
+    successors: dict[int, int] = {}
+    for chain in chains:
+        seq = [*ids(chain), end]
+        assert len(set(seq)) == len(seq) and all(t != tokenizer.unk_token_id for t in seq)
+        for a, b in zip(seq, seq[1:], strict=False):
+            assert successors.get(a, b) == b, f"{a} has two successors"
+            successors[a] = b
+    vocab = len(tokenizer)
+    cfg = llama_config(vocab, layers=1)
+    cfg["max_position_embeddings"] = context
+    weights = random_weights(cfg, seed=11)
+    hidden = cfg["hidden_size"]
+    emb = mx.random.normal((vocab, hidden), key=mx.random.key(12))
+    unit = np.array(emb / mx.linalg.norm(emb, axis=-1, keepdims=True))
+    weights["model.embed_tokens.weight"] = emb
+    weights["model.norm.weight"] = mx.ones((hidden,))
+    for name in list(weights):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = mx.zeros_like(weights[name])
+    w = np.array(0.01 * mx.random.normal((vocab, hidden), key=mx.random.key(13)))
+    for t, nxt in successors.items():
+        w[nxt] += 4.0 * unit[t]
+    weights["lm_head.weight"] = mx.array(w)
+    return write_model(root / "scripted", cfg, weights, tok_dir)

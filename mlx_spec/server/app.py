@@ -504,6 +504,12 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         # able to follow another's requests (that is /metrics', behind the keys)
         return JSONResponse({"status": "ok", "model": engine.resident.name})
 
+    async def root(request: Request) -> Response:
+        """`GET /` and `HEAD /`: a 200 with no key, as Ollama and LM Studio answer. Claude Code
+        sends `HEAD /` to its base URL before each session (a preconnect); a 404 there was the
+        only error its sessions met. Nothing about the traffic or the model: see /health."""
+        return JSONResponse({"status": "ok", "server": "mlx-spec", "openapi": "/openapi.json"})
+
     async def metrics(request: Request) -> Response:
         """The whole server's figures for an admin key, or for the only user (no keys, one
         key, --shared-history); with several keys, each key's own figures (keymetrics.py)."""
@@ -535,6 +541,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         return respond(ApiError(err.status_code, f"{message}: {request.url.path}"))
 
     routes = [
+        Route("/", root, methods=["GET", "HEAD"]),
         Route("/health", health),
         Route("/metrics", metrics),
         Route("/openapi.json", openapi),

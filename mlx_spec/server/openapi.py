@@ -533,6 +533,12 @@ def document(version: str = "") -> dict:
             "/v1/responses": {"post": operation("OpenAI Responses", RESPONSES_REQUEST, True)},
             "/v1/responses/{id}": {"get": operation("A stored response (its own key only)")},
             "/v1/models": {"get": operation("The served pair and those it may swap to")},
+            "/": {
+                "get": {
+                    **operation("ok: the server answers (Claude Code's preconnect)"),
+                    "security": [],
+                }
+            },
             "/health": {"get": {**operation("ok, or 503 once the engine died"), "security": []}},
             "/metrics": {"get": operation("Prometheus text: a key's own figures, or all")},
             "/openapi.json": {"get": {**operation("This document"), "security": []}},
