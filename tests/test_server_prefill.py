@@ -17,13 +17,16 @@ import time
 import urllib.parse
 
 import pytest
+import tiny
 from conftest import VOCAB
+from mlx_lm.utils import common_prefix_len
 from test_eagle import head_weights, subset
 from test_eagle import write_head as write_eagle
 from test_server import serving
 from test_server_batch import KEY_A, KEY_B, client, metrics, models, pair, wait_until  # noqa: F401
 
-from mlx_spec import generate
+from mlx_spec import generate, load_pair
+from mlx_spec.server.prefill import Prefill, chunk_end, order, plan
 
 CHUNK = 16
 TOKENS = 12
@@ -47,6 +50,35 @@ def server(request, models):  # noqa: F811
     log.mkdir(exist_ok=True)
     with serving(args, log) as (_, url):
         yield url
+
+
+def test_a_turn_joins_what_fits_its_chunk_or_gives_one_prompt_a_whole_chunk():
+    assert plan([5, 1000, 3], 256) == [(0, True), (2, True)]  # the cold one waits a turn
+    assert plan([1000, 5], 256) == [(0, False)]  # its turn: a whole chunk, nothing else
+    assert plan([256, 1], 256) == [(0, True)]  # the budget spent
+    assert plan([0], 256) == [(0, True)]  # all but its last token cached
+    assert chunk_end(0, 1000, 256) == 256 and chunk_end(900, 1000, 256) == 999
+
+
+def test_prefills_take_turns_by_key_then_by_prompt():
+    class Req:
+        def __init__(self, partition):
+            self.partition = partition
+
+    class J:
+        def __init__(self, partition):
+            self.request = Req(partition)
+
+    def prefill(key, served, started):
+        return Prefill(J(key), None, [1, 2], 8, None, None, False, served=served,
+                       started=started)  # fmt: skip
+
+    a_old, a_new, b = prefill("a", 3, 0.0), prefill("a", -1, 2.0), prefill("b", 2, 1.0)
+    # key b was served longest ago; within key a, the prompt never served first
+    assert order([a_old, a_new, b], {"a": 3, "b": 2}) == [b, a_new, a_old]
+    # a key never served goes first; ties by arrival
+    c1, c2 = prefill("c", -1, 5.0), prefill("c", -1, 4.0)
+    assert order([a_old, c1, c2], {"a": 3}) == [c2, c1, a_old]
 
 
 def cold_prompt(pair, tag: str, tokens: int = 2000) -> str:  # noqa: F811
@@ -137,3 +169,88 @@ def test_a_client_that_leaves_mid_prefill_frees_the_engine(server, pair):  # noq
     reused = retry.usage.prompt_tokens_details.cached_tokens
     assert 0 < reused < length - 1, (reused, length)  # its chunks, not all of the prompt
     assert retry.choices[0].text == generate(pair, text, max_tokens=TOKENS, temperature=0).text
+
+
+def test_requests_sent_together_with_one_long_system_prompt_prefill_it_once(server, pair):  # noqa: F811
+    """An agent's sub-tasks sent together share a long system prompt (~40 chunks): one of them
+    prefills it while the other waits, then starts from a copy of its caches (before, with
+    chunks, both prefilled it). Both replies are the target's."""
+    system = "(together) You are careful. " + "Cite the file you read. " * 100
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "What is new?"}]
+    second = [{"role": "system", "content": system}, {"role": "user", "content": "List tests."}]
+
+    def ask(messages):
+        return client(server).chat.completions.create(
+            model="long", messages=messages, max_tokens=TOKENS, temperature=0
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        a, b = pool.submit(ask, first), pool.submit(ask, second)
+        a, b = a.result(), b.result()
+    template = pair.tokenizer.apply_chat_template
+    ids = [template(m, add_generation_prompt=True) for m in (first, second)]
+    shared = common_prefix_len(*ids)
+    assert shared > 40 * CHUNK
+    cached = sorted(r.usage.prompt_tokens_details.cached_tokens for r in (a, b))
+    assert cached[0] < CHUNK and cached[1] == shared
+    for messages, r in ((first, a), (second, b)):
+        expected = generate(pair, messages, max_tokens=TOKENS, temperature=0).text
+        assert r.choices[0].message.content == expected
+
+
+FAMILIES = ["llama_sliding", "qwen3_5", "falcon_h1"]  # a window, a recurrent state, a CacheList
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_prefilled_in_chunks_of_every_cache_kind_are_the_targets(
+    tiny_models, tmp_path, family
+):
+    """Chunks of 8 tokens: a sliding-window target (8-token window), a hybrid recurrent one
+    (its lone stream's chunks yield to a newcomer; its system checkpoint kept between chunks)
+    and a CacheList one (falcon_h1) each serve a long prompt in chunks beside a running reply
+    and a short request; every reply is what `generate` gives alone, and the next turn of the
+    long conversation starts from what its row kept."""
+    configs = {**tiny.family_configs(VOCAB), **tiny.cachelist_configs(VOCAB)}
+    cfg = configs[family]
+    weights = tiny.family_weights(cfg, seed=0)
+    target = tiny.write_model(tmp_path / "long", cfg, weights, tiny_models.tokenizer)
+    alone = load_pair(target=str(target)).configured(drafter="ngram")
+    args = ["--target", str(target), "--drafter", "ngram", "--num-draft-tokens", "3",
+            "--max-batch", "4", "--prefill-chunk", "8", "--api-key", KEY_A,
+            "--admin-key", KEY_A]  # fmt: skip
+    system = "You are terse. " + " ".join(tiny.CORPUS)
+    long = [{"role": "system", "content": system}, {"role": "user", "content": tiny.CORPUS[3]}]
+    with serving(args, tmp_path) as (_, url):
+        anchor = client(url).completions.create(
+            model="long", prompt="The", max_tokens=120, stream=True, temperature=0
+        )
+        chunks = iter(anchor)
+        got = [next(chunks)]  # decoding now
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            a = pool.submit(
+                client(url).chat.completions.create, model="long", messages=long,
+                max_tokens=TOKENS, temperature=0,
+            )  # fmt: skip
+            b = pool.submit(
+                client(url).completions.create, model="long", prompt=tiny.CORPUS[0],
+                max_tokens=TOKENS, temperature=0,
+            )  # fmt: skip
+            first, short = a.result(), b.result()
+        got += list(chunks)
+        turn = long + [
+            {"role": "assistant", "content": "Yes."},
+            {"role": "user", "content": "And then?"},
+        ]
+        second = client(url).chat.completions.create(
+            model="long", messages=turn, max_tokens=TOKENS, temperature=0
+        )
+    assert first.usage.prompt_tokens > 8 * 8  # many chunks
+    anchor_text = "".join(ch.choices[0].text for ch in got if ch.choices)
+    assert anchor_text == generate(alone, "The", max_tokens=120, temperature=0).text
+    expected = generate(alone, long, max_tokens=TOKENS, temperature=0).text
+    assert first.choices[0].message.content == expected
+    expected = generate(alone, tiny.CORPUS[0], max_tokens=TOKENS, temperature=0).text
+    assert short.choices[0].text == expected
+    expected = generate(alone, turn, max_tokens=TOKENS, temperature=0).text
+    assert second.choices[0].message.content == expected
+    assert second.usage.prompt_tokens_details.cached_tokens > 8 * 8  # the system part at least

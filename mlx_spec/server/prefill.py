@@ -86,6 +86,31 @@ def plan(lefts: list[int], chunk: int) -> list[tuple[int, bool]]:
     return work
 
 
+def shared_length(a: list[int], b: list[int]) -> int:
+    """How many tokens `a` and `b` start with alike."""
+    n, end = 0, min(len(a), len(b))
+    while n < end and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def waits_for(p: Prefill, prefills: list[Prefill], share_min: int) -> Prefill | None:
+    """The pending prefill of `p`'s key that `p` waits for: one ahead of it (more of the
+    prompt held, or as much and taken first) on a prefix they share, still inside that prefix,
+    which holds at least `share_min` more tokens than `p` has. `p` then starts from a copy of
+    its caches rather than prefilling the prefix too (an agent's sub-tasks, sent together with
+    one long system prompt). Only for caches that roll back freely (the caller's check)."""
+    mine = p.held()
+    for q in prefills:
+        if q is p or q.partition != p.partition:
+            continue
+        shared, theirs = shared_length(q.tokens, p.tokens), q.held()
+        ahead = theirs > mine or (theirs == mine and q.started < p.started)
+        if ahead and theirs < shared and shared >= mine + share_min:
+            return q
+    return None
+
+
 def chunk_end(held: int, length: int, chunk: int) -> int:
     """The prompt position a chunk from `held` prefills to (exclusive): `chunk` tokens on,
     leaving at least one token (the last, fed by the first decode round)."""

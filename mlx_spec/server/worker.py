@@ -58,7 +58,7 @@ from ..decode.prompts import prompt_tokens
 from ..errors import Aborted, SpecError
 from .jobs import Job, Reply, fail_taken, internal, log_error, timeout_error
 from .keymetrics import Metrics
-from .prefill import DEFAULT_CHUNK, Prefill, chunk_end, order, plan
+from .prefill import DEFAULT_CHUNK, Prefill, chunk_end, order, plan, shared_length, waits_for
 from .prompt_cache import PromptCache
 from .prompts import request_config, request_system_end, request_tokens
 from .protocol import ApiError, GenRequest, speculation
@@ -528,7 +528,12 @@ class Engine:
         prompts) is prefilled one chunk further, outside the batch."""
         if not prefills:
             return
+        freely = self.resident.partition("")[0].freely  # (one pair: every key's alike)
+        for p in prefills if freely else ():
+            self._share(p, prefills, live)
         turn = order(prefills, self.prefill_served)
+        if freely:  # one prefills the prefix others share; they copy it when it is done
+            turn = [p for p in turn if waits_for(p, prefills, SHARE_MIN) is None]
         for i, joins in plan([p.left() for p in turn], self.prefill_chunk):
             p = turn[i]
             self._served(p)
@@ -537,6 +542,27 @@ class Engine:
                 self._join(p, live)
             elif not self._chunk(p):
                 prefills.remove(p)
+
+    def _share(self, p: Prefill, prefills: list, live: dict) -> None:
+        """`p` goes on from a copy of another request's caches of its key where that holds
+        at least SHARE_MIN more of its prompt than `p` does: a running row's (`_beside`) or
+        another pending prefill's (requests sent together with one long system prompt)."""
+        held = p.held()
+        copy = self._beside(p.partition, p.tokens, p.kept, live)
+        if copy is None:
+            best, most = None, held + SHARE_MIN
+            for q in prefills:  # (one still inside the shared prefix is waited for instead)
+                if q is not p and q.partition == p.partition and q.kept is not None:
+                    shared = shared_length(q.tokens, p.tokens)
+                    if shared >= most and q.held() >= shared:
+                        best, most = q, shared
+            try:
+                copy = best.kept.fork() if best is not None else None
+            except SpecError:  # a kind that cannot be copied: it prefills on its own
+                copy = None
+        if copy is not None:
+            p.kept, p.use_draft = copy, self._prefill_drafts(copy, p.config)
+            p.reused += max(p.held() - held, 0)  # (counted as cached, as a row beside's)
 
     def _served(self, p: Prefill) -> None:
         """`p` (and its partition) had a turn: the round robin's clock moves on."""
