@@ -26,7 +26,7 @@ from test_server import serving
 from test_server_batch import KEY_A, KEY_B, client, metrics, models, pair, wait_until  # noqa: F401
 
 from mlx_spec import generate, load_pair
-from mlx_spec.server.prefill import Prefill, chunk_end, order, plan
+from mlx_spec.server.prefill import Prefill, chunk_end, order, plan, reuse_point, waits_for
 
 CHUNK = 16
 TOKENS = 12
@@ -79,6 +79,35 @@ def test_prefills_take_turns_by_key_then_by_prompt():
     # a key never served goes first; ties by arrival
     c1, c2 = prefill("c", -1, 5.0), prefill("c", -1, 4.0)
     assert order([a_old, c1, c2], {"a": 3}) == [c2, c1, a_old]
+
+
+def test_a_prompt_waits_for_one_ahead_on_the_part_a_copy_could_give():
+    class Job:
+        class request:  # noqa: N801
+            partition = "a"
+
+    class Held:  # a decoder holding a prefix of its prompt
+        def __init__(self, n):
+            self.n = n
+
+        def reusable(self, tokens, use_draft=True):
+            return self.n
+
+    def prefill(tokens, held, started, marks=()):
+        kept = Held(held) if held else None
+        return Prefill(Job, None, tokens, 8, None, kept, False, marks, started=started)
+
+    system = list(range(100))
+    lead = prefill(system + [7, 8, 9], 48, 0.0, marks=(99,))
+    follower = prefill(system + [5, 6], 0, 1.0)
+    assert reuse_point(lead, follower.tokens, freely=True) == 100
+    assert reuse_point(lead, follower.tokens, freely=False) == 99  # its checkpoint there
+    assert waits_for(follower, [lead, follower], 32, True) is lead
+    assert waits_for(lead, [lead, follower], 32, True) is None  # (the one ahead never waits)
+    lead.kept.n = 100  # past the shared part: the follower copies it now
+    assert waits_for(follower, [lead, follower], 32, True) is None
+    other = prefill([1000] + system, 0, 2.0)  # shares nothing
+    assert waits_for(other, [lead, other], 32, True) is None
 
 
 def cold_prompt(pair, tag: str, tokens: int = 2000) -> str:  # noqa: F811

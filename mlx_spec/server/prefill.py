@@ -19,12 +19,13 @@ else the first in turn takes a whole chunk. Nothing here touches MLX.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Prompt tokens one turn of the engine prefills at most. The demo target (SmolLM2-135M,
-# float32, OpenBLAS) took 1.6-2.4 s for 256 tokens at 0-4k tokens of context on the 2-core
-# CPU (load ~1, 2026-12-05), 3.1-9.1 s for 512 at load 3: a running row waits at most one
-# chunk between rounds, and a cached turn's first token at most one chunk and its own rest.
+# float32, OpenBLAS) took 3.3-4.9 s for 256 tokens at 0-2k tokens of context on the shared
+# 2-core CPU at load ~3, and 3.1-9.1 s for 512 at 0-3.5k (2026-12-05); a cached turn sent into
+# a cold prefill got its first token 0.0-3.4 s later than alone with 256, at most one chunk
+# (benchmarks/interleaved_prefill.py). A running reply waits at most one chunk between rounds.
 DEFAULT_CHUNK = 256
 
 
@@ -43,7 +44,7 @@ class Prefill:
     reused: int = 0  # prompt tokens its caches held when it was taken
     seconds: float = 0.0  # spent prefilling it so far (its wait between chunks is not)
     served: int = -1  # the turn that last gave it a chunk (-1: none yet)
-    started: float = field(default=0.0)  # time.monotonic() when it was taken
+    started: float = 0.0  # time.monotonic() when it was taken
 
     @property
     def partition(self) -> str:
@@ -94,19 +95,30 @@ def shared_length(a: list[int], b: list[int]) -> int:
     return n
 
 
-def waits_for(p: Prefill, prefills: list[Prefill], share_min: int) -> Prefill | None:
+def reuse_point(q: Prefill, tokens: list[int], freely: bool) -> int:
+    """How much of `tokens` a copy of `q`'s caches could give once `q` is prefilled that far:
+    the prefix they share where caches roll back freely, else the last of `q`'s marks inside
+    it (a recurrent state or a window is kept only there, prompt_cache.py; not the prompt's
+    end, which is kept once it is prefilled whole)."""
+    shared = shared_length(q.tokens, tokens)
+    if freely:
+        return shared
+    return max((m for m in q.marks if m <= shared and m < len(q.tokens) - 1), default=0)
+
+
+def waits_for(p: Prefill, prefills: list[Prefill], share_min: int, freely: bool) -> Prefill | None:
     """The pending prefill of `p`'s key that `p` waits for: one ahead of it (more of the
-    prompt held, or as much and taken first) on a prefix they share, still inside that prefix,
-    which holds at least `share_min` more tokens than `p` has. `p` then starts from a copy of
-    its caches rather than prefilling the prefix too (an agent's sub-tasks, sent together with
-    one long system prompt). Only for caches that roll back freely (the caller's check)."""
+    prompt held, or as much and taken first) that has not yet prefilled the part of `p`'s
+    prompt a copy of its caches could give (`reuse_point`), when that is at least `share_min`
+    more tokens than `p` holds. `p` then starts from that copy rather than prefilling the part
+    too (an agent's sub-tasks, sent together with one long system prompt)."""
     mine = p.held()
     for q in prefills:
         if q is p or q.partition != p.partition:
             continue
-        shared, theirs = shared_length(q.tokens, p.tokens), q.held()
+        point, theirs = reuse_point(q, p.tokens, freely), q.held()
         ahead = theirs > mine or (theirs == mine and q.started < p.started)
-        if ahead and theirs < shared and shared >= mine + share_min:
+        if ahead and theirs < point and point >= mine + share_min:
             return q
     return None
 

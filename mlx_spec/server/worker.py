@@ -17,6 +17,9 @@ that queue together share plain passes. A lone stream (such a pair's, a head's o
 target's, which run faster alone) pauses between rounds when a batchable job comes and goes on
 as a batch row beside it (`_generate`, `_into_batch`): it does not hold the queue for its
 whole reply.
+A long prompt is prefilled a chunk at a time outside the batch, between its rounds and round
+robin with other keys' prompts (`prefill.py`, `_prefill_turn`); a lone stream's prefill goes on
+that way when a batchable job comes between two of its chunks (`_lone_chunks`).
 A batched row starts from its partition's kept decoder as a single stream does (only new
 tokens are prefilled) and gives its caches back when it leaves; its lookup searches its own
 text and its partition's history, as a single stream does.
@@ -270,7 +273,9 @@ class Engine:
         it decodes, it pauses between rounds and goes on as a row of the batch beside that
         job (`_into_batch`; True), rather than holding the queue for its whole reply (an
         8-token request to the demo pair got its first token after 6.4 s behind a 150-token
-        reply, now after 0.25 s: benchmarks/late_request.py, 2026-12-04)."""
+        reply, now after 0.25 s: benchmarks/late_request.py, 2026-12-04). A prompt longer
+        than a chunk is prefilled a chunk at a time first (`_lone_chunks`): when a batchable
+        job comes meanwhile, its prefill goes on beside that job, a chunk a turn (True)."""
         req, began = job.request, time.monotonic()
         pair = self.resident.pair_for(req.model)
         cache, _ = self.resident.partition(req.partition)
@@ -529,11 +534,11 @@ class Engine:
         if not prefills:
             return
         freely = self.resident.partition("")[0].freely  # (one pair: every key's alike)
-        for p in prefills if freely else ():
+        for p in prefills:
             self._share(p, prefills, live)
         turn = order(prefills, self.prefill_served)
-        if freely:  # one prefills the prefix others share; they copy it when it is done
-            turn = [p for p in turn if waits_for(p, prefills, SHARE_MIN) is None]
+        # one prefills the prefix others share; they copy it when it is done
+        turn = [p for p in turn if waits_for(p, prefills, SHARE_MIN, freely) is None]
         for i, joins in plan([p.left() for p in turn], self.prefill_chunk):
             p = turn[i]
             self._served(p)
@@ -544,22 +549,24 @@ class Engine:
                 prefills.remove(p)
 
     def _share(self, p: Prefill, prefills: list, live: dict) -> None:
-        """`p` goes on from a copy of another request's caches of its key where that holds
-        at least SHARE_MIN more of its prompt than `p` does: a running row's (`_beside`) or
-        another pending prefill's (requests sent together with one long system prompt)."""
-        held = p.held()
-        copy = self._beside(p.partition, p.tokens, p.kept, live)
-        if copy is None:
-            best, most = None, held + SHARE_MIN
+        """`p` goes on from a copy of other caches of its key where they hold at least
+        SHARE_MIN more of its prompt than `p` does: its prompt cache's best (an entry kept
+        since it was taken: a checkpoint another request's prefill passed), a running row's
+        (`_beside`) or, where caches roll back freely, another pending prefill's."""
+        held, cache = p.held(), self.resident.partition(p.partition)[0]
+        copy = cache.fetch(p.tokens) if kept_reuse(cache, p.tokens) >= held + SHARE_MIN else None
+        if cache.freely:
+            copy = self._beside(p.partition, p.tokens, copy or p.kept, live) or copy
+            best, most = None, max(held, copy.reusable(p.tokens) if copy else 0) + SHARE_MIN
             for q in prefills:  # (one still inside the shared prefix is waited for instead)
                 if q is not p and q.partition == p.partition and q.kept is not None:
                     shared = shared_length(q.tokens, p.tokens)
                     if shared >= most and q.held() >= shared:
                         best, most = q, shared
             try:
-                copy = best.kept.fork() if best is not None else None
+                copy = best.kept.fork() if best is not None else copy
             except SpecError:  # a kind that cannot be copied: it prefills on its own
-                copy = None
+                pass
         if copy is not None:
             p.kept, p.use_draft = copy, self._prefill_drafts(copy, p.config)
             p.reused += max(p.held() - held, 0)  # (counted as cached, as a row beside's)
@@ -769,6 +776,13 @@ class Engine:
         self._finish(row.reply, row.stats, partition, decoder, row.sequence, drafter, True)
         self.scheduler.timed(partition, time.monotonic() - row.started)
         self.scheduler.done(row.job)
+
+
+def kept_reuse(cache: PromptCache, tokens: list[int]) -> int:
+    """How many of `tokens` the prompt cache's best entry would give (`PromptCache.fetch`'s
+    choice), without copying it."""
+    along, _, below = cache.trie.search(tokens)
+    return max((entry.decoder.reusable(tokens) for entry in along + below), default=0)
 
 
 @dataclass
