@@ -19,6 +19,7 @@ from ..server.connections import (
     limit_log_rate,
     open_file_limit,
 )
+from ..server.prefill import DEFAULT_CHUNK
 from .args import add_pair_args, int_at_least, nonnegative_int, pair_from_args, positive_int
 
 API_KEY_ENV = "MLX_SPEC_API_KEY"
@@ -121,6 +122,14 @@ def setup_arg_parser(parser):
         help=f"requests decoded together in one batch that still drafts (default"
         f" {DEFAULT_MAX_BATCH}; 1: one at a time). Requests a batch cannot take run alone, as a"
         " lone request to a pair with a head or a recurrent target does",
+    )
+    g.add_argument(
+        "--prefill-chunk",
+        type=positive_int,
+        default=DEFAULT_CHUNK,
+        help=f"prompt tokens prefilled between two decode rounds of the batch (default"
+        f" {DEFAULT_CHUNK}): a long prompt is prefilled a chunk at a time, round robin with"
+        " other keys' prompts, so running replies and cached turns are not held for it",
     )
     g.add_argument(
         "--request-timeout", type=seconds, default=600.0, help="seconds, queue wait included"
@@ -348,6 +357,7 @@ def main(args):
         raw_reasoning=args.raw_reasoning,
         max_batch=args.max_batch,
         disk=disk,
+        prefill_chunk=args.prefill_chunk,
     )
     settings = Settings(
         api_keys=keys,

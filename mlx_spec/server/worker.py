@@ -17,6 +17,9 @@ that queue together share plain passes. A lone stream (such a pair's, a head's o
 target's, which run faster alone) pauses between rounds when a batchable job comes and goes on
 as a batch row beside it (`_generate`, `_into_batch`): it does not hold the queue for its
 whole reply.
+A long prompt is prefilled a chunk at a time outside the batch, between its rounds and round
+robin with other keys' prompts (`prefill.py`, `_prefill_turn`); a lone stream's prefill goes on
+that way when a batchable job comes between two of its chunks (`_lone_chunks`).
 A batched row starts from its partition's kept decoder as a single stream does (only new
 tokens are prefilled) and gives its caches back when it leaves; its lookup searches its own
 text and its partition's history, as a single stream does.
@@ -58,6 +61,7 @@ from ..decode.prompts import prompt_tokens
 from ..errors import Aborted, SpecError
 from .jobs import Job, Reply, fail_taken, internal, log_error, timeout_error
 from .keymetrics import Metrics
+from .prefill import DEFAULT_CHUNK, Prefill, chunk_end, order, plan, shared_length, waits_for
 from .prompt_cache import PromptCache
 from .prompts import request_config, request_system_end, request_tokens
 from .protocol import ApiError, GenRequest, speculation
@@ -94,6 +98,7 @@ class Engine:
         raw_reasoning: bool = False,
         max_batch: int = 1,
         disk=None,
+        prefill_chunk: int = DEFAULT_CHUNK,
     ):
         self.metrics = Metrics()
         self.scheduler = Scheduler(self.metrics, max_queue, max_queue_per_key)
@@ -106,6 +111,9 @@ class Engine:
             disk=disk,
         )
         self.raw_reasoning = raw_reasoning  # think text stays in content
+        self.prefill_chunk = prefill_chunk  # prompt tokens a turn prefills at most (prefill.py)
+        self.prefill_turns = 0  # chunks and joins served, counted: the round robin's clock
+        self.prefill_served: dict[str, int] = {}  # partition -> the turn it was last served
         self.thread = threading.Thread(target=self._run, name="mlx-spec-engine", daemon=True)
         self.on_death: Callable[[], None] | None = None  # called on that thread when it dies
         self.loaded: Future = Future()  # the start-up pair is resident (or failed to load)
@@ -270,7 +278,9 @@ class Engine:
         it decodes, it pauses between rounds and goes on as a row of the batch beside that
         job (`_into_batch`; True), rather than holding the queue for its whole reply (an
         8-token request to the demo pair got its first token after 6.4 s behind a 150-token
-        reply, now after 0.25 s: benchmarks/late_request.py, 2026-12-04)."""
+        reply, now after 0.25 s: benchmarks/late_request.py, 2026-12-04). A prompt longer
+        than a chunk is prefilled a chunk at a time first (`_lone_chunks`): when a batchable
+        job comes meanwhile, its prefill goes on beside that job, a chunk a turn (True)."""
         req, began = job.request, time.monotonic()
         pair = self.resident.pair_for(req.model)
         cache, _ = self.resident.partition(req.partition)
@@ -300,6 +310,22 @@ class Engine:
             return bool(joining)
 
         movable = lone and pair is self.resident.pair
+        prefilled = None  # (tokens reused, seconds) when chunks were prefilled here
+        if movable and len(tokens) - decoder.reusable(tokens) > self.prefill_chunk:
+            checked, max_tokens = prompt_tokens(pair, tokens, config)  # a 400 before any chunk
+            use_draft = self._prefill_drafts(decoder, config) or config.use_draft
+            reused, begin = decoder.reusable(tokens, use_draft), time.perf_counter()
+            company = self._lone_chunks(
+                req.partition, decoder, checked, use_draft, marks, keep, abort
+            )
+            prefilled = (reused, time.perf_counter() - begin)
+            if company is not None:  # the rest is prefilled a chunk a turn beside it
+                taken = Prefill(job, config, checked, max_tokens, self._row_stats(checked),
+                                decoder, use_draft, marks, reused, prefilled[1],
+                                started=began)  # fmt: skip
+                self._served(taken)  # it had its chunks: the newcomer's turn comes first
+                self._serve_batch([company], prefills=[taken])
+                return True
         rounds = stream_rounds(
             pair, tokens, config, decoder=decoder, stats=stats, abort=abort, marks=marks,
             on_mark=keep, pause=pause if movable else None,
@@ -312,6 +338,10 @@ class Engine:
                 except StopIteration as stop:  # the reply ended, or paused (its return value)
                     paused = stop.value
                     break
+                if prefilled is not None:  # (read with the first delta: jobs.Reply.feed)
+                    stats.prompt_tokens_reused = prefilled[0]
+                    stats.prefill_seconds += prefilled[1]
+                    prefilled = None
                 if reply.feed(events):
                     break
         except Aborted:
@@ -321,12 +351,33 @@ class Engine:
             raise
         finally:
             rounds.close()  # between rounds: the decoder stays consistent for the next job
+        if prefilled is not None:  # (no round came)
+            stats.prompt_tokens_reused = prefilled[0]
         if paused is not None:
             self._into_batch(job, began, reply, stats, decoder, paused, config, joining[0])
             return True
         drafter = self.resident.drafter
         self._finish(reply, stats, req.partition, decoder, decoder.sequence, drafter, False)
         return False
+
+    def _lone_chunks(
+        self, partition, decoder, tokens, use_draft, marks, on_mark, abort
+    ) -> Job | None:
+        """Prefill a lone job's prompt into its decoder a chunk at a time, up to its last
+        chunk (its stream's own prefill does the rest). Between chunks a batchable job that
+        came is taken and returned: the lone job's prefill then goes on a chunk a turn beside
+        it (`_serve_batch`), rather than holding its first token for the whole prefill."""
+        while (held := decoder.reusable(tokens, use_draft)) < len(tokens) - 1 - self.prefill_chunk:
+            if abort():
+                self._keep_prefilled(partition, decoder)
+                raise Aborted("stopped during the prefill")
+            end = chunk_end(held, len(tokens), self.prefill_chunk)
+            marks_in = tuple(m for m in marks if m <= end and m < len(tokens) - 1)
+            decoder.prefill(tokens[: end + 1], use_draft=use_draft, marks=marks_in, on_mark=on_mark)
+            company = self.scheduler.take_batchable(self.batchable)
+            if company is not None:
+                return company
+        return None
 
     def _into_batch(self, job: Job, began: float, reply, stats, decoder, paused, config, joining):
         """A lone job paused between rounds (`_generate`) becomes a row of the batch from its
@@ -351,49 +402,106 @@ class Engine:
 
     # ------------------------------------------------------------------ a batch of jobs
 
-    def _serve_batch(self, jobs: list[Job], live: dict | None = None) -> None:
-        """Serve `jobs` (already taken; beside the rows `live` already holds) and every
-        batchable job queued while they run in the resident BatchDecoder, up to max_batch
-        rows, until no row is left. The queue is served in its order: when the next job
-        cannot be batched, no more rows join; it runs alone once these finish."""
+    def _serve_batch(
+        self, jobs: list[Job], live: dict | None = None, prefills: list | None = None
+    ) -> None:
+        """Serve `jobs` (already taken; beside the rows `live` already holds and the prompts
+        `prefills` is prefilling) and every batchable job queued while they run in the
+        resident BatchDecoder, up to max_batch requests, until none is left. The queue is
+        served in its order: when the next job cannot be batched, no more rows join; it runs
+        alone once these finish. Each turn prefills at most one chunk of the pending prompts
+        (prefill.py), then runs one round of the rows: a cold prompt no longer holds the
+        others' tokens, nor a cached turn's first one, for its whole prefill."""
         resident, scheduler = self.resident, self.scheduler
         live = live if live is not None else {}
+        prefills = prefills if prefills is not None else []
         pending = jobs[::-1]
         try:
             while True:
-                while len(live) < resident.max_batch:
+                while len(live) + len(prefills) < resident.max_batch:
                     job = pending.pop() if pending else scheduler.take_batchable(self.batchable)
                     if job is None:
                         break
-                    self._admit(job, live)
+                    taken = self._take_prefill(job, live)
+                    if taken is not None:
+                        prefills.append(taken)
                 for rid, row in list(live.items()):  # the client left, or time ran out
                     if row.reply.check():
                         self._leave(rid, live)
+                for p in [p for p in prefills if self._stopped(p.job)]:  # frees its turn now
+                    prefills.remove(p)
+                    self._keep_prefilled(p.partition, p.kept if p.served >= 0 else None)
+                    scheduler.done(p.job)
+                self._prefill_turn(prefills, live)
                 if not live:
+                    if prefills:
+                        continue
                     if len(resident.batch):
                         resident.batch.step()  # drops the rows cancelled above
                     self.metrics.batch_size = 0
                     return
-                if self._goes_alone(live):  # the batch drained to one row
+                if not prefills and self._goes_alone(live):  # the batch drained to one row
                     self._alone(live, pending)
                     continue
                 self._round(live)
         except Exception as err:  # a bug: every row answers 500; the next batch starts anew
             traceback.print_exc(file=sys.stderr)
             error = internal(err)
-            for job in [row.job for row in live.values()] + pending:  # (taken, not admitted)
+            waiting = [p.job for p in prefills] + pending  # (taken, not admitted)
+            for job in [row.job for row in live.values()] + waiting:
                 job.put("error", error)
                 scheduler.done(job)
             self.metrics.batch_size = 0
             resident.batch = make_batch_decoder(resident.pair, plain=resident.batch_plain)
 
-    def _admit(self, job: Job, live: dict) -> None:
-        """Prefill a job's prompt and add it to the batch (or answer it: left, late, bad).
-        The row starts from its partition's best kept decoder, as a single stream would
-        (only the new tokens are prefilled), and gives its caches back when it leaves."""
+    def _stopped(self, job: Job) -> bool:
+        """Whether a job being prefilled is over: its client left (counted) or its deadline
+        passed (answered 504, or 503 in a shutdown): checked between chunks."""
+        if job.cancelled.is_set():
+            self.metrics.cancelled += 1
+            return True
+        if time.monotonic() > job.deadline:
+            self.metrics.timeouts += 1
+            job.put("error", timeout_error(job))
+            return True
+        return False
+
+    def _keep_prefilled(self, partition: str, decoder) -> None:
+        """The chunks a stopped request prefilled go to its partition's prompt cache: a
+        client that gave up and retries (agents retry on a timeout) starts from there."""
+        if decoder is not None and decoder.sequence:
+            self.resident.partition(partition)[0].save(decoder, "user")
+            self.resident.trim_caches()
+
+    def _prefill_drafts(self, decoder, config) -> bool:
+        """Whether a row's prefill outside the batch feeds its drafter: a head's always (the
+        batch's head prefills every row, and a decoder without the head's features would be
+        prefilled again from the start: `Decoder.hidden_gap`), a draft model's when the row
+        will draft with it (as `BatchDecoder.add` decides)."""
+        batch = self.resident.batch
+        if decoder is None or decoder.drafter is None:
+            return False
+        if decoder.hidden_layers:
+            return True
+        drafts = config.use_draft and batch.draft is not None and not self.resident.batch_plain
+        return drafts and not batch._draft_cannot_pay()
+
+    def _row_stats(self, tokens: list[int]) -> Stats:
+        """A batch row's counters before it joins."""
+        decoder = self.resident.batch
+        stats = Stats(prompt_tokens=len(tokens))
+        if decoder.drafting:
+            stats.num_draft_tokens = decoder.fixed_k or decoder.controller.k_max
+            stats.adaptive = decoder.controller is not None
+        return stats
+
+    def _take_prefill(self, job: Job, live: dict) -> Prefill | None:
+        """A job taken for the batch, as a `Prefill` (None: answered already: left, late,
+        bad). It starts from its partition's best kept decoder, as a single stream would
+        (only the new tokens are prefilled), or from a running row's caches (`_beside`)."""
         try:
             if self.scheduler.expired(job):
-                return
+                return None
             req, pair = job.request, self.resident.pair
             try:
                 config = request_config(pair, req)
@@ -401,38 +509,129 @@ class Engine:
                 tokens, max_tokens = prompt_tokens(pair, request_tokens(pair, req), config)
             except ApiError as err:
                 job.put("error", err)
-                return
+                return None
             except SpecError as err:  # a prompt too long, a token id out of range, ...
                 job.put("error", ApiError(400, str(err), code="invalid_value"))
-                return
-            decoder = self.resident.batch
-            stats = Stats(prompt_tokens=len(tokens))
-            if decoder.drafting:
-                stats.num_draft_tokens = decoder.fixed_k or decoder.controller.k_max
-                stats.adaptive = decoder.controller is not None
-            begin = time.perf_counter()
-            cache, history = self.resident.partition(req.partition)
+                return None
+            stats = self._row_stats(tokens)
+            cache, _ = self.resident.partition(req.partition)
             kept = cache.fetch(tokens)  # its own key's: no row reuses another's caches
             kept = self._beside(req.partition, tokens, kept, live) or kept
             # a recurrent or windowed target's row keeps a copy at its system part's end, as
             # a single stream does: sub-tasks that come together then share that part
             marks = cache.marks(tokens, request_system_end(pair, req, tokens))
+            use_draft = self._prefill_drafts(kept, config)  # (no decoder yet: nothing held)
+            taken = Prefill(job, config, tokens, max_tokens, stats, kept, use_draft, marks)
+            taken.reused, taken.started = taken.held(), time.monotonic()
+            job = None  # a prefill now: `_serve_batch` ends it
+            return taken
+        except Exception as err:  # a bug (the batch starts anew): this job answers 500 too
+            job.put("error", internal(err))
+            raise
+        finally:
+            if job is not None:
+                self.scheduler.done(job)
+
+    def _prefill_turn(self, prefills: list, live: dict) -> None:
+        """One turn's prefill work (prefill.plan): pending prompts whose rest fits the chunk
+        budget join the batch; else the first in turn (round robin over API keys, then
+        prompts) is prefilled one chunk further, outside the batch."""
+        if not prefills:
+            return
+        freely = self.resident.partition("")[0].freely  # (one pair: every key's alike)
+        for p in prefills:
+            self._share(p, prefills, live)
+        turn = order(prefills, self.prefill_served)
+        # one prefills the prefix others share; they copy it when it is done
+        turn = [p for p in turn if waits_for(p, prefills, SHARE_MIN, freely) is None]
+        for i, joins in plan([p.left() for p in turn], self.prefill_chunk):
+            p = turn[i]
+            self._served(p)
+            if joins:
+                prefills.remove(p)
+                self._join(p, live)
+            elif not self._chunk(p):
+                prefills.remove(p)
+
+    def _share(self, p: Prefill, prefills: list, live: dict) -> None:
+        """`p` goes on from a copy of other caches of its key where they hold at least
+        SHARE_MIN more of its prompt than `p` does: its prompt cache's best (an entry kept
+        since it was taken: a checkpoint another request's prefill passed), a running row's
+        (`_beside`) or, where caches roll back freely, another pending prefill's."""
+        held, cache = p.held(), self.resident.partition(p.partition)[0]
+        copy = cache.fetch(p.tokens) if kept_reuse(cache, p.tokens) >= held + SHARE_MIN else None
+        if cache.freely:
+            copy = self._beside(p.partition, p.tokens, copy or p.kept, live) or copy
+            best, most = None, max(held, copy.reusable(p.tokens) if copy else 0) + SHARE_MIN
+            for q in prefills:  # (one still inside the shared prefix is waited for instead)
+                if q is not p and q.partition == p.partition and q.kept is not None:
+                    shared = shared_length(q.tokens, p.tokens)
+                    if shared >= most and q.held() >= shared:
+                        best, most = q, shared
+            try:
+                copy = best.kept.fork() if best is not None else copy
+            except SpecError:  # a kind that cannot be copied: it prefills on its own
+                pass
+        if copy is not None:
+            p.kept, p.use_draft = copy, self._prefill_drafts(copy, p.config)
+            p.reused += max(p.held() - held, 0)  # (counted as cached, as a row beside's)
+
+    def _served(self, p: Prefill) -> None:
+        """`p` (and its partition) had a turn: the round robin's clock moves on."""
+        self.prefill_turns += 1
+        p.served = self.prefill_served[p.partition] = self.prefill_turns
+
+    def _chunk(self, p: Prefill) -> bool:
+        """Prefill one chunk of `p`'s prompt into its own decoder; False when it failed (a
+        bug: it answers 500 alone, the batch goes on)."""
+        begin = time.perf_counter()
+        try:
+            cache, _ = self.resident.partition(p.partition)
+            if p.kept is None:
+                p.kept = cache.new()
+                p.use_draft = self._prefill_drafts(p.kept, p.config)
+            decoder, tokens = p.kept, p.tokens
+            end = chunk_end(p.held(), len(tokens), self.prefill_chunk)
+
+            def keep(mark: int) -> None:  # the chunks passed the system part's end: a copy
+                cache.keep_copy(decoder, "system")
+
+            marks = tuple(m for m in p.marks if m <= end and m < len(tokens) - 1)
+            decoder.prefill(tokens[: end + 1], use_draft=p.use_draft, marks=marks, on_mark=keep)
+        except Exception as err:
+            log_error(err, p.job)
+            p.job.put("error", internal(err))
+            self.scheduler.done(p.job)
+            return False
+        p.seconds += time.perf_counter() - begin
+        return True
+
+    def _join(self, p: Prefill, live: dict) -> None:
+        """`p`'s prompt, prefilled but for its last chunk at most, joins the batch as a row:
+        `BatchDecoder.add` prefills the rest from `p`'s decoder (or answers it: a bug)."""
+        job = p.job
+        try:
+            req, pair, decoder = job.request, self.resident.pair, self.resident.batch
+            cache, history = self.resident.partition(req.partition)
 
             def keep(state) -> None:
                 cache.save(into_decoder(cache.new(), state), "system")
 
+            begin = time.perf_counter()
             rid = decoder.add(
-                tokens, config, max_tokens=max_tokens, history=history, kept=kept, keep=True,
-                marks=marks, on_mark=keep,
+                p.tokens, p.config, max_tokens=p.max_tokens, history=history, kept=p.kept,
+                keep=True, marks=p.marks, on_mark=keep,
             )  # fmt: skip
-            stats.prompt_tokens_reused = decoder.row(rid).reused
-            stats.prefill_seconds = time.perf_counter() - begin
-            cache.note_prefill(len(tokens) - stats.prompt_tokens_reused, stats.prefill_seconds)
+            stats = p.stats
+            # what its caches held when it was taken (the chunks' tokens were prefilled)
+            stats.prompt_tokens_reused = min(p.reused, decoder.row(rid).reused)
+            stats.prefill_seconds = p.seconds + time.perf_counter() - begin
+            cache.note_prefill(len(p.tokens) - stats.prompt_tokens_reused, stats.prefill_seconds)
             # a copy of the detokenizer per row: rows are detokenized side by side
-            maker = EventMaker(pair.tokenizer.detokenizer, stats, time.perf_counter(), max_tokens)
-            reply = Reply(job, pair, tokens, self.raw_reasoning, stats)
+            maker = EventMaker(pair.tokenizer.detokenizer, stats, time.perf_counter(), p.max_tokens)
+            reply = Reply(job, pair, p.tokens, self.raw_reasoning, stats)
             live[rid] = BatchRow(
-                job, reply, stats, maker, list(tokens), time.monotonic(), cache, kept, config
+                job, reply, stats, maker, list(p.tokens), p.started, cache, p.kept, p.config
             )
             job = None  # a row now: `_leave` ends it
         except Exception as err:  # a bug (the batch starts anew): this job answers 500 too
@@ -583,6 +782,13 @@ class Engine:
         self._finish(row.reply, row.stats, partition, decoder, row.sequence, drafter, True)
         self.scheduler.timed(partition, time.monotonic() - row.started)
         self.scheduler.done(row.job)
+
+
+def kept_reuse(cache: PromptCache, tokens: list[int]) -> int:
+    """How many of `tokens` the prompt cache's best entry would give (`PromptCache.fetch`'s
+    choice), without copying it."""
+    along, _, below = cache.trie.search(tokens)
+    return max((entry.decoder.reusable(tokens) for entry in along + below), default=0)
 
 
 @dataclass
