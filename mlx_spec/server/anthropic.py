@@ -59,8 +59,10 @@ def error_body(err: ApiError) -> dict:
         err.status, "api_error" if err.status >= 500 else "invalid_request_error"
     )
     message = err.message
-    if err.code == "context_length_exceeded":  # the words Claude Code compacts on
-        message = f"prompt is too long: {err.prompt_tokens} tokens > {err.context} maximum"
+    counts = getattr(err, "prompt_tokens", None), getattr(err, "context", None)
+    if err.code == "context_length_exceeded" and None not in counts:
+        message = "prompt is too long: {} tokens > {} maximum".format(*counts)  # (the words
+        # Claude Code compacts its conversation on)
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
@@ -92,7 +94,7 @@ def system_text(system, keep_attribution: bool) -> str:
     if keep_attribution:
         return text_of(system, "system")
     if isinstance(system, str):
-        first, newline, rest = system.partition("\n")
+        first, _, rest = system.partition("\n")
         return rest if first.startswith(ATTRIBUTION) else system
     if isinstance(system, list):
         system = [
