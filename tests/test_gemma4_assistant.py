@@ -353,7 +353,9 @@ def assert_state_matches_a_fresh_prefill(pair, prompt: str, tokens: int = 40):
     Decoder(pair.target, fresh, ()).prefill(decoder.sequence)
     at = len(decoder.sequence) - 1
     assert drafter.target_at == fresh.target_at == at > 2 * tiny.WINDOW
-    np.testing.assert_allclose(np.array(drafter.state), np.array(fresh.state), atol=1e-5)
+    # float32 computed through other shapes (rounds vs one prefill): 1.5e-5 apart with
+    # OpenBLAS (2026-12-05); a state out of step would be O(1) apart
+    np.testing.assert_allclose(np.array(drafter.state), np.array(fresh.state), atol=1e-4)
     mine, theirs = drafter._shared(at), fresh._shared(at)
     assert mine.keys() == theirs.keys() == {"sliding_attention", "full_attention"}
     assert mine["sliding_attention"][0].shape[2] == tiny.WINDOW - 1
