@@ -433,7 +433,7 @@ async def test_a_saved_chat_reopens_without_prefilling_it_again(chat_pair, tmp_p
     without them."""
     import asyncio
 
-    from tui.app import read_saved
+    from tui.saved import read_saved
 
     monkeypatch.setenv("MLX_SPEC_DATA", str(tmp_path / "data"))
     first = ChatApp(chat_pair, pair_name="tiny", generation=GenerationConfig(max_tokens=12))
@@ -716,7 +716,7 @@ async def test_a_pair_that_cannot_load_becomes_an_error_line(
 
 
 async def test_a_saved_chat_reloads_and_goes_on(chat_pair, tmp_path, monkeypatch):
-    from tui.app import read_saved
+    from tui.saved import read_saved
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLX_SPEC_DATA", str(tmp_path / "data"))

@@ -52,7 +52,8 @@ def main(args):
     from mlx_spec.commands.args import DEFAULT_PAIR, pair_config_from_args, pair_from_args
     from mlx_spec.core.sampling import SamplingParams
 
-    from .app import ChatApp, read_saved
+    from .app import ChatApp
+    from .saved import read_saved
 
     SamplingParams(args.temp)  # bad flags fail here, before the screen opens
     check_models(pair_config_from_args(args))  # and a bad --pair / --target / --draft

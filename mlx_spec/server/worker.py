@@ -37,6 +37,11 @@ can time another key's text. The queue is one per partition, served round robin.
 different partitions share batched passes, but each drafts from its own text only.
 
 The prompt cache is prompt_cache.py, the job and its reply jobs.py.
+
+Over 600 lines: the one engine thread's three ways to run a job (a single stream, a batch row,
+a prompt prefilled in chunks between the batch's rounds) hand jobs to one another mid-way (a
+lone stream becomes a row, a prefill joins as one) and share the live rows, the pending
+prefills and the resident pair; their policies are in scheduler.py, prefill.py and resident.py.
 """
 
 from __future__ import annotations
