@@ -462,14 +462,7 @@ class Engine:
     def _stopped(self, job: Job) -> bool:
         """Whether a job being prefilled is over: its client left (counted) or its deadline
         passed (answered 504, or 503 in a shutdown): checked between chunks."""
-        if job.cancelled.is_set():
-            self.metrics.cancelled += 1
-            return True
-        if time.monotonic() > job.deadline:
-            self.metrics.timeouts += 1
-            job.put("error", timeout_error(job))
-            return True
-        return False
+        return self.scheduler.expired(job)
 
     def _keep_prefilled(self, partition: str, decoder) -> None:
         """The chunks a stopped request prefilled go to its partition's prompt cache: a
