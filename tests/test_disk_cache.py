@@ -366,3 +366,40 @@ def test_a_file_copied_into_another_keys_folder_is_refused(models, tmp_path):
         second.stop()
     assert cached(usage) < 0.5 * usage.prompt_tokens
     assert "another key's or model's folder" in (tmp_path / "b.log").read_text()
+
+
+def test_an_entry_is_found_while_its_file_is_still_being_written(models, tmp_path):
+    """An entry the RAM budget evicts at once is found before its write ends (the writer
+    thread held here): loaded from the arrays waiting to be written, the same state the file
+    then holds. Before, a turn whose last entry was still queued prefilled again (697 tokens
+    where 149 were new, in the agent trace with a 100M budget)."""
+    import threading
+
+    from mlx_spec import make_decoder
+    from mlx_spec.core.cache_files import model_identity
+    from mlx_spec.server.disk_cache import DiskStore
+
+    target, draft = models["llama"]
+    pair = load_pair(target=str(target), draft=str(draft))
+    prompt = pair.tokenizer.apply_chat_template(ASK, add_generation_prompt=True)
+    decoder = make_decoder(pair)
+    expected = generate(pair, prompt, max_tokens=6, temperature=0.0, decoder=decoder)
+    store = DiskStore(tmp_path / "cache", 1 << 30)
+    folder = store.folder(model_identity(pair), "a-key")
+    hold = threading.Event()
+    store.writer.submit(hold.wait, 30)  # the writer busy: the write below waits
+    store.write(folder, decoder, "assistant")
+    follow = prompt + expected.tokens + pair.tokenizer.encode(" Next?")
+    found, reuse = store.best(folder, follow, True)
+    assert found is not None and found.parts is not None and reuse >= len(prompt)
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))  # (not written yet)
+    loaded = store.load(found, make_decoder(pair))
+    hold.set()
+    store.flush()
+    (written,) = list(store.entries(folder).values())
+    assert written.parts is None and written.path.exists()
+    from_file = store.load(written, make_decoder(pair))
+    for d in (loaded, from_file):
+        assert d.reusable(follow) >= len(prompt)
+        again = generate(pair, follow, max_tokens=6, temperature=0.0, decoder=d)
+        assert again.tokens == generate(pair, follow, max_tokens=6, temperature=0.0).tokens

@@ -79,6 +79,13 @@ def cache_file_parts(cache: list, metadata: dict) -> tuple[dict, dict]:
 def read_cache_file(path: Path) -> tuple[list, dict]:
     """mlx-lm's load_prompt_cache (with `layer_state`'s classes): (caches, metadata)."""
     arrays, meta = mx.load(str(path), return_metadata=True)
+    return caches_from_parts(arrays, meta)
+
+
+def caches_from_parts(arrays: dict, meta: dict) -> tuple[list, dict]:
+    """What `cache_file_parts` made (read from a file, or not written yet) -> (caches,
+    metadata)."""
+    arrays = dict(arrays)
     metadata, classes, scalars = tree_unflatten(list(meta.items()))
     for pos, kind in scalars[1:]:
         a = arrays[pos]

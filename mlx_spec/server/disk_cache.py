@@ -44,6 +44,7 @@ from mlx_lm.utils import common_prefix_len
 
 from ..core import caches
 from ..core.cache_files import (
+    caches_from_parts,
     decoder_file,
     file_digest,
     file_info,
@@ -112,6 +113,9 @@ class DiskEntry:
     segment: str
     bytes: int
     used: float = field(default_factory=time.time)
+    # (arrays, metadata) while its write waits on the writer thread: loaded from memory, so an
+    # entry the RAM budget evicts at once is found before its file exists
+    parts: tuple | None = None
 
 
 class DiskStore:
@@ -253,10 +257,13 @@ class DiskStore:
         digest; None (the file removed) when it does not read back."""
         begin = time.perf_counter()
         try:
-            digest = entry.path.stem.rsplit("-", 1)[-1]
-            if file_digest(entry.path)[: len(digest)] != digest:
-                raise ValueError("checksum mismatch")
-            cache, meta = read_cache_file(entry.path)
+            if entry.parts is not None:  # not written yet: the arrays it will hold
+                cache, meta = caches_from_parts(*entry.parts)
+            else:
+                digest = entry.path.stem.rsplit("-", 1)[-1]
+                if file_digest(entry.path)[: len(digest)] != digest:
+                    raise ValueError("checksum mismatch")
+                cache, meta = read_cache_file(entry.path)
             arrays = tree_flatten([c.state for c in caches._leaves(cache)])
             mx.eval([a for _, a in arrays if isinstance(a, mx.array)])
             restore_decoder(decoder, cache, file_info(meta))
@@ -290,9 +297,10 @@ class DiskStore:
             return
         tokens = list(decoder.sequence)
         name_hash = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:24]
+        known = self.entries(folder)  # (indexed first: the files a restart left count)
         with self.lock:
-            if any(n.startswith(name_hash) for n in self.folders.get(folder, {})):
-                return  # (already on disk)
+            if any(n.startswith(name_hash) for n in known):
+                return  # (on disk, or on its way)
         try:
             arrays, meta, info = decoder_file(
                 decoder, segment=segment, model=folder.parent.name, partition=folder.name
@@ -303,9 +311,23 @@ class DiskStore:
             log.warning("prompt cache on disk: an entry cannot be written: %s: %s",
                         type(err).__name__, err)  # fmt: skip
             return
+        size = sum(a.nbytes for a in arrays.values())
+        pending = DiskEntry(folder / f"{name_hash}-pending{SUFFIX}", tokens, segment, size,
+                            parts=(arrays, meta))  # fmt: skip
+        with self.lock:
+            self.folders.setdefault(folder, {})[pending.path.name] = pending
         self.writer.submit(self._write, folder, name_hash, arrays, meta, info)
 
     def _write(self, folder: Path, name_hash: str, arrays: dict, meta: dict, info: dict) -> None:
+        try:
+            self._write_file(folder, name_hash, arrays, meta, info)
+        finally:  # written (then indexed as a file) or not: its arrays are let go
+            with self.lock:
+                self.folders.get(folder, {}).pop(f"{name_hash}-pending{SUFFIX}", None)
+
+    def _write_file(
+        self, folder: Path, name_hash: str, arrays: dict, meta: dict, info: dict
+    ) -> None:
         if not self.enabled:  # (turned off while this one waited)
             return
         begin = time.perf_counter()
@@ -337,7 +359,9 @@ class DiskStore:
         size = path.stat().st_size
         entry = DiskEntry(path, info["tokens"], info["segment"], size)
         with self.lock:
-            self.folders.setdefault(folder, {})[path.name] = entry
+            known = self.folders.setdefault(folder, {})
+            known.pop(f"{name_hash}-pending{SUFFIX}", None)
+            known[path.name] = entry
         self.metrics.bytes_written += size
         self.metrics.save_seconds += time.perf_counter() - begin
         log.debug("prompt cache on disk: wrote %s (%d bytes)", path.name, size)
