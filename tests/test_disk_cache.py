@@ -403,3 +403,28 @@ def test_an_entry_is_found_while_its_file_is_still_being_written(models, tmp_pat
         assert d.reusable(follow) >= len(prompt)
         again = generate(pair, follow, max_tokens=6, temperature=0.0, decoder=d)
         assert again.tokens == generate(pair, follow, max_tokens=6, temperature=0.0).tokens
+
+
+def test_a_decoder_loaded_from_disk_starts_from_what_auto_measured(models, tmp_path):
+    """A file keeps no draft-length policy; a decoder loaded from one takes a copy of the
+    partition's last kept decoder's (auto's measured costs and acceptance). Without it every
+    turn of an agent session whose entries came from disk started auto afresh: 1.00 tokens a
+    pass where the same session drafted 2.05 (agent trace, --prompt-cache 100M)."""
+    from mlx_spec.server.disk_cache import DiskStore
+    from mlx_spec.server.prompt_cache import PromptCache
+
+    target, draft = models["llama"]
+    pair = load_pair(target=str(target), draft=str(draft))
+    prompt = pair.tokenizer.apply_chat_template(ASK, add_generation_prompt=True)
+    store = DiskStore(tmp_path / "cache", 1 << 30)
+    cache = PromptCache(pair, 1, None, store, "a-key")  # a 1-byte RAM budget
+    decoder = cache.new()
+    reply = generate(pair, prompt, max_tokens=8, temperature=0.0, decoder=decoder)
+    assert decoder._policy is not None
+    cache.save(decoder, "assistant")
+    store.flush()
+    cache.trim()
+    assert cache.trie.size == 0  # evicted from RAM: only the file serves
+    got = cache.fetch(prompt + reply.tokens + pair.tokenizer.encode(" Next?"))
+    assert got is not None and got._policy_key == decoder._policy_key
+    assert got._policy is not None and got._policy is not decoder._policy

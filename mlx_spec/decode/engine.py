@@ -135,11 +135,19 @@ class Decoder:
         seed = distributed.agreed_seed(self.pair, None) if self.pair is not None else None
         twin.key = random_key(seed)
         twin.epoch, twin.active = 0, False
-        twin._policy, twin._policy_key = copy.deepcopy((self._policy, self._policy_key))
-        twin.step_seconds, twin._drafting = self.step_seconds, self._drafting
+        twin.take_measured(self.measured())
+        twin._drafting = self._drafting
         twin.hidden_layers = self.hidden_layers
         twin.settle()  # the key and the copies' slices, lazy until now
         return twin
+
+    def measured(self) -> tuple:
+        """What the draft-length policy measured (costs, acceptance), for another decoder of
+        the same pair to start from (`take_measured` copies it)."""
+        return self._policy, self._policy_key, self.step_seconds
+
+    def take_measured(self, measured: tuple) -> None:
+        self._policy, self._policy_key, self.step_seconds = copy.deepcopy(measured)
 
     def _reuse(self, prompt: list[int], use_draft: bool) -> tuple[int, int | None]:
         """(prompt tokens a prefill keeps, the tokens to roll back for that), or (0, None)

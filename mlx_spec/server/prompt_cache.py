@@ -171,6 +171,7 @@ class PromptCache:
         # the disk tier (disk_cache.py): this partition's folder for this pair's entries
         self.disk = disk if pair is not None and pair.target_path is not None else None
         self.folder = None
+        self.measured = None  # the last kept decoder's `Decoder.measured()`
         if self.disk is not None:
             model = model_identity(pair)
             self.disk.describe(model, pair)
@@ -223,6 +224,8 @@ class PromptCache:
         decoder = self.disk.load(found, self.new())
         if decoder is None:
             return None
+        if self.measured is not None:  # a file keeps no policy: the last one kept here
+            decoder.take_measured(self.measured)
         if decoder.reusable(tokens) <= most:  # (the index promised more than the state holds)
             return None
         entry = Entry(decoder, found.segment, decoder_bytes(decoder))
@@ -257,6 +260,8 @@ class PromptCache:
         if decoder.stale or decoder.active or not decoder.sequence:
             return
         decoder.settle()
+        # what auto measured, for a decoder loaded from disk (a RAM entry's fork keeps its own)
+        self.measured = decoder.measured()
         entry = Entry(decoder, segment, decoder_bytes(decoder))
         previous = self.trie.add(decoder.sequence, entry)
         self.bytes += entry.bytes - (previous.bytes if previous is not None else 0)
