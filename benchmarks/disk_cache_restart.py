@@ -15,12 +15,12 @@ import signal
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
+from interleaved_prefill import ask  # noqa: E402
 from serve_batch import start  # noqa: E402
 
 WORDS = "the parser reads each file and reports the line where a rule fails".split()
@@ -30,25 +30,13 @@ def long_prompt(words: int) -> str:
     return " ".join(f"{WORDS[i % len(WORDS)]}{i % 97}" for i in range(words))
 
 
-def ask(url: str, model: str, system: str) -> dict:
-    body = {"model": model, "max_tokens": 4, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "system", "content": system},
-                         {"role": "user", "content": "Which rule fails first?"}]}  # fmt: skip
-    begin, first, usage = time.perf_counter(), None, None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices"):
-                if (chunk["choices"][0].get("delta") or {}).get("content"):
-                    first = time.perf_counter() - begin
-            usage = chunk.get("usage") or usage
-    total = time.perf_counter() - begin
-    return {"ttft": first or total, "prompt": usage["prompt_tokens"],
-            "cached": usage["prompt_tokens_details"]["cached_tokens"]}  # fmt: skip
+def ask_system(url: str, model: str, system: str) -> dict:
+    """The session's one request (4 tokens of reply): its TTFT and prompt figures."""
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": "Which rule fails first?"}]  # fmt: skip
+    out: dict = {}
+    ask(url, model, messages, 4, out)
+    return out
 
 
 def figures(url: str) -> dict:
@@ -77,7 +65,7 @@ def main() -> None:
         for phase in ("cold", "after stop", "after kill -9"):
             proc, url = start(cmd, args.port, root / f"{phase}.log")
             model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-            result = ask(url, model, system)
+            result = ask_system(url, model, system)
             m = figures(url)
             if phase == "cold":
                 prefill = m["mlx_spec_prefill_seconds_total"]
