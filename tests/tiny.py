@@ -409,7 +409,8 @@ TOOL_CALL_PIECES = ['{"name":"', "get_weather", '","arguments":{"city":"', "Pari
 THOUGHT = "The user wants the weather in Paris."
 ANSWER = "It is sunny in Paris today."
 TOOL_SPECIALS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<|answer|>"]
-TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
+# Qwen 2.5's system turn with the tools (both tool templates below open with it)
+TOOLS_SYSTEM = """{%- if tools %}<|im_start|>system
 {% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
 {% endif %}# Tools
 <tools>
@@ -417,7 +418,10 @@ TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
 {% endfor %}</tools>
 For each function call, return a json object within <tool_call></tool_call> tags.<|im_end|>
 {% endif %}
-{%- for m in messages %}
+"""
+TOOL_TEMPLATE = (
+    TOOLS_SYSTEM
+    + """{%- for m in messages %}
 {%- if m['role'] == 'system' and tools %}
 {%- elif m['role'] == 'assistant' and m.tool_calls %}<|im_start|>assistant
 {% if m.content %}{{ m.content }}{% endif %}
@@ -434,6 +438,7 @@ For each function call, return a json object within <tool_call></tool_call> tags
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {%- if messages[-1]['role'] == 'tool' %}<|answer|>{% else %}{{ '\n' }}{% endif %}{% endif %}"""
+)
 
 
 def write_tool_tokenizer(path: Path) -> None:
@@ -635,15 +640,9 @@ def family_pairs(root: Path, tokenizer: Path, vocab: int, families, noise=0.02) 
 # `recall` once a tool result is anywhere in the history (a resumed session resent it) ->
 # `<|answer|>`; else `<|plain|>`.
 SCRIPT_MODES = ["<|read|>", "<|answer|>", "<|plain|>"]
-SCRIPT_TEMPLATE = """{%- if tools %}<|im_start|>system
-{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
-{% endif %}# Tools
-<tools>
-{% for tool in tools %}{{ tool | tojson }}
-{% endfor %}</tools>
-For each function call, return a json object within <tool_call></tool_call> tags.<|im_end|>
-{% endif %}
-{%- set ns = namespace(user='', fresh=false, ever=false) %}
+SCRIPT_TEMPLATE = (
+    TOOLS_SYSTEM
+    + """{%- set ns = namespace(user='', fresh=false, ever=false) %}
 {%- for m in messages %}
 {%- if m['role'] == 'system' and tools %}
 {%- elif m['role'] == 'assistant' %}{% set ns.user = '' %}{% set ns.fresh = false %}\
@@ -665,6 +664,7 @@ For each function call, return a json object within <tool_call></tool_call> tags
 {%- if add_generation_prompt %}<|im_start|>assistant
 {%- if ns.fresh %}<|answer|>{% elif tools and TRIGGER in ns.user %}<|read|>\
 {% elif RECALL in ns.user and ns.ever %}<|answer|>{% else %}<|plain|>{% endif %}{% endif %}"""
+)
 
 
 def write_scripted_tool_model(
