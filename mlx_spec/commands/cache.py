@@ -31,7 +31,7 @@ def human(n: float) -> str:
 
 
 def main(args) -> int:
-    from ..server.disk_cache import SUFFIX, default_dir, entry_files, stored
+    from ..server.disk_cache import default_dir, prune, stored
 
     root = (args.cache_dir or default_dir()).expanduser()
     if root.exists() and not root.is_dir():
@@ -66,17 +66,7 @@ def main(args) -> int:
         raise SpecError("cache prune takes --max-bytes N and/or --older-than DAYS")
     if args.older_than is not None and not args.older_than >= 0:
         raise SpecError("--older-than must be a number of days, at least 0")
-    files = sorted(
-        (p.stat().st_mtime, p.stat().st_size, p) for p in entry_files(root, "*/*/*" + SUFFIX)
-    )
-    total, removed = sum(f[1] for f in files), 0
     cutoff = time.time() - 86400 * args.older_than if args.older_than is not None else None
-    for mtime, nbytes, path in files:  # least recently used first
-        old = cutoff is not None and mtime < cutoff
-        over = args.max_bytes is not None and total > args.max_bytes
-        if not (old or over):
-            continue
-        path.unlink(missing_ok=True)
-        total, removed = total - nbytes, removed + 1
-    print(f"removed {removed} entries; {human(total)} left in {root}")
+    removed, total = prune(root, args.max_bytes, cutoff)
+    print(f"removed {len(removed)} entries; {human(total)} left in {root}")
     return 0

@@ -86,6 +86,31 @@ def entry_files(root: Path, pattern: str) -> list[Path]:
     return [p for p in Path(root).glob(pattern) if not p.name.startswith(".")]
 
 
+def prune(root: Path, max_bytes: int | None, older_than: float | None = None):
+    """Entries out, least recently used first, while the folder holds more than `max_bytes`
+    (None: no bound) or they were last used before `older_than` (a time; None: any): (the
+    paths removed, the bytes left). `serve`'s budget and `mlx-spec cache prune` alike."""
+    files = []
+    for path in entry_files(root, "*/*/*" + SUFFIX):
+        try:
+            st = path.stat()
+        except OSError:  # (another server removed it)
+            continue
+        files.append((st.st_mtime, st.st_size, path))
+    total, removed = sum(size for _, size, _ in files), []
+    for mtime, size, path in sorted(files):
+        old = older_than is not None and mtime < older_than
+        if not (old or (max_bytes is not None and total > max_bytes)):
+            continue
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        total -= size
+        removed.append(path)
+    return removed, total
+
+
 def default_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "mlx-spec" / "prompt-cache"
@@ -387,35 +412,18 @@ class DiskStore:
     def trim(self) -> None:
         """Least recently used files out until the folder fits --cache-disk-bytes (every
         model's and partition's, this server's index and the files on disk alike)."""
-        files = []
-        for path in entry_files(self.root, "*/*/*" + SUFFIX):
-            try:
-                st = path.stat()
-            except OSError:
-                continue
-            files.append((st.st_mtime, st.st_size, path))
         for path in self.root.glob("*/*/.tmp-*"):  # a write `kill -9` cut, long ago
             try:
                 if time.time() - path.stat().st_mtime > STALE_TMP_SECONDS:
                     path.unlink()
             except OSError:
                 pass
-        total = sum(size for _, size, _ in files)
-        for _, size, path in sorted(files):
-            if total <= self.max_bytes:
-                break
-            try:
-                path.unlink()
-            except OSError:
-                continue
-            total -= size
-            self.metrics.evictions += 1
-            with self.lock:
+        removed, _ = prune(self.root, self.max_bytes)
+        self.metrics.evictions += len(removed)
+        with self.lock:
+            for path in removed:
                 self.folders.get(path.parent, {}).pop(path.name, None)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for queued writes (tests, shutdown)."""
         self.writer.submit(lambda: None).result(timeout)
-
-    def total_bytes(self) -> int:
-        return sum(p.stat().st_size for p in entry_files(self.root, "*/*/*" + SUFFIX))
