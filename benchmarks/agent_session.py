@@ -844,4 +844,11 @@ def test_is_overdue_only_for_open_tasks_past_due():
     assert not task.is_overdue(date(2026, 3, 14))
 """
 
+# The user's first message after `/clear` (Claude Code, Codex `/new`): a new conversation with
+# the same system prompt and tools, and none of the earlier turns.
+CLEARED = (
+    "Continue the due-date work in /home/dev/tally: the Task model already has an optional "
+    "`due` field. Finish `tally list --overdue` and its tests."
+)
+
 FINAL = "All tests pass. Summarise what changed for the user in two or three sentences."

@@ -420,10 +420,14 @@ def system_prompt(tokenizer, tokens: int, embed_tools: bool) -> str:
     return "\n\n".join(parts) + tail
 
 
-def session_turns(system: str, plan: list[Step], reply_tokens: int, rewrite_tokens: int):
+def session_turns(
+    system: str, plan: list[Step], reply_tokens: int, rewrite_tokens: int, clear_after: int = 0
+):
     """The session's requests in order, as OpenAI chat messages: yields (label, messages,
     max_tokens) and is sent each reply's text. Only the rewrite's reply (and the last one)
-    stays in the conversation: every other reply is replaced by the recorded tool calls."""
+    stays in the conversation: every other reply is replaced by the recorded tool calls.
+    `clear_after` n: after the parent's n-th turn the user types `/clear`, and the parent goes
+    on in a new conversation (the system prompt, then S.CLEARED)."""
     ids = iter(range(1, 10**6))
 
     def assistant(text: str, calls) -> dict:
@@ -444,6 +448,9 @@ def session_turns(system: str, plan: list[Step], reply_tokens: int, rewrite_toke
     parent = [{"role": "system", "content": system}, {"role": "user", "content": S.TASK}]
     for n, step in enumerate(plan, 1):
         label = f"P{n} {step.label}"
+        if clear_after and n == clear_after + 1:
+            parent = [{"role": "system", "content": system}, {"role": "user", "content": S.CLEARED}]
+            label = f"P{n} /clear, {step.label}"
         if step.kind == "rewrite":  # the model's reply, kept: the file it writes
             parent.append({"role": "user", "content": step.user})
             reply = yield label, list(parent), rewrite_tokens
@@ -673,8 +680,8 @@ def replay_session(args) -> int:
     filler = tokenizer.decode(
         tokenizer.encode(S.FILES["tally/models.py"] * 4)[: args.rewrite_tokens]
     )
-    dry, labels, longest, reply = session_turns(system, plan, args.reply_tokens,
-                                                args.rewrite_tokens), [], 0, None  # fmt: skip
+    dry = session_turns(system, plan, args.reply_tokens, args.rewrite_tokens, args.clear_after)
+    labels, longest, reply = [], 0, None
     while True:
         try:
             label, messages, max_tokens = dry.send(reply) if labels else next(dry)
@@ -728,8 +735,8 @@ def replay_session(args) -> int:
             httpx.post(urls[name] + "/v1/completions", timeout=600,
                        json={"model": model, "prompt": "Warm up.", "max_tokens": 4,
                              "temperature": 0}).raise_for_status()  # fmt: skip
-        gens = {n: session_turns(system, plan, args.reply_tokens, args.rewrite_tokens)
-                for n in servers}  # fmt: skip
+        gens = {n: session_turns(system, plan, args.reply_tokens, args.rewrite_tokens,
+                                 args.clear_after) for n in servers}  # fmt: skip
         seen = {n: [] for n in servers}  # the tokens of each earlier request and its reply
         began = time.perf_counter()
         for turn in range(len(labels)):
@@ -950,6 +957,9 @@ def main():
     session.add_argument("--dry-run", action="store_true", help="print the requests' sizes only")
     session.add_argument(
         "--restart-after", type=int, default=0, help="restart every server after this request"
+    )
+    session.add_argument(
+        "--clear-after", type=int, default=0, help="a /clear after this parent turn"
     )
     session.add_argument("--restart-signal", choices=["term", "kill"], default="term")
     args = parser.parse_args()
