@@ -243,7 +243,9 @@ def target_state(pair, tokens: list[int]):
 
 def reference_logits(w, cfg, embed_t, state, kvs, tokens, window):
     """The drafter's logits at each step fed tokens[0] (the bonus) then tokens[1:] (the
-    guesses), queries at the position before the bonus: (len(tokens), vocab)."""
+    guesses), queries at the bonus's position P (Hugging Face's candidate generator's
+    `position_ids`), the keys of positions < P a target layer of the type sees from P:
+    (len(tokens), vocab)."""
     text = cfg["text_config"]
     at = kvs[0][0].shape[1]  # positions the target holds
     heads = text["num_attention_heads"]
@@ -267,7 +269,7 @@ def reference_logits(w, cfg, embed_t, state, kvs, tokens, window):
             rotated = int(d * rp.get("partial_rotary_factor", 1.0))
             a = rms(h, w[p + "input_layernorm.weight"])
             q = (a @ w[p + "self_attn.q_proj.weight"].T).reshape(heads, d)
-            q = rope(rms(q, w[p + "self_attn.q_norm.weight"]), at - 1, rp["rope_theta"], rotated)
+            q = rope(rms(q, w[p + "self_attn.q_norm.weight"]), at, rp["rope_theta"], rotated)
             rep = heads // keys.shape[0]
             k, v = mx.repeat(keys, rep, axis=0), mx.repeat(values, rep, axis=0)
             att = mx.softmax((q[:, None, :] @ k.transpose(0, 2, 1))[:, 0], axis=-1)  # scale 1

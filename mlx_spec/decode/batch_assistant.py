@@ -26,7 +26,7 @@ class AssistantBatch:
     roll-back (`target_cache()`, the BatchDecoder's): every row's tokens end at the buffer's
     column `_idx - 1`, its left padding before them, so one additive mask per layer type keeps
     each row to what it sees alone — all its keys for a full layer, its last `window - 1` for a
-    sliding one — and its queries sit at its own position (`at - 1`). Plays BatchHead's part
+    sliding one — and its queries sit at its own position (`at`, the last token's). Plays BatchHead's part
     (batch.py asks the same of both); a row that leaves hands back an AssistantDrafter holding
     what a single stream's would (its state, its keys and values as views of the row's cache)."""
 
@@ -87,7 +87,7 @@ class AssistantBatch:
             seen = (cols >= first[:, None]) | (cols == idx - 1)  # (a row with no keys: any)
             mask = mx.where(seen, 0.0, -mx.inf).astype(keys.dtype)
             kv[kind], masks[kind] = (keys, values), mask[:, None, None, :]
-        positions = mx.array([max(len(s) - 2, 0) for s in sequences])
+        positions = mx.array([len(s) - 1 for s in sequences])
         return kv, masks, positions
 
     def draft_logits(self, j, picks, sequences, width: int, process=None):

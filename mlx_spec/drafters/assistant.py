@@ -11,7 +11,8 @@ ones). It reads the target twice over, never running a pass of its own over the 
   layers have queries only (`q_proj`, `q_norm`, `o_proj`).
 - **One query position**: after the target committed positions 0..P-1 and its token b at P
   is known, the round's hidden state is the target's final-norm output at P-1 (the row that
-  predicted b), and every draft step's query is rotated at P-1. A step embeds its input token
+  predicted b), and every draft step's query is rotated at P, b's own position (the token
+  whose embedding goes in; Hugging Face's `position_ids`). A step embeds its input token
   with the *target's* embedding (times Gemma's `sqrt(hidden)`), concatenates the previous
   step's state (`[embedding, state]`), projects it (`pre_projection`, 2·backbone → hidden),
   runs the layers over the target's keys and values (every key visible: no mask), then
@@ -30,11 +31,18 @@ ones). It reads the target twice over, never running a pass of its own over the 
   Those full-vocabulary logits are what a guess is drawn from, so they are the q the verifier
   divides by.
 
-Positions as mlx-vlm's `_mtp_rounds` has them (query at P-1, keys of 0..P-1). Hugging Face's
-`SinglePositionMultiTokenCandidateGenerator` rotates the query at P (`input_ids.shape[1] - 1`,
-the last token's own position) and, after a rejection, cuts the keys at P + 1 (one row of the
-rejected guess included): a difference of one rotary position that can move acceptance, never
-exactness (the verifier checks every guess); not measured here (no checkpoint offline).
+Which keys and which query position (settled 2026-12-06 against transformers 5.25.0's
+`gemma4_assistant` and `SinglePositionMultiTokenCandidateGenerator`, mlx-vlm 0.7.10's
+`_mtp_rounds` and mlx-lm's own sliding attention): the drafter's step stands in for the target
+processing b at P, so it sees what the target's layer of the same type sees from P, less b's
+own key (not computed yet): full attention 0..P-1, sliding P-window+1..P-1 (mlx-lm's
+RotatingKVCache and mask keep `window` keys with the query's own). The query at P as Hugging
+Face rotates it; mlx-vlm rotates it at P-1 (one position off). Hugging Face's key sets are an
+artefact of slicing: its sliding keys are the last window-1+n of the verify pass (n fed), cut
+by `[:P+1]` from their start (a no-op past the window) and masked `|q-k| <= window`, so it
+sees window+1 keys at steady state, and after a rejection the rejected guesses' rows (a full
+layer one of them: `[:P+1]`); mlx-vlm sees `window` (`|q-k| < window` from P-1). None of
+these can change the output (the verifier checks every guess), only acceptance.
 
 The layers are mlx-lm's own `gemma4_text.DecoderLayer`, built from the drafter's
 `text_config` with `num_kv_shared_layers = num_hidden_layers` (no key/value projections;
@@ -346,7 +354,7 @@ class AssistantDrafter(Drafter):
         for i in range(k):
             e = self.embed(token)[None] * self.head.embed_scale
             x = mx.concatenate([e.astype(state.dtype), state], axis=-1)
-            logits, state = self.head.step(x, kv, at - 1)
+            logits, state = self.head.step(x, kv, at)
             logits = logits[0]
             if self.vocab is not None and logits.shape[-1] > self.vocab:
                 logits = logits[: self.vocab]
