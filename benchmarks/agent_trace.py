@@ -61,6 +61,12 @@ Every request is streamed, greedy. Reported per server:
   otherwise); mlx_lm.server's replies are compared and differences reported, not asserted.
 A markdown table goes to stdout, progress to stderr, every request to --out (JSON).
 
+--peer NAME=DIR (repeatable) replays the session on vllm-mlx or rapid-mlx too, in chat
+completions, installed with `pip install --no-deps --target DIR vllm-mlx==0.6.0` (or
+rapid-mlx==0.16.10) and run by --peer-python, a Python holding what they import (fastapi,
+uvicorn, transformers, mlx-lm <= 0.31.1 for vllm-mlx's prefix cache). --clear-after N: the user
+types /clear after the parent's N-th turn (a new conversation on the same system prompt).
+
     flock /tmp/bench.lock python benchmarks/agent_trace.py --shapes session --out session.json
         [--turns 12] [--system-tokens 3000] [--reply-tokens 32] [--rewrite-tokens 640]
 """
@@ -640,6 +646,39 @@ OPENBLAS_MLX_LM = (
 )
 
 
+# The peers (`--peer NAME=DIR`), installed as their READMEs say but with `--no-deps --target
+# DIR` and run by --peer-python (a Python with what they import: vllm-mlx 0.6.0 saves its prefix
+# cache only on mlx-lm <= 0.31.1, whose BatchGenerator has the `_process_prompts` hook it
+# patches; on 0.31.2+ it logs "Prompt cache save disabled"). Both on the OpenBLAS our servers
+# use, their disk caches under the run's folder (HOME).
+PEERS = {
+    "vllm-mlx": ("from vllm_mlx.cli import main", ["--continuous-batching"]),
+    "rapid-mlx": ("from rapid_mlx.dependency_repair import cli_entrypoint as main", []),
+}
+PEER_LAUNCH = (
+    "import ctypes, sys; ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL); "
+    "sys.argv = sys.argv[2:]; {}; sys.exit(main())"
+)
+
+
+def peer_command(args, name: str, where: str, root, target) -> list[str]:
+    from mlx_spec.runtime.blas import installed
+
+    entry, flags = PEERS[name]
+    env = [f"HOME={root / ('home-' + name)}", f"PYTHONPATH={os.path.abspath(where)}"]
+    return ["env", *env, args.peer_python, "-c", PEER_LAUNCH.format(entry), installed(), name,
+            "serve", str(target), *flags]  # fmt: skip
+
+
+def logged_prefill(log) -> int:
+    """The tokens a peer's scheduler says it prefilled for its latest request (vllm-mlx's
+    usage has no cached_tokens; its log line `[schedule] ... tokens_to_prefill=N`)."""
+    found = re.findall(r"tokens_to_prefill=(\d+)", open(log).read())
+    if not found:
+        raise RuntimeError(f"{log}: no tokens_to_prefill line to read the prefill from")
+    return int(found[-1])
+
+
 def free_port() -> int:
     import socket
 
@@ -722,14 +761,23 @@ def replay_session(args) -> int:
         lm = [sys.executable, "-c", OPENBLAS_MLX_LM, "--model", str(target),
               "--log-level", "WARNING"]  # fmt: skip
         servers["mlx_lm.server chat"] = (lm, "chat", str(target))
+    for peer in args.peer:
+        name, _, where = peer.partition("=")
+        if name not in PEERS or not where:
+            raise SystemExit(f"--peer takes NAME=DIR, NAME one of {', '.join(PEERS)}")
+        if not (target := root / "target").is_dir():
+            target, _ = write_mlx_dirs(args.pair, root, pair)
+        servers[f"{name} chat"] = (peer_command(args, name, where, root, target), "chat",
+                                   str(target))  # fmt: skip
     del pair
-    procs, urls = {}, {}
+    procs, urls, logs = {}, {}, {}
     rows = {name: [] for name in servers}
     try:
         for i, (name, (cmd, _, model)) in enumerate(servers.items()):
             port = free_port()
             print(f"starting {name}", file=sys.stderr, flush=True)
-            procs[name], urls[name] = start(cmd + ["--port", str(port)], port, root / f"{i}.log")
+            logs[name] = root / f"{i}.log"
+            procs[name], urls[name] = start(cmd + ["--port", str(port)], port, logs[name])
             import httpx  # warm-up: a raw prompt sharing no prefix with the session
 
             httpx.post(urls[name] + "/v1/completions", timeout=600,
@@ -741,7 +789,7 @@ def replay_session(args) -> int:
         began = time.perf_counter()
         for turn in range(len(labels)):
             if args.restart_after and turn == args.restart_after:
-                restart(servers, procs, urls, root, args.restart_signal)
+                restart(servers, procs, urls, logs, root, args.restart_signal)
             for name, (_, protocol, model) in servers.items():
                 last = rows[name][-1]["text"] if rows[name] else None
                 label, messages, max_tokens = gens[name].send(last) if turn else next(gens[name])
@@ -754,6 +802,8 @@ def replay_session(args) -> int:
                     log = root / f"{list(servers).index(name)}.log"
                     raise RuntimeError(f"{name}, {label}: {err} (request: {failed}; server "
                                        f"log: {log})") from err  # fmt: skip
+                if r.get("cached") is None:  # vllm-mlx: its log says what it prefilled
+                    r["cached"] = r["prompt"] - logged_prefill(logs[name])
                 prompt = ids(messages)
                 shared = max((common_prefix(prompt, s) for s in seen[name]), default=0)
                 reply = tokenizer.encode(r["text"], add_special_tokens=False)
@@ -778,7 +828,7 @@ def replay_session(args) -> int:
     return report_session(args, labels, system_len, rows)
 
 
-def restart(servers: dict, procs: dict, urls: dict, root, how: str) -> None:
+def restart(servers: dict, procs: dict, urls: dict, logs: dict, root, how: str) -> None:
     """Every server stopped (SIGTERM, or SIGKILL: `--restart-signal kill`) and started again
     on a fresh port; mlx-spec's find their disk tier again, the others start empty."""
     from serve_batch import start
@@ -789,8 +839,8 @@ def restart(servers: dict, procs: dict, urls: dict, root, how: str) -> None:
         print(f"restarted {name} ({how})", file=sys.stderr, flush=True)
     for i, (name, (cmd, _, _)) in enumerate(servers.items()):
         port = free_port()
-        log = root / f"{i}-restarted.log"
-        procs[name], urls[name] = start(cmd + ["--port", str(port)], port, log)
+        logs[name] = root / f"{i}-restarted.log"
+        procs[name], urls[name] = start(cmd + ["--port", str(port)], port, logs[name])
 
 
 def session_summary(rows: list[dict]) -> dict:
@@ -823,7 +873,7 @@ def report_session(args, labels: list[str], system_len: int, rows: dict[str, lis
 
     names = list(rows)
     ours = [n for n in names if n.startswith("mlx-spec")]
-    peer = next((n for n in names if not n.startswith("mlx-spec")), None)
+    peer = "mlx_lm.server chat" if "mlx_lm.server chat" in names else None
     reference = ours[0] if ours else names[0]
     texts = {n: [r["text"] for r in rows[n]] for n in names}
     ours_differ = [(i, n) for n in ours for i, t in enumerate(texts[n]) if t != texts[reference][i]]
@@ -961,6 +1011,14 @@ def main():
     session.add_argument(
         "--clear-after", type=int, default=0, help="a /clear after this parent turn"
     )
+    session.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help=f"also replay on a peer ({', '.join(PEERS)}) installed in DIR",
+    )
+    session.add_argument("--peer-python", default=sys.executable, help="the peers' Python")
     session.add_argument("--restart-signal", choices=["term", "kill"], default="term")
     args = parser.parse_args()
     shapes = args.shapes.split(",")
