@@ -13,9 +13,18 @@ import sys
 import pytest
 import tiny
 from conftest import VOCAB
+from test_heads_surfaces import head_pair, target_of, write_heads
 
 import mlx_spec
-from mlx_spec import SpecError, generate, load_decoder, load_pair, make_decoder, save_decoder
+from mlx_spec import (
+    SamplingParams,
+    SpecError,
+    generate,
+    load_decoder,
+    load_pair,
+    make_decoder,
+    save_decoder,
+)
 
 TURN1 = [{"role": "user", "content": "Tell me a story about a file"}]
 
@@ -65,6 +74,76 @@ def test_a_saved_conversation_continues_exactly(models, tmp_path, family, drafte
     fresh = ask(pair, turn2(pair, first))
     assert second.tokens == fresh.tokens
     assert second.stats.prompt_tokens_reused >= first.stats.prompt_tokens  # turn 1's prompt
+
+
+HEADS = ["eagle3", "dflash", "dflash2", "dspark", "mtp", "assistant"]
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_models, tmp_path_factory):
+    """A tiny Qwen3.5 target with a head of each kind, Gemma 4 with its assistant."""
+    return write_heads(tmp_path_factory.mktemp("saved_heads"), tiny_models.tokenizer, HEADS)
+
+
+def proposal(decoder, k: int = 3) -> list[int]:
+    """The tokens the decoder's drafter would propose now, greedy (on a copy: the decoder
+    itself is left as it was)."""
+    tokens, _ = decoder.fork().drafter.propose(k, SamplingParams(), None)
+    return tokens.tolist()
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_a_saved_conversation_with_a_head_drafts_on_as_before(heads, tmp_path, kind):
+    """A head's state (Drafter.disk_state) goes to the file and comes back whole: the loaded
+    head proposes what the kept one proposes, the next turn drafts and accepts round for
+    round as the never-saved decoder does, and its tokens are the target's alone."""
+    pair = head_pair(heads, kind)
+    decoder = make_decoder(pair)
+    first = ask(pair, prompt_ids(pair), decoder=decoder)
+    path = save_decoder(decoder, tmp_path / "conversation.safetensors")
+    loaded = load_decoder(pair, path)
+    assert loaded.hidden_gap is None
+    assert proposal(loaded) == proposal(decoder) and len(proposal(decoder)) > 0
+    prompt = turn2(pair, first)
+    second = ask(pair, prompt, decoder=loaded)
+    kept = ask(pair, prompt, decoder=decoder)
+    alone = ask(load_pair(target=str(target_of(heads, kind))), prompt)
+    assert second.tokens == kept.tokens == alone.tokens
+    assert second.accepted == kept.accepted  # round for round the same proposals kept
+    assert (second.stats.drafted, second.stats.accepted) == (kept.stats.drafted,
+                                                             kept.stats.accepted)  # fmt: skip
+    assert second.stats.drafted > 0
+    assert second.stats.prompt_tokens_reused == kept.stats.prompt_tokens_reused
+    assert second.stats.prompt_tokens_reused >= first.stats.prompt_tokens
+
+
+@pytest.mark.parametrize("kind", ["dflash", "mtp", "assistant"])
+def test_a_head_state_of_another_kind_or_shape_is_refused(heads, tmp_path, kind):
+    """A file whose head state is not this head's (another kind's figures, a layer missing,
+    an array of another shape) is refused in one line, never continued from."""
+    from mlx_lm.models.cache import ArraysCache
+
+    from mlx_spec.core.cache_files import file_info, header_metadata, read_cache_file
+    from mlx_spec.core.cache_files import restore_decoder as restore
+
+    pair = head_pair(heads, kind)
+    decoder = make_decoder(pair)
+    ask(pair, prompt_ids(pair), decoder=decoder)
+    path = save_decoder(decoder, tmp_path / "c.safetensors")
+    info = file_info(header_metadata(path))
+    layers, _ = read_cache_file(path)
+    other = dict(info, head=dict(info["head"], kind="EagleDrafter"))
+    with pytest.raises(SpecError, match="is a 'EagleDrafter' one"):
+        restore(make_decoder(pair), layers, other)
+    with pytest.raises(SpecError, match="stored .* holds layers"):
+        restore(make_decoder(pair), layers[:-1], dict(info, draft=info["draft"] - 1))
+    last = layers[-1]
+    if isinstance(last, ArraysCache):
+        last.cache = [None if a is None else a[..., :-1] for a in last.cache]
+    else:
+        last.keys = last.keys[..., :-1]
+    with pytest.raises(SpecError, match="stored .* shape|stored .* keys"):
+        restore(make_decoder(pair), layers, info)
 
 
 def test_another_process_continues_from_the_file(models, tmp_path):
