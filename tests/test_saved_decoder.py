@@ -1,8 +1,10 @@
 """`mlx_spec.save_decoder` / `load_decoder`: a conversation's caches written to a file and read
 back, in this process and in another one, so the next turn prefills only what is new; the
 reply stays the target's own (greedy equality) for a plain, a sliding-window and a hybrid
-target with a draft model, and for prompt lookup. A file of other models, or a damaged one,
-is refused in one line."""
+target with a draft model, and for prompt lookup; with each head kind (EAGLE-3, DFlash,
+DFlash2, DSpark, MTP, Gemma 4's assistant) the loaded head drafts on as the never-saved one. A
+file of other models, a damaged one or a head state of another kind or shape is refused in one
+line."""
 
 from __future__ import annotations
 
@@ -115,6 +117,21 @@ def test_a_saved_conversation_with_a_head_drafts_on_as_before(heads, tmp_path, k
     assert second.stats.drafted > 0
     assert second.stats.prompt_tokens_reused == kept.stats.prompt_tokens_reused
     assert second.stats.prompt_tokens_reused >= first.stats.prompt_tokens
+
+
+def test_a_head_without_a_plain_replys_features_is_not_saved_until_it_drafts(heads, tmp_path):
+    """After a reply decoded without the head (`use_draft=False`) the head lacks its features
+    (Decoder.hidden_gap): no file is written then; the next drafting turn fills them in."""
+    pair = head_pair(heads, "dflash")
+    decoder = make_decoder(pair)
+    first = ask(pair, prompt_ids(pair), decoder=decoder)
+    plain = ask(pair, turn2(pair, first), decoder=decoder, use_draft=False)
+    with pytest.raises(SpecError, match="lacks the features"):
+        save_decoder(decoder, tmp_path / "c.safetensors")
+    prompt = turn2(pair, first) + plain.tokens + pair.tokenizer.encode(" More?")
+    ask(pair, prompt, decoder=decoder)
+    loaded = load_decoder(pair, save_decoder(decoder, tmp_path / "c.safetensors"))
+    assert proposal(loaded) == proposal(decoder)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "mtp", "assistant"])
