@@ -119,6 +119,36 @@ def test_a_saved_conversation_with_a_head_drafts_on_as_before(heads, tmp_path, k
     assert second.stats.prompt_tokens_reused >= first.stats.prompt_tokens
 
 
+@pytest.mark.parametrize("kind", ["dflash", "assistant"])
+def test_a_batch_rows_head_state_is_saved_and_drafts_on(heads, tmp_path, kind):
+    """A row leaving a batch (the server's kept entry of a batched request: `into_decoder`)
+    holds its head's state as the batch made it (the assistant's keys and values as arrays,
+    not the target's layers): saved and loaded, it proposes and drafts as the row's own."""
+    from mlx_spec import GenerationConfig
+    from mlx_spec.decode.batch import into_decoder
+    from mlx_spec.decode.generate import make_batch_decoder
+
+    pair = head_pair(heads, kind)
+    config = GenerationConfig(max_tokens=10, temperature=0.0, num_draft_tokens=3)
+    batch = make_batch_decoder(pair, 2)
+    prompt = prompt_ids(pair)
+    row = batch.add(prompt, config, keep=True)
+    batch.add(prompt[:-3] + pair.tokenizer.encode(" other"), config)
+    tokens, state = [], None
+    while len(batch):
+        for rid, u in batch.step().items():
+            if rid == row:
+                tokens += u.tokens
+                state = u.state if u.done else state
+    kept = into_decoder(make_decoder(pair), state)
+    loaded = load_decoder(pair, save_decoder(kept, tmp_path / "row.safetensors"))
+    assert proposal(loaded) == proposal(kept) and len(proposal(kept)) > 0
+    follow = prompt + tokens + pair.tokenizer.encode(" And then?")
+    second, again = ask(pair, follow, decoder=loaded), ask(pair, follow, decoder=kept)
+    assert second.tokens == again.tokens and second.accepted == again.accepted
+    assert second.stats.prompt_tokens_reused >= len(prompt)
+
+
 def test_a_head_without_a_plain_replys_features_is_not_saved_until_it_drafts(heads, tmp_path):
     """After a reply decoded without the head (`use_draft=False`) the head lacks its features
     (Decoder.hidden_gap): no file is written then; the next drafting turn fills them in."""
