@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_lm_cache
 
+from ..errors import SpecError
 from . import caches
 
 FORMAT = "mlx-spec-prompt-cache/1"
@@ -49,6 +50,55 @@ def from_layer_state(name: str, state):
     if not (isinstance(kind, type) and issubclass(kind, mlx_lm_cache._BaseCache)):
         raise ValueError(f"unknown cache class {name!r}")
     return kind.from_state(state)
+
+
+# ------------------------------------------------------------------ heads' states (disk_state)
+
+
+def arrays_layer(arrays: list) -> mlx_lm_cache.ArraysCache:
+    """A head's loose arrays (None allowed) as one ArraysCache layer, which the file holds."""
+    layer = mlx_lm_cache.ArraysCache(len(arrays))
+    layer.cache = list(arrays)
+    return layer
+
+
+def head_figures(figures, kind: str, *names: str) -> list:
+    """The figures a head's `disk_state` gave, in the order of `names`; SpecError where they
+    are another kind's or one is missing (a restore never goes on with a wrong state)."""
+    if not isinstance(figures, dict) or figures.get("kind") != kind:
+        got = figures.get("kind") if isinstance(figures, dict) else type(figures).__name__
+        raise SpecError(f"the stored head state is a {got!r} one, not a {kind!r} one")
+    missing = [n for n in names if n not in figures]
+    if missing:
+        raise SpecError(f"the stored {kind} state has no {missing[0]!r}")
+    return [figures[n] for n in names]
+
+
+def head_layers(layers: list, kinds: list, kind: str) -> None:
+    """Refuse (SpecError) stored layers of other classes or another count than `kinds`."""
+    got, want = [type(c).__name__ for c in layers], [k.__name__ for k in kinds]
+    if got != want:
+        raise SpecError(f"the stored {kind} state holds layers {got}, not {want}")
+
+
+def check_kv(c, heads: int | None, dim: int | None, kind: str) -> None:
+    """A stored KVCache of a head: keys and values (1, heads, >= offset, dim), or empty."""
+    keys, values = c.keys, c.values
+    if keys is None or values is None:
+        if c.offset or keys is not values:
+            raise SpecError(f"the stored {kind} cache holds {c.offset} positions and no keys")
+        return
+    want = (1, heads or keys.shape[1], keys.shape[2], dim or keys.shape[3])
+    if keys.ndim != 4 or keys.shape != want or values.shape[:3] != want[:3]:
+        raise SpecError(f"the stored {kind} cache has keys {keys.shape}, not {want}")
+    if keys.shape[2] < c.offset:
+        raise SpecError(f"the stored {kind} cache holds {keys.shape[2]} of {c.offset} positions")
+
+
+def check_rows(a, width: int, kind: str, what: str) -> None:
+    """A stored (rows, width) array of a head's (None allowed)."""
+    if a is not None and (a.ndim != 2 or a.shape[1] != width):
+        raise SpecError(f"the stored {kind} {what} have shape {a.shape}, not (rows, {width})")
 
 
 def cache_file_parts(cache: list, metadata: dict) -> tuple[dict, dict]:
@@ -151,9 +201,11 @@ def model_identity(pair) -> str:
 
 
 def storable(decoder) -> bool:
-    """Whether a decoder's state can go to a file: between rounds (one unfed token), and no
-    head reading the target's layers unless it stores its state (`Drafter.disk_state`:
-    EAGLE-3's) and has every position's features (no gap a plain reply left)."""
+    """Whether a decoder's state can go to a file: between rounds (one unfed token), and a
+    head reading the target's layers only with every position's features (no gap a plain
+    reply left: `Decoder.hidden_gap`) and a state it stores (`Drafter.disk_state`: every
+    head kind of the package stores one — EAGLE-3, DFlash, DFlash2, DSpark, MTP, Gemma 4's
+    assistant; a kind that returns None keeps RAM entries only)."""
     if decoder.unfed != 1 or decoder.stale or not decoder.sequence:
         return False
     if not decoder.hidden_layers:
@@ -188,12 +240,13 @@ def file_info(meta: dict) -> dict:
 
 def restore_decoder(decoder, layers: list, info: dict):
     """A fresh decoder (make_decoder) holding a file's state: the target's layers adopted, a
-    draft model's cache taken over, a head's state given back to the decoder's own head."""
+    draft model's cache taken over, a head's state given back to the decoder's own head
+    (with the target's layers: Gemma 4's assistant reads their keys and values)."""
     split = len(layers) - int(info["draft"])
     target, draft = layers[:split], layers[split:]
     tokens = [int(t) for t in info["tokens"]]
     if info.get("head") is not None:
-        decoder.drafter.restore_disk_state(draft, info["head"])
+        decoder.drafter.restore_disk_state(draft, info["head"], target)
         decoder.adopt(tokens, target, head=decoder.drafter)
     else:
         held = (draft, tokens[: int(info["draft_tokens"])]) if draft else None

@@ -28,15 +28,15 @@ from .generate import make_decoder
 
 def save_decoder(decoder, path) -> Path:
     """Write `decoder`'s state to `path` (a .safetensors file, written whole or not at all).
-    Refused for a decoder mid-stream, or one whose drafter keeps state no file holds yet
-    (heads other than EAGLE-3)."""
+    Refused for a decoder mid-stream, one holding nothing, or one whose head lacks features
+    (a reply decoded without it: `Decoder.hidden_gap`; the next drafting turn fills them)."""
     path = Path(path)
     if decoder.active:
         raise SpecError("a decoder cannot be saved while a stream is using it")
     if not storable(decoder):
         raise SpecError(
             "this decoder's state cannot be saved: it holds nothing, is mid-round, or its "
-            "drafter keeps a state no file holds yet"
+            "head lacks the features of a reply decoded without it"
         )
     if decoder.pair is None:
         raise SpecError("only a decoder made by make_decoder(pair) can be saved")

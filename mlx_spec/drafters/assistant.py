@@ -59,9 +59,10 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma4_text
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from ..core import caches
+from ..core.cache_files import arrays_layer, head_figures, head_layers
 from ..core.hidden import FINAL_NORM, decoder_stack, kv_of
 from ..core.processors import apply as apply_processors
 from ..core.sampling import draw
@@ -383,6 +384,37 @@ class AssistantDrafter(Drafter):
         self._take(output, before + output.fed)
         self.target_at = before + output.kept
         self.state = rows[output.kept - 1 : output.kept]
+
+    def disk_state(self) -> tuple[list, dict]:
+        """The target's final-norm row at `target_at - 1` (`state`, one ArraysCache), the
+        tokens, `target_at` and which target layers it reads; not their keys and values:
+        those are the target cache's own content (a fork's or a batch row's copies hold the
+        same positions), stored with the target's layers and read from them after a load."""
+        figures = {"kind": type(self).__name__, "tokens": self.tokens,
+                   "target_at": self.target_at, "kv": sorted(self.kv)}  # fmt: skip
+        return [arrays_layer([self.state])], figures
+
+    def restore_disk_state(self, layers: list, figures: dict, target: list) -> None:
+        kind = type(self).__name__
+        tokens, at, kv = head_figures(figures, kind, "tokens", "target_at", "kv")
+        head_layers(layers, [ArraysCache], kind)
+        if len(layers[0].cache) != 1:
+            raise SpecError(f"the stored {kind} state is {len(layers[0].cache)} arrays, not 1")
+        (state,) = layers[0].cache
+        width = self.head.args.backbone_hidden_size
+        if state is not None and state.shape != (1, width):
+            raise SpecError(f"the stored {kind} state has shape {state.shape}, not (1, {width})")
+        kv = sorted(int(i) for i in kv)
+        reads = sorted(set(self.layers.values()))
+        if (state is None) != (not kv) or (kv and kv != reads):
+            raise SpecError(f"the stored {kind} state reads target layers {kv}, not {reads}")
+        for i in kv:
+            c = target[i] if i < len(target) else None
+            if not isinstance(c, KVCache) or isinstance(c, BatchKVCache) or c.offset != at:
+                raise SpecError(f"the target's layer {i} does not hold the stored {at} positions")
+        self.tokens = [int(t) for t in tokens]
+        self.target_at = None if at is None else int(at)
+        self.state, self.kv = state, {i: (target[i],) for i in kv}
 
     def settle(self) -> None:
         arrays = [a for kv in self.kv.values() if len(kv) == 3 for a in kv[:2]]

@@ -114,13 +114,15 @@ class Drafter:
 
     def disk_state(self) -> tuple[list, dict] | None:
         """A head's per-sequence state for the prompt cache's disk tier: (cache layers in
-        mlx-lm's cache classes, JSON-able figures), or None where it cannot be stored (the
-        entry then stays in RAM only). Kinds whose state is a draft model's cache
-        (`held_cache`) or tokens alone need none."""
+        mlx-lm's cache classes, JSON-able figures with `kind`: the class's name), or None
+        where it cannot be stored (the entry then stays in RAM only). Kinds whose state is a
+        draft model's cache (`held_cache`) or tokens alone need none."""
         return None
 
-    def restore_disk_state(self, layers: list, figures: dict) -> None:
-        """Take back what `disk_state` gave (a fresh drafter of the same kind and head)."""
+    def restore_disk_state(self, layers: list, figures: dict, target: list) -> None:
+        """Take back what `disk_state` gave (a fresh drafter of the same kind and head);
+        `target`: the target's restored cache layers, which the decoder adopts next. A state
+        of another kind or shape is refused (SpecError), never taken."""
         raise SpecError(f"a {type(self).__name__} drafter keeps no state on disk")
 
     def use_history(self, history) -> None:

@@ -45,11 +45,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..core import caches
+from ..core.cache_files import arrays_layer, check_kv, check_rows, head_figures, head_layers
 from ..core.hidden import decoder_stack, layer_list
 from ..core.processors import apply as apply_processors
 from ..core.sampling import SamplingParams, probabilities, sample
@@ -437,6 +438,51 @@ class DFlashDrafter(Drafter):
 
     def catch_up(self) -> None:
         self._flush()
+
+    def disk_state(self) -> tuple[list, dict]:
+        """The context cache (a KVCache a layer: the projected features of every position
+        but the last), then the rows still to project, if any (one ArraysCache; `settle`
+        projects them, so a kept decoder has none); the cached spans, the pending rows'
+        positions, the tokens and `target_at` as figures. DSpark and DFlash2 keep the same."""
+        layers = list(self.cache)
+        if self.pending:
+            layers.append(arrays_layer([rows for _, rows in self.pending]))
+        figures = {"kind": type(self).__name__, "tokens": self.tokens, "spans": self.spans,
+                   "pending": [start for start, _ in self.pending],
+                   "target_at": self.target_at}  # fmt: skip
+        return layers, figures
+
+    def restore_disk_state(self, layers: list, figures: dict, target: list) -> None:
+        kind = type(self).__name__
+        tokens, spans, starts, at = head_figures(
+            figures, kind, "tokens", "spans", "pending", "target_at"
+        )
+        extra = [ArraysCache] if starts else []
+        head_layers(layers, [KVCache] * len(self.head.layers) + extra, kind)
+        args = self.head.args
+        cache = layers[: len(self.head.layers)]
+        try:
+            spans = [[int(a), int(b)] for a, b in spans]
+        except (TypeError, ValueError):
+            raise SpecError(f"the stored {kind} spans are not [start, rows] pairs") from None
+        for c in cache:
+            check_kv(c, args.num_key_value_heads, args.head_dim, kind)
+            if c.offset != sum(rows for _, rows in spans):
+                raise SpecError(f"the stored {kind} cache does not hold its spans' rows")
+        pending = []
+        if starts:
+            if len(layers[-1].cache) != len(starts):
+                raise SpecError(f"the stored {kind} state has {len(starts)} pending positions "
+                                f"for {len(layers[-1].cache)} arrays")  # fmt: skip
+            width = len(self.hidden_layers) * args.hidden_size
+            for start, rows in zip(starts, layers[-1].cache, strict=True):
+                if rows is None:
+                    raise SpecError(f"the stored {kind} pending rows are missing")
+                check_rows(rows, width, kind, "pending rows")
+                pending.append((int(start), rows))
+        self.cache, self.spans, self.pending = cache, spans, pending
+        self.tokens = [int(t) for t in tokens]
+        self.target_at = None if at is None else int(at)
 
     def settle(self) -> None:
         self._flush()

@@ -40,6 +40,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.utils import common_prefix_len
 
 from ..core import caches
+from ..core.cache_files import arrays_layer, check_kv, check_rows, head_figures, head_layers
 from ..core.hidden import decoder_stack
 from ..core.processors import apply as apply_processors
 from ..core.sampling import draw
@@ -495,21 +496,34 @@ class EagleDrafter(Drafter):
 
     def disk_state(self) -> tuple[list, dict]:
         """The head's KV cache, then one ArraysCache of (pending, last, last_fused)."""
-        extra = ArraysCache(3)
-        extra.cache = [self.pending, self.last, self.last_fused]
-        figures = {"tokens": self.tokens, "rows": self.rows, "entries": self.entries,
-                   "target_at": self.target_at}  # fmt: skip
-        return [*self.cache, extra], figures
+        figures = {"kind": type(self).__name__, "tokens": self.tokens, "rows": self.rows,
+                   "entries": self.entries, "target_at": self.target_at}  # fmt: skip
+        return [*self.cache, arrays_layer([self.pending, self.last, self.last_fused])], figures
 
-    def restore_disk_state(self, layers: list, figures: dict) -> None:
+    def restore_disk_state(self, layers: list, figures: dict, target: list) -> None:
+        kind = type(self).__name__
+        figures = {"kind": kind, **figures}  # (files written before the figures named it)
+        tokens, rows, entries, at = head_figures(
+            figures, kind, "tokens", "rows", "entries", "target_at"
+        )
+        head_layers(layers, [KVCache] * len(self.cache) + [ArraysCache], kind)
         *cache, extra = layers
-        if len(cache) != len(self.cache):
-            raise SpecError("the stored head state has another number of layers")
+        for c in cache:
+            check_kv(c, None, None, kind)
+        if len(extra.cache) != 3:
+            raise SpecError(f"the stored {kind} features are {len(extra.cache)} arrays, not 3")
+        pending, last, last_fused = extra.cache
+        width = self.head.hidden_size
+        check_rows(pending, width, kind, "pending features")
+        for a in (last, last_fused):
+            if a is not None and a.shape != (width,):
+                raise SpecError(f"the stored {kind} features have shape {a.shape}, not ({width},)")
+        if any(c.offset != int(entries) for c in cache):
+            raise SpecError(f"the stored {kind} cache does not hold its {entries} entries")
         self.cache = cache
-        self.pending, self.last, self.last_fused = extra.cache
-        self.tokens = [int(t) for t in figures["tokens"]]
-        self.rows, self.entries = int(figures["rows"]), int(figures["entries"])
-        at = figures["target_at"]
+        self.pending, self.last, self.last_fused = pending, last, last_fused
+        self.tokens = [int(t) for t in tokens]
+        self.rows, self.entries = int(rows), int(entries)
         self.target_at = None if at is None else int(at)
 
     def _cache_arrays(self) -> list:

@@ -10,10 +10,11 @@ import time
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.utils import common_prefix_len
 
 from ..core import caches
+from ..core.cache_files import arrays_layer, check_kv, check_rows, head_figures, head_layers
 from ..core.hidden import FINAL_NORM, decoder_stack
 from ..core.processors import apply as apply_processors
 from ..core.sampling import draw
@@ -197,6 +198,35 @@ class MTPDrafter(Drafter):
             new = hidden[have:valid]
             self.rows = new if self.rows is None else mx.concatenate([self.rows, new])
         self.target_at = first + output.kept
+
+    def disk_state(self) -> tuple[list, dict]:
+        """The head's KV cache (the pairs before `end`), then one ArraysCache of the target's
+        final-norm rows not yet fed (`rows`); the tokens, `end`, `target_at` as figures."""
+        figures = {"kind": type(self).__name__, "tokens": self.tokens, "end": self.end,
+                   "target_at": self.target_at, "spec": self.spec, "ran": self.ran}  # fmt: skip
+        rows = self.rows if self.rows is not None and self.rows.shape[0] else None  # (alike)
+        return [*self.cache, arrays_layer([rows])], figures
+
+    def restore_disk_state(self, layers: list, figures: dict, target: list) -> None:
+        kind = type(self).__name__
+        tokens, end, at, spec, ran = head_figures(
+            figures, kind, "tokens", "end", "target_at", "spec", "ran"
+        )
+        head_layers(layers, [KVCache] * len(self.cache) + [ArraysCache], kind)
+        *cache, extra = layers
+        for c in cache:
+            check_kv(c, None, None, kind)
+        if len(extra.cache) != 1:
+            raise SpecError(f"the stored {kind} rows are {len(extra.cache)} arrays, not 1")
+        (rows,) = extra.cache
+        check_rows(rows, self.head.hidden_size, kind, "hidden rows")
+        end = int(end)
+        if any(c.offset > end + int(spec) for c in cache):
+            raise SpecError(f"the stored {kind} cache holds more pairs than its {end}")
+        self.cache, self.rows, self.end = cache, rows, end
+        self.tokens = [int(t) for t in tokens]
+        self.target_at = None if at is None else int(at)
+        self.spec, self.ran = int(spec), bool(ran)
 
     def settle(self) -> None:
         caches.eval_state(self.cache, *([self.rows] if self.rows is not None else []))

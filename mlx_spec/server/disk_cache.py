@@ -18,9 +18,14 @@ second server on the folder leaves a whole file or none. Anything that does not 
 a folder that cannot be written (full, read-only) turns the tier off with one warning.
 
 What goes to disk: the target's caches and a draft model's; a drafter that keeps nothing but
-tokens (prompt lookup) is rebuilt from them; an EAGLE-3 head's state (its KV cache and the
-fused features it holds) through `Drafter.disk_state`. Other heads (DFlash, MTP) read the
-target's hidden states, which their kinds do not store yet: such pairs keep RAM entries only.
+tokens (prompt lookup) is rebuilt from them; a head's per-sequence state through
+`Drafter.disk_state`, for every head kind: EAGLE-3's KV cache and the fused features it holds,
+DFlash's (DSpark's, DFlash2's) context KV cache of projected target features, MTP's KV cache
+and the final-norm rows it has not fed yet, Gemma 4's assistant's one state row (the keys and
+values it attends to are the target's own layers, stored as the target's). A head's entry is
+written only when the head has every position's features (`Decoder.hidden_gap`: not after a
+reply decoded without it); a loaded head drafts on exactly as the request that saved it would
+have. A state of another kind or shape is refused (SpecError: the file is removed, not used).
 """
 
 from __future__ import annotations
