@@ -33,6 +33,9 @@ def layer_state(c):
             (None, None) if c.keys is None else (c.keys[..., :held, :], c.values[..., :held, :])
         )
         return "WindowedKVCache", (keys, values, c.offset, c.dropped, c.window, c.margin, c.slack)
+    if type(c) is mlx_lm_cache.KVCache and c.keys is not None and c.offset < c.keys.shape[2]:
+        # its state is the whole buffer, grown 256 positions at a time: only the rows it holds
+        return "KVCache", (c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset)
     return type(c).__name__, c.state
 
 

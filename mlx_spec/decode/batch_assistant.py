@@ -26,9 +26,10 @@ class AssistantBatch:
     roll-back (`target_cache()`, the BatchDecoder's): every row's tokens end at the buffer's
     column `_idx - 1`, its left padding before them, so one additive mask per layer type keeps
     each row to what it sees alone — all its keys for a full layer, its last `window - 1` for a
-    sliding one — and its queries sit at its own position (`at`, the last token's). Plays BatchHead's part
-    (batch.py asks the same of both); a row that leaves hands back an AssistantDrafter holding
-    what a single stream's would (its state, its keys and values as views of the row's cache)."""
+    sliding one — and its queries sit at its own position (`at`, the last token's). Plays
+    BatchHead's part (batch.py asks the same of both); a row that leaves hands back an
+    AssistantDrafter holding what a single stream's would (its state, its keys and values as
+    views of the row's cache)."""
 
     block = False  # one step a token, chained on its own state
     chained = selects = False
