@@ -1,0 +1,382 @@
+"""Regenerate tests/fixtures/peers: tiny drafting heads written in each peer's own layout, with
+the first-round proposals the peer itself computes from them (tests/test_peer_heads.py checks
+mlx-spec against those).
+
+Needs the peers (`pip install -e .[peers]`, or `pip install --no-deps --target DIR` the pins
+of the `peers` extra and DIR on PYTHONPATH); the tests need nothing of them. Each fixture is a
+head directory (config.json as the peer reads it, model.safetensors in float16 under the
+peer's weight names) and `expected.json`: the peer, its version, the prompt (token ids), the
+proposals the peer drafts from the target's features of the prompt (greedy, one block), and
+the tiny target's own greedy continuation (so a drifted target builder fails loudly, not as a
+head mismatch).
+
+The target: `peer_target_config()` with `tiny.random_weights(config, seed=TARGET_SEED)`, rebuilt
+the same way by the tests.
+
+    PYTHONPATH=.:tests:/tmp/peers python benchmarks/peer_fixtures.py [--out tests/fixtures/peers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import tiny  # noqa: E402
+
+TARGET_SEED = 11
+VOCAB = 320
+PROMPT = [1, 40, 77, 203, 9, 150, 61, 300, 18, 95, 240, 33]
+GREEDY = 24  # tokens of the target's own continuation kept as its fingerprint
+
+
+def peer_target_config() -> dict:
+    """The tiny llama every fixture drafts for (hidden 32: heads of a few tens of KB)."""
+    return {**tiny.llama_config(VOCAB, layers=6, hidden=32), "max_position_embeddings": 256}
+
+
+def build_target():
+    from mlx_lm.models import llama
+
+    cfg = peer_target_config()
+    model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    model.load_weights(list(tiny.random_weights(cfg, seed=TARGET_SEED).items()))
+    mx.eval(model.parameters())
+    return model, cfg
+
+
+def layer_outputs(model, tokens: list[int]) -> list[mx.array]:
+    """Every layer's output (rows, hidden) over `tokens`, mlx-lm's llama layers one by one."""
+    h, outs = model.model.embed_tokens(mx.array([tokens])), []
+    for layer in model.model.layers:
+        h = layer(h, "causal")
+        outs.append(h[0])
+    return outs
+
+
+def target_greedy(model, tokens: list[int], n: int) -> list[int]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([tokens]), cache=cache)
+    out = []
+    for _ in range(n):
+        t = int(mx.argmax(logits[0, -1]).item())
+        out.append(t)
+        logits = model(mx.array([[t]]), cache=cache)
+    return out
+
+
+def half(weights: dict) -> dict:
+    """float16 for the file (integer tables kept as they are)."""
+    return {
+        k: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in weights.items()
+    }
+
+
+def scaled(model: nn.Module, seed: int, scale: float = 1.0) -> dict:
+    """Random weights of `model` (its own init, seeded), norms kept at one, projections scaled
+    by `scale` so that guesses are peaked (no near ties between implementations)."""
+    mx.random.seed(seed)
+    out = {}
+    for k, v in tree_flatten(model.parameters()):
+        if "norm" in k:
+            out[k] = mx.ones_like(v)
+        elif mx.issubdtype(v.dtype, mx.floating):
+            out[k] = mx.random.normal(v.shape) * (scale / max(v.shape[-1], 1) ** 0.5)
+        else:
+            out[k] = v
+    return out
+
+
+def write(out: Path, name: str, config: dict, weights: dict, expected: dict) -> None:
+    d = out / name
+    d.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(d / "model.safetensors"), half(weights))
+    (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (d / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
+    size = sum(f.stat().st_size for f in d.iterdir())
+    print(f"{name}: {size / 1024:.0f} KB, proposals {expected['proposals']}")
+
+
+def expected(peer: str, proposals, model, **extra) -> dict:
+    return {
+        "peer": peer,
+        "version": importlib.metadata.version(peer),
+        "prompt": PROMPT,
+        "proposals": [int(t) for t in proposals],
+        "target_seed": TARGET_SEED,
+        "target_greedy": target_greedy(model, PROMPT, GREEDY),
+        **extra,
+    }
+
+
+def argmax(x):
+    return mx.argmax(x, axis=-1)
+
+
+# ----------------------------------------------------------------------------- DFlash / DSpark
+
+
+def dflash_block_config(tcfg: dict, ids: list[int], block: int, extra: dict) -> dict:
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": tcfg["hidden_size"],
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 256,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "block_size": block,
+        "num_target_layers": tcfg["num_hidden_layers"],
+        "dflash_config": {"target_layer_ids": ids, "mask_token_id": 5},
+        **extra,
+    }
+
+
+def mlx_vlm_block(out: Path, model, tcfg, name: str, config: dict, dspark: bool, seed: int):
+    """A DFlash / DSpark head as mlx-vlm 0.7.10 reads it, its first block from mlx-vlm's own
+    draft_block over the target's features of the prompt."""
+    from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashDraftModel
+
+    if dspark:
+        from mlx_vlm.speculative.drafters.dspark.config import DSparkConfig as Config
+        from mlx_vlm.speculative.drafters.dspark.dspark import DSparkDraftModel as Model
+    else:
+        from mlx_vlm.speculative.drafters.qwen3_dflash.config import DFlashConfig as Config
+
+        Model = DFlashDraftModel
+    head = Model(Config.from_dict(json.loads(json.dumps(config))))
+    weights = scaled(head, seed, scale=3.0)
+    if dspark:
+        weights["markov_head.markov_w2.weight"] *= 2.0
+    d = out / name
+    write(out, name, config, weights, {"proposals": []})
+    w16 = head.sanitize(mx.load(str(d / "model.safetensors")))
+    head.load_weights(list(w16.items()), strict=True)
+    # (mlx-vlm's DSpark bind first checks the target's rollback hooks, which a bare mlx-lm
+    # llama lacks; the binding itself is DFlash's)
+    DFlashDraftModel.bind(head, model)
+    ids = head.config.target_layer_ids
+    outs = layer_outputs(model, PROMPT)
+    hidden = mx.concatenate([outs[i] for i in ids], axis=-1)[None, :-1]
+    width = head.config.block_size
+    drafted = head.draft_block(PROMPT[-1], hidden, head.make_cache(), width, argmax)
+    proposals = drafted.reshape(-1).tolist()
+    (d / "expected.json").write_text(
+        json.dumps(expected("mlx-vlm", proposals, model, block_size=width), indent=1) + "\n"
+    )
+    print(f"  {name}: mlx-vlm proposals {proposals}")
+
+
+def mlx_dspark_head(out: Path, model, tcfg, name: str, config: dict, seed: int, draft_vocab=None):
+    """A DSpark head as mlx-dspark 0.20.3 loads it (its load_drafter, unquantized), the first
+    block from its own draft loop's calls (embed, backbone, head_slice, sample_block)."""
+    from mlx_dspark.config import DSparkConfig
+    from mlx_dspark.load import load_drafter
+    from mlx_dspark.model import DSparkDrafter
+
+    d = out / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    pcfg = DSparkConfig.from_json(d / "config.json")
+    pcfg.has_own_embed = pcfg.has_own_lm_head = True
+    head = DSparkDrafter(pcfg)
+    weights = scaled(head, seed, scale=3.0)
+    weights["markov_head.markov_w2.weight"] *= 2.0
+    weights["confidence_head.proj.weight"] = mx.zeros_like(weights["confidence_head.proj.weight"])
+    # the head's own embedding and output head are the target's (rows of it, reduced)
+    weights["embed_tokens.weight"] = model.model.embed_tokens.weight
+    if draft_vocab is not None:
+        d2t = mx.array([t - i for i, t in enumerate(draft_vocab)], mx.int64)
+        weights["d2t"] = d2t
+        t2d = mx.zeros((VOCAB,), mx.bool_)
+        t2d[mx.array(draft_vocab)] = True
+        weights["t2d"] = t2d
+        weights["lm_head.weight"] = model.lm_head.weight[mx.array(draft_vocab)]
+    else:
+        weights["lm_head.weight"] = model.lm_head.weight
+    write(out, name, config, weights, {"proposals": []})
+    drafter, pcfg = load_drafter(str(d), quantize=False)
+    ids = pcfg.target_layer_ids
+    outs = layer_outputs(model, PROMPT)
+    fused = mx.concatenate([outs[i] for i in ids], axis=-1)[None, :-1]
+    ctx = drafter.make_ctx_cache()
+    drafter.update_context(fused, 0, ctx)
+    cap = drafter.max_draft
+    width = drafter.draft_width(cap)
+    block = [PROMPT[-1]] + [pcfg.mask_token_id] * (width - 1)
+    hidden = drafter.backbone(drafter.embed(mx.array([block])), len(PROMPT) - 1, ctx)
+    logits = drafter.compute_logits(drafter.head_slice(hidden, cap))[0]
+    proposals = drafter.sample_block(logits, first_prev_token=PROMPT[-1]).tolist()
+    extra = {"block_size": width, "logits_start": pcfg.logits_start}
+    (d / "expected.json").write_text(
+        json.dumps(expected("mlx-dspark", proposals, model, **extra), indent=1) + "\n"
+    )
+    print(f"  {name}: mlx-dspark proposals {proposals} (logits_start {pcfg.logits_start})")
+
+
+# ----------------------------------------------------------------------------- EAGLE-3
+
+
+def eagle_speculators_config(tcfg: dict, draft_vocab: int, ids) -> dict:
+    layer = {
+        "model_type": "llama",
+        "hidden_size": tcfg["hidden_size"],
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 256,
+        "rope_theta": 10000.0,
+    }
+    cfg = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": draft_vocab,
+        "norm_before_residual": False,
+        "target_hidden_size": tcfg["hidden_size"],
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],
+        },
+    }
+    if ids is not None:
+        cfg["eagle_aux_hidden_state_layer_ids"] = ids
+    return cfg
+
+
+def to_specforge(cfg: dict, weights: dict, ids_outputs) -> tuple[dict, dict]:
+    """The same head as SpecForge / SafeAILab EAGLE publish it: a LlamaForCausalLMEagle3
+    config (the layer's fields at the top, draft_vocab_size, eagle_config with the layer
+    *output* ids) and the first layer under `midlayer.*`."""
+    layer = cfg["transformer_layer_config"]
+    out = {
+        **layer,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": cfg["draft_vocab_size"],
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+    }
+    if ids_outputs is not None:
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids_outputs}
+    renamed = {
+        ("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v
+        for k, v in weights.items()
+    }
+    return out, renamed
+
+
+def mlx_vlm_eagle(out: Path, model, tcfg, seed: int, draft_vocab: list[int]):
+    """An EAGLE-3 head in the speculators layout as mlx-vlm reads it (with `d2t`), its first
+    block from mlx-vlm's prefill_from_target_hidden + draft_block; the same weights again in
+    SpecForge's layout (no peer here reads it: the proposals are the speculators head's)."""
+    from mlx_vlm.speculative.drafters.eagle3.config import Eagle3Config
+    from mlx_vlm.speculative.drafters.eagle3.eagle3 import Eagle3DraftModel
+
+    ids = [2, 3, 5]  # vLLM / speculators: the layers whose *input* is read
+    cfg = eagle_speculators_config(tcfg, len(draft_vocab), ids)
+    head = Eagle3DraftModel(Eagle3Config.from_dict(json.loads(json.dumps(cfg))))
+    weights = scaled(head, seed, scale=3.0)
+    weights["embed_tokens.weight"] = model.model.embed_tokens.weight  # SpecForge: frozen copy
+    weights["d2t"] = mx.array([t - i for i, t in enumerate(draft_vocab)], mx.int64)
+    t2d = mx.zeros((VOCAB,), mx.bool_)
+    t2d[mx.array(draft_vocab)] = True
+    weights["t2d"] = t2d
+    name = "eagle3_speculators_mlx_vlm"
+    d = out / name
+    write(out, name, cfg, weights, {"proposals": []})
+    w = head.sanitize(mx.load(str(d / "model.safetensors")))
+    # mlx-spec runs an EAGLE-3 head in float32 on the CPU: the peer does too, on the same values
+    w = {k: v.astype(mx.float32) if v.dtype == mx.float16 else v for k, v in w.items()}
+    head.load_weights(list(w.items()), strict=True)
+    head.bind(model)
+    head.reset(model)
+    outs = layer_outputs(model, PROMPT)
+    hidden = mx.concatenate([outs[i - 1] for i in ids], axis=-1)[None, :-1]
+    k = 5
+    head.prefill_from_target_hidden(
+        mx.array([PROMPT[:-1]]), hidden, PROMPT[-1], argmax, greedy=True
+    )
+    drafted = head.draft_block(PROMPT[-1], None, None, k + 1, argmax, greedy=True)
+    proposals = drafted.reshape(-1).tolist()
+    exp = expected("mlx-vlm", proposals, model, capture_outputs=[i - 1 for i in ids])
+    (d / "expected.json").write_text(json.dumps(exp, indent=1) + "\n")
+    print(f"  {name}: mlx-vlm proposals {proposals}")
+    sf_cfg, sf_weights = to_specforge(cfg, weights, [i - 1 for i in ids])
+    write(out, "eagle3_specforge_midlayer", sf_cfg, sf_weights,
+          {**exp, "peer": "mlx-vlm (the speculators twin's proposals)"})  # fmt: skip
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "peers")
+    args = p.parse_args(argv)
+    out = args.out
+    model, tcfg = build_target()
+    n = tcfg["num_hidden_layers"]
+    out.mkdir(parents=True, exist_ok=True)
+    target = {"config": tcfg, "seed": TARGET_SEED, "prompt": PROMPT,
+              "greedy": target_greedy(model, PROMPT, GREEDY)}  # fmt: skip
+    (out / "target.json").write_text(json.dumps(target, indent=1) + "\n")
+    mlx_vlm_block(out, model, tcfg, "dflash_mlx_vlm",
+                  dflash_block_config(tcfg, [1, 3, 4], 6, {}), dspark=False, seed=21)  # fmt: skip
+    dspark = {"architectures": ["Lfm2DSparkDraftModel"], "markov_rank": 8,
+              "markov_head_type": "vanilla", "enable_confidence_head": False}  # fmt: skip
+    cfg = dflash_block_config(tcfg, [1, 3, 4], 5, dspark)
+    mlx_vlm_block(out, model, tcfg, "dspark_mlx_vlm", cfg, dspark=True, seed=22)
+    cfg = dflash_block_config(tcfg, [1, 3, 4], 5, dspark)
+    cfg["dflash_config"]["sample_from_anchor"] = False
+    mlx_vlm_block(out, model, tcfg, "dspark_mlx_vlm_no_anchor_row", cfg, dspark=True, seed=23)
+    cfg = dflash_block_config(tcfg, [1, 3, 4], 6, dspark)
+    cfg["dspark_bonus_anchor"] = True
+    mlx_vlm_block(out, model, tcfg, "dspark_mlx_vlm_bonus_anchor", cfg, dspark=True, seed=24)
+    # vLLM speculators packaging (mlx-dspark translates it): a reduced vocabulary with d2t,
+    # block 6 for 5 speculative tokens -> logits_start 1
+    mx.random.seed(5)
+    draft_vocab = sorted(mx.random.permutation(VOCAB)[:96].tolist())
+    skip = ("architectures", "block_size", "num_target_layers", "dflash_config")
+    layer = {k: v for k, v in dflash_block_config(tcfg, [1, 3, 4], 6, {}).items() if k not in skip}
+    spec = {
+        "architectures": ["DSparkSpeculator"],
+        "speculators_model_type": "dspark",
+        "transformer_layer_config": layer,
+        "aux_hidden_state_layer_ids": [1, 3, 4],
+        "draft_vocab_size": len(draft_vocab),
+        "block_size": 6,
+        "mask_token_id": 5,
+        "markov_rank": 8,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": True,
+        "speculators_config": {
+            "algorithm": "dspark",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],
+        },
+    }
+    mlx_dspark_head(out, model, tcfg, "dspark_speculators_mlx_dspark", spec, 25, draft_vocab)
+    assert n == 6
+    mlx_vlm_eagle(out, model, tcfg, 26, draft_vocab)
+
+
+if __name__ == "__main__":
+    main()
