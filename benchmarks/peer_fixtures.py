@@ -232,6 +232,35 @@ def mlx_dspark_head(out: Path, model, tcfg, name: str, config: dict, seed: int, 
     print(f"  {name}: mlx-dspark proposals {proposals} (logits_start {pcfg.logits_start})")
 
 
+def dflash_mlx_head(out: Path, model, tcfg, seed: int):
+    """A z-lab DFlash head that names no target layers (`num_target_layers` only) as
+    dflash-mlx 0.1.8 reads it (its DFlashDraftModelArgs / DFlashDraftModel, its own default
+    layers from build_target_layer_ids), the first block from its forward over a full-context
+    cache, the target's embedding and head (as its runtime binds them)."""
+    from dflash_mlx.model import DFlashDraftModel, DFlashDraftModelArgs, FullContextDraftKVCache
+
+    name = "dflash_dflash_mlx_default_layers"
+    config = dflash_block_config(tcfg, [1, 3, 4], 6, {})
+    del config["dflash_config"]["target_layer_ids"]
+    head = DFlashDraftModel(DFlashDraftModelArgs.from_dict(json.loads(json.dumps(config))))
+    weights = scaled(head, seed, scale=3.0)
+    d = out / name
+    write(out, name, config, weights, {"proposals": []})
+    head.load_weights(list(mx.load(str(d / "model.safetensors")).items()), strict=True)
+    outs = layer_outputs(model, PROMPT)
+    ids = head.target_layer_ids
+    hidden = mx.concatenate([outs[i] for i in ids], axis=-1)[None, :-1]
+    block = mx.array([[PROMPT[-1]] + [head.mask_token_id] * (head.block_size - 1)])
+    cache = [FullContextDraftKVCache() for _ in head.layers]
+    states = head(
+        noise_embedding=model.model.embed_tokens(block), target_hidden=hidden, cache=cache
+    )
+    proposals = argmax(model.lm_head(states[:, 1:]))[0].tolist()
+    exp = expected("dflash-mlx", proposals, model, target_layer_ids=list(ids))
+    (d / "expected.json").write_text(json.dumps(exp, indent=1) + "\n")
+    print(f"  {name}: dflash-mlx proposals {proposals} (layers {list(ids)})")
+
+
 # ----------------------------------------------------------------------------- EAGLE-3
 
 
@@ -287,15 +316,24 @@ def to_specforge(cfg: dict, weights: dict, ids_outputs) -> tuple[dict, dict]:
     return out, renamed
 
 
-def mlx_vlm_eagle(out: Path, model, tcfg, seed: int, draft_vocab: list[int]):
+def mlx_vlm_eagle(
+    out: Path, model, tcfg, seed: int, draft_vocab: list[int], name: str, ids, rope=None
+):
     """An EAGLE-3 head in the speculators layout as mlx-vlm reads it (with `d2t`), its first
-    block from mlx-vlm's prefill_from_target_hidden + draft_block; the same weights again in
-    SpecForge's layout (no peer here reads it: the proposals are the speculators head's)."""
+    block from mlx-vlm's prefill_from_target_hidden + draft_block; with the layer ids `ids`
+    (vLLM / speculators: the layers whose *input* is read), or none (the features then of
+    EAGLE's default, the inputs of the target's layers 2, N/2, N-3: mlx-vlm's own default
+    counts the head's layers instead); with a rope_scaling block `rope` (mlx-vlm's attention
+    then given the rope SpecForge builds from it: mlx-vlm's own ignores it, its proposals are
+    kept as `peer_as_is`). The first one's weights again in SpecForge's layout (no peer here
+    reads it: its proposals are the speculators head's)."""
+    from mlx_lm.models.rope_utils import initialize_rope
     from mlx_vlm.speculative.drafters.eagle3.config import Eagle3Config
     from mlx_vlm.speculative.drafters.eagle3.eagle3 import Eagle3DraftModel
 
-    ids = [2, 3, 5]  # vLLM / speculators: the layers whose *input* is read
     cfg = eagle_speculators_config(tcfg, len(draft_vocab), ids)
+    if rope is not None:
+        cfg["transformer_layer_config"]["rope_scaling"] = rope
     head = Eagle3DraftModel(Eagle3Config.from_dict(json.loads(json.dumps(cfg))))
     weights = scaled(head, seed, scale=3.0)
     weights["embed_tokens.weight"] = model.model.embed_tokens.weight  # SpecForge: frozen copy
@@ -303,7 +341,6 @@ def mlx_vlm_eagle(out: Path, model, tcfg, seed: int, draft_vocab: list[int]):
     t2d = mx.zeros((VOCAB,), mx.bool_)
     t2d[mx.array(draft_vocab)] = True
     weights["t2d"] = t2d
-    name = "eagle3_speculators_mlx_vlm"
     d = out / name
     write(out, name, cfg, weights, {"proposals": []})
     w = head.sanitize(mx.load(str(d / "model.safetensors")))
@@ -311,18 +348,33 @@ def mlx_vlm_eagle(out: Path, model, tcfg, seed: int, draft_vocab: list[int]):
     w = {k: v.astype(mx.float32) if v.dtype == mx.float16 else v for k, v in w.items()}
     head.load_weights(list(w.items()), strict=True)
     head.bind(model)
-    head.reset(model)
+    n = tcfg["num_hidden_layers"]
+    reads = ids if ids is not None else [2, n // 2, n - 3]
     outs = layer_outputs(model, PROMPT)
-    hidden = mx.concatenate([outs[i - 1] for i in ids], axis=-1)[None, :-1]
-    k = 5
-    head.prefill_from_target_hidden(
-        mx.array([PROMPT[:-1]]), hidden, PROMPT[-1], argmax, greedy=True
-    )
-    drafted = head.draft_block(PROMPT[-1], None, None, k + 1, argmax, greedy=True)
-    proposals = drafted.reshape(-1).tolist()
-    exp = expected("mlx-vlm", proposals, model, capture_outputs=[i - 1 for i in ids])
+    hidden = mx.concatenate([outs[i - 1] for i in reads], axis=-1)[None, :-1]
+
+    def draft(k=5):
+        head.reset(model)
+        head.prefill_from_target_hidden(
+            mx.array([PROMPT[:-1]]), hidden, PROMPT[-1], argmax, greedy=True
+        )
+        return head.draft_block(PROMPT[-1], None, None, k + 1, argmax, greedy=True)
+
+    extra = {"capture_outputs": [i - 1 for i in reads]}
+    if rope is not None:
+        extra["peer_as_is"] = draft().reshape(-1).tolist()
+        layer = cfg["transformer_layer_config"]
+        for block in head.layers:
+            block.self_attn.rope = initialize_rope(
+                layer["head_dim"], layer["rope_theta"], False, rope,
+                layer["max_position_embeddings"],
+            )  # fmt: skip
+    proposals = draft().reshape(-1).tolist()
+    exp = expected("mlx-vlm", proposals, model, **extra)
     (d / "expected.json").write_text(json.dumps(exp, indent=1) + "\n")
-    print(f"  {name}: mlx-vlm proposals {proposals}")
+    print(f"  {name}: mlx-vlm proposals {proposals} {extra}")
+    if name != "eagle3_speculators_mlx_vlm":
+        return
     sf_cfg, sf_weights = to_specforge(cfg, weights, [i - 1 for i in ids])
     write(out, "eagle3_specforge_midlayer", sf_cfg, sf_weights,
           {**exp, "peer": "mlx-vlm (the speculators twin's proposals)"})  # fmt: skip
@@ -375,7 +427,13 @@ def main(argv=None) -> None:
     }
     mlx_dspark_head(out, model, tcfg, "dspark_speculators_mlx_dspark", spec, 25, draft_vocab)
     assert n == 6
-    mlx_vlm_eagle(out, model, tcfg, 26, draft_vocab)
+    mlx_vlm_eagle(out, model, tcfg, 26, draft_vocab, "eagle3_speculators_mlx_vlm", [2, 3, 5])
+    mlx_vlm_eagle(out, model, tcfg, 27, draft_vocab, "eagle3_speculators_default_layers", None)
+    llama3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+    name = "eagle3_speculators_llama3_rope"
+    mlx_vlm_eagle(out, model, tcfg, 28, draft_vocab, name, [2, 3, 5], rope=llama3)
+    dflash_mlx_head(out, model, tcfg, 29)
 
 
 if __name__ == "__main__":

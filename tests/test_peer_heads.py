@@ -13,7 +13,15 @@ fails here.
 - eagle3_speculators_mlx_vlm (mlx-vlm): EAGLE-3, speculators layout, d2t;
 - eagle3_specforge_midlayer: the same weights in SpecForge's / EAGLE's layout (`midlayer.*`,
   a LlamaForCausalLMEagle3 config, eagle_config's layer-output ids): no peer here reads it, so
-  it must propose what its speculators twin proposes under mlx-vlm.
+  it must propose what its speculators twin proposes under mlx-vlm;
+- eagle3_speculators_default_layers (mlx-vlm): no layer ids; the peer fed the features EAGLE's
+  own default reads (the inputs of the target's layers 2, N/2, N-3; mlx-vlm's own default
+  counts the head's one layer and reads layers 1, 0, 0);
+- eagle3_speculators_llama3_rope (mlx-vlm): a Llama 3.1 `rope_scaling` block; the peer's
+  attention given the rope SpecForge builds from it (mlx-vlm ignores the block: its own
+  proposals, kept as `peer_as_is`, differ);
+- dflash_dflash_mlx_default_layers (dflash-mlx 0.1.8): z-lab DFlash naming no target layers
+  (its build_target_layer_ids default).
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ KINDS = {
     "dspark_speculators_mlx_dspark": "dspark",
     "eagle3_speculators_mlx_vlm": "eagle3",
     "eagle3_specforge_midlayer": "eagle3",
+    "eagle3_speculators_default_layers": "eagle3",
+    "eagle3_speculators_llama3_rope": "eagle3",
+    "dflash_dflash_mlx_default_layers": "dflash",
 }
 
 
