@@ -380,6 +380,83 @@ def mlx_vlm_eagle(
           {**exp, "peer": "mlx-vlm (the speculators twin's proposals)"})  # fmt: skip
 
 
+# ----------------------------------------------------------------------------- Qwen3.5 MTP
+
+MTP_SEED = 13
+
+
+def peer_qwen35_config() -> dict:
+    """A small Qwen3.5 original-checkpoint config (tests/test_mtp.py's, narrowed: a head of a
+    few tens of KB)."""
+    from test_mtp import qwen35_config
+
+    cfg = qwen35_config(VOCAB)
+    cfg["text_config"] |= {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "head_dim": 8,
+        "linear_num_value_heads": 2,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [1, 1, 0],
+        },
+    }
+    return cfg
+
+
+def mlx_vlm_mtp(out: Path, seed: int):
+    """A Qwen3.5 MTP head in the original checkpoints' layout (`mtp.*`, zero-centred norms) as
+    mlx-vlm reads it (Qwen3_5MTPDraftModel.sanitize), over tests/test_mtp.py's original
+    checkpoint of `peer_qwen35_config()` (seed MTP_SEED, its own random head replaced by this
+    one); the first block from mlx-vlm's prefill_from_target_hidden + draft_block over the
+    target's final-norm hidden states of the prompt."""
+    import tempfile
+
+    from mlx_lm import load as mlx_load
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp.config import Qwen3_5MTPConfig
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp.qwen3_5_mtp import Qwen3_5MTPDraftModel
+    from test_mtp import original_checkpoint
+    from test_peer_heads import with_head
+
+    cfg = peer_qwen35_config()
+    head = Qwen3_5MTPDraftModel(Qwen3_5MTPConfig.from_dict(json.loads(json.dumps(cfg))))
+    weights = scaled(head, seed, scale=3.0)
+    mx.random.seed(seed + 1)
+    hf = {  # the original's names and zero-centred norms
+        "mtp." + k: (0.1 * mx.random.normal(v.shape) if "norm" in k else v)
+        for k, v in weights.items()
+    }
+    name = "qwen3_5_mtp_mlx_vlm"
+    d = out / name
+    write(out, name, cfg, hf, {"proposals": []})
+    w16 = {k: v.astype(mx.float32) for k, v in mx.load(str(d / "model.safetensors")).items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        tiny.write_tokenizer(root / "tokenizer")
+        original_checkpoint(root / "ckpt", VOCAB, root / "tokenizer", seed=MTP_SEED, config=cfg)
+        with_head(root / "ckpt", w16)
+        model, _ = mlx_load(str(root / "ckpt"))
+    head.load_weights(list(head.sanitize(w16).items()), strict=True)
+    head.bind(model)
+    head.reset(model)
+    inner = model.language_model.model
+    hidden = inner(mx.array([PROMPT[:-1]]))  # the final norm's output
+    head.prefill_from_target_hidden(
+        mx.array([PROMPT[:-1]]), hidden, PROMPT[-1], argmax, greedy=True
+    )
+    proposals = head.draft_block(PROMPT[-1], None, None, 4, argmax, greedy=True)
+    proposals = proposals.reshape(-1).tolist()
+    exp = expected("mlx-vlm", proposals, model, target_seed=MTP_SEED)
+    (d / "expected.json").write_text(json.dumps(exp, indent=1) + "\n")
+    print(f"  {name}: mlx-vlm proposals {proposals}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "peers")
@@ -434,6 +511,7 @@ def main(argv=None) -> None:
     name = "eagle3_speculators_llama3_rope"
     mlx_vlm_eagle(out, model, tcfg, 28, draft_vocab, name, [2, 3, 5], rope=llama3)
     dflash_mlx_head(out, model, tcfg, 29)
+    mlx_vlm_mtp(out, 30)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,10 @@ fails here.
   attention given the rope SpecForge builds from it (mlx-vlm ignores the block: its own
   proposals, kept as `peer_as_is`, differ);
 - dflash_dflash_mlx_default_layers (dflash-mlx 0.1.8): z-lab DFlash naming no target layers
-  (its build_target_layer_ids default).
+  (its build_target_layer_ids default);
+- qwen3_5_mtp_mlx_vlm (mlx-vlm): a Qwen3.5 MTP head in the original checkpoints' layout
+  (`mtp.*`, zero-centred norms), put into tests/test_mtp.py's original checkpoint of the
+  fixture's config (its seed in expected.json), extracted by `mlx-spec heads extract`.
 """
 
 from __future__ import annotations
@@ -29,11 +32,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 import tiny
 from test_batch import assert_batch_generate_equals_generate
+from test_mtp import original_checkpoint
 
 from mlx_spec import Decoder, SamplingParams, generate, load_pair
+from mlx_spec.cli import main as cli_main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "peers"
 KINDS = {
@@ -116,3 +122,52 @@ def test_a_batch_drafts_as_each_row_alone(pairs, name):
     """The batch path (decode/batch_head.py's DSparkRows) with the head's own embedding,
     output head, reduced vocabulary and first guessing row."""
     assert_batch_generate_equals_generate(pairs(name), 3, some_accepted=False)
+
+
+# ----------------------------------------------------------------------------- Qwen3.5 MTP
+
+MTP = "qwen3_5_mtp_mlx_vlm"
+
+
+def with_head(checkpoint: Path, mtp: dict) -> None:
+    """Replace an original checkpoint's mtp.* tensors (in whichever shards hold them)."""
+    for shard in checkpoint.glob("*.safetensors"):
+        tensors = mx.load(str(shard))
+        if any(k.startswith("mtp.") for k in tensors):
+            kept = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+            kept |= {k: v for k, v in mtp.items() if k in tensors}
+            mx.save_safetensors(str(shard), kept, metadata={"format": "pt"})
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+    missing = set(mtp) - set(index["weight_map"])
+    assert not missing, f"the head's tensors the checkpoint lacks: {sorted(missing)[:4]}"
+
+
+@pytest.fixture(scope="module")
+def mtp_pair(tmp_path_factory):
+    want = fixture(MTP)
+    config = json.loads((FIXTURES / MTP / "config.json").read_text())
+    root = tmp_path_factory.mktemp("peer_mtp")
+    tiny.write_tokenizer(root / "tokenizer")
+    ckpt, head = root / "ckpt", root / "head"
+    original_checkpoint(ckpt, 320, root / "tokenizer", seed=want["target_seed"], config=config)
+    tensors = mx.load(str(FIXTURES / MTP / "model.safetensors"))
+    with_head(ckpt, {k: v.astype(mx.float32) for k, v in tensors.items()})
+    assert cli_main(["heads", "extract", str(ckpt), str(head)]) == 0
+    return load_pair(target=str(ckpt), drafter="mtp", head=str(head)), want
+
+
+def test_an_mtp_head_proposes_what_the_peer_proposed(mtp_pair):
+    pair, want = mtp_pair
+    drafter = pair.config.kind.build(pair)
+    Decoder(pair.target, drafter, ()).prefill(want["prompt"])
+    got, _ = drafter.propose(len(want["proposals"]), SamplingParams(), None)
+    assert got.tolist() == want["proposals"], f"{MTP}: {want['peer']} {want['version']}"
+
+
+def test_an_mtp_head_is_lossless(mtp_pair):
+    pair, want = mtp_pair
+    alone = generate(pair, want["prompt"], max_tokens=24, use_draft=False).tokens
+    assert alone == want["target_greedy"], "the tiny Qwen3.5 builder drifted: regenerate"
+    for k in (1, 3):
+        res = generate(pair, want["prompt"], max_tokens=24, temperature=0.0, num_draft_tokens=k)
+        assert res.tokens == alone, k
