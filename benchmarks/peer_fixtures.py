@@ -22,6 +22,8 @@ import argparse
 import importlib.metadata
 import json
 import sys
+import tempfile
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -416,8 +418,6 @@ def mlx_vlm_mtp(out: Path, seed: int):
     checkpoint of `peer_qwen35_config()` (seed MTP_SEED, its own random head replaced by this
     one); the first block from mlx-vlm's prefill_from_target_hidden + draft_block over the
     target's final-norm hidden states of the prompt."""
-    import tempfile
-
     from mlx_lm import load as mlx_load
     from mlx_vlm.speculative.drafters.qwen3_5_mtp.config import Qwen3_5MTPConfig
     from mlx_vlm.speculative.drafters.qwen3_5_mtp.qwen3_5_mtp import Qwen3_5MTPDraftModel
@@ -442,6 +442,12 @@ def mlx_vlm_mtp(out: Path, seed: int):
         original_checkpoint(root / "ckpt", VOCAB, root / "tokenizer", seed=MTP_SEED, config=cfg)
         with_head(root / "ckpt", w16)
         model, _ = mlx_load(str(root / "ckpt"))
+        from mlx_spec import load_pair
+        from mlx_spec.cli import main as cli_main
+
+        assert cli_main(["heads", "extract", str(root / "ckpt"), str(root / "head")]) == 0
+        pair = load_pair(target=str(root / "ckpt"), drafter="mtp", head=str(root / "head"))
+        gap = smallest_gap(pair, PROMPT, 3)
     head.load_weights(list(head.sanitize(w16).items()), strict=True)
     head.bind(model)
     head.reset(model)
@@ -455,6 +461,66 @@ def mlx_vlm_mtp(out: Path, seed: int):
     exp = expected("mlx-vlm", proposals, model, target_seed=MTP_SEED)
     (d / "expected.json").write_text(json.dumps(exp, indent=1) + "\n")
     print(f"  {name}: mlx-vlm proposals {proposals}")
+    return gap
+
+
+MIN_GAP = 0.25  # the least top-two logit gap a fixture's guesses may have (float16, Metal)
+
+
+def smallest_gap(pair, prompt: list[int], k: int) -> float:
+    """The least gap between the two best logits over mlx-spec's guesses for the fixture's
+    first round: a near tie could flip between backends (float16 kernels), a fixture then
+    failing for no drift. (Read through a processor, which sees each position's logits.)"""
+    from mlx_spec import Decoder, SamplingParams
+
+    rows = []
+
+    def record(context, proposed, logits):
+        rows.append(logits[0])
+        return logits
+
+    drafter = pair.config.kind.build(pair)
+    Decoder(pair.target, drafter, ()).prefill(prompt)
+    drafter.propose(k, SamplingParams(), None, processors=(record,))
+    return min(float(mx.subtract(*mx.sort(r)[-1:-3:-1])) for r in rows)
+
+
+def settled(
+    make, name: str, seed: int, target_dir: Path | None, kind: str | None, unless=None
+) -> None:
+    """`make(seed)` for the first seed from `seed` whose guesses have no near tie and, with
+    `unless` (a config.json without the field the fixture is about), whose proposals differ
+    from those of the head read under that config: a fixture that tells the field's reading
+    apart from its absence."""
+    from mlx_spec import Decoder, SamplingParams, load_pair
+
+    for _ in range(40):
+        gap = make(seed)
+        out = Path(make.out if gap is None else "") / name
+        if gap is None:
+            pair = load_pair(target=str(target_dir), drafter=kind, head=str(out))
+            want = json.loads((out / "expected.json").read_text())
+            gap = smallest_gap(pair, want["prompt"], len(want["proposals"]))
+        if unless is not None and gap >= MIN_GAP:
+            with tempfile.TemporaryDirectory() as tmp:
+                other = Path(tmp) / name
+                other.mkdir()
+                (other / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+                (other / "config.json").write_text(json.dumps(unless))
+                pair = load_pair(target=str(target_dir), drafter=kind, head=str(other))
+                drafter = pair.config.kind.build(pair)
+                Decoder(pair.target, drafter, ()).prefill(want["prompt"])
+                k = len(want["proposals"])
+                if drafter.propose(k, SamplingParams(), None)[0].tolist() == want["proposals"]:
+                    print(f"  {name}: seed {seed} proposes the same without the field")
+                    seed += 1000
+                    continue
+        if gap >= MIN_GAP:
+            print(f"  {name}: seed {seed}, least top-two gap {gap:.3f}")
+            return
+        print(f"  {name}: seed {seed} has a near tie ({gap:.3f}), the next seed")
+        seed += 1000
+    raise SystemExit(f"{name}: no seed without a near tie")
 
 
 def main(argv=None) -> None:
@@ -463,23 +529,43 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     out = args.out
     model, tcfg = build_target()
-    n = tcfg["num_hidden_layers"]
     out.mkdir(parents=True, exist_ok=True)
     target = {"config": tcfg, "seed": TARGET_SEED, "prompt": PROMPT,
               "greedy": target_greedy(model, PROMPT, GREEDY)}  # fmt: skip
     (out / "target.json").write_text(json.dumps(target, indent=1) + "\n")
-    mlx_vlm_block(out, model, tcfg, "dflash_mlx_vlm",
-                  dflash_block_config(tcfg, [1, 3, 4], 6, {}), dspark=False, seed=21)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        tdir = Path(tmp)
+        tiny.write_tokenizer(tdir / "tokenizer")
+        weights = tiny.random_weights(tcfg, seed=TARGET_SEED)
+        tiny.write_model(tdir / "target", tcfg, weights, tdir / "tokenizer")
+        fixtures(out, model, tcfg, tdir / "target")
+
+
+def fixtures(out: Path, model, tcfg: dict, target_dir: Path) -> None:
+    def make(kind, name, fn, unless=None):
+        def run(seed):
+            fn(seed)
+
+        run.out = out
+        return lambda seed: settled(run, name, seed, target_dir, kind, unless)
+
+    dflash = dflash_block_config(tcfg, [1, 3, 4], 6, {})
+    name = "dflash_mlx_vlm"
+    make("dflash", name, lambda s: mlx_vlm_block(out, model, tcfg, name, dflash, False, s))(21)
     dspark = {"architectures": ["Lfm2DSparkDraftModel"], "markov_rank": 8,
               "markov_head_type": "vanilla", "enable_confidence_head": False}  # fmt: skip
-    cfg = dflash_block_config(tcfg, [1, 3, 4], 5, dspark)
-    mlx_vlm_block(out, model, tcfg, "dspark_mlx_vlm", cfg, dspark=True, seed=22)
-    cfg = dflash_block_config(tcfg, [1, 3, 4], 5, dspark)
-    cfg["dflash_config"]["sample_from_anchor"] = False
-    mlx_vlm_block(out, model, tcfg, "dspark_mlx_vlm_no_anchor_row", cfg, dspark=True, seed=23)
-    cfg = dflash_block_config(tcfg, [1, 3, 4], 6, dspark)
-    cfg["dspark_bonus_anchor"] = True
-    mlx_vlm_block(out, model, tcfg, "dspark_mlx_vlm_bonus_anchor", cfg, dspark=True, seed=24)
+    variants = {
+        "dspark_mlx_vlm": (5, {}, {}),
+        "dspark_mlx_vlm_no_anchor_row": (5, {"sample_from_anchor": False}, {}),
+        "dspark_mlx_vlm_bonus_anchor": (6, {}, {"dspark_bonus_anchor": True}),
+    }
+    for seed, (name, (block, nested, top)) in enumerate(variants.items(), 22):
+        cfg = dflash_block_config(tcfg, [1, 3, 4], block, dspark) | top
+        cfg["dflash_config"] |= nested
+        block_head = partial(mlx_vlm_block, out, model, tcfg, name, cfg, True)
+        # the field left out: what mlx-spec read before it read them
+        bare = dflash_block_config(tcfg, [1, 3, 4], block, dspark) if nested or top else None
+        make("dspark", name, lambda s, f=block_head: f(seed=s), bare)(seed)
     # vLLM speculators packaging (mlx-dspark translates it): a reduced vocabulary with d2t,
     # block 6 for 5 speculative tokens -> logits_start 1
     mx.random.seed(5)
@@ -502,16 +588,23 @@ def main(argv=None) -> None:
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],
         },
     }
-    mlx_dspark_head(out, model, tcfg, "dspark_speculators_mlx_dspark", spec, 25, draft_vocab)
-    assert n == 6
-    mlx_vlm_eagle(out, model, tcfg, 26, draft_vocab, "eagle3_speculators_mlx_vlm", [2, 3, 5])
-    mlx_vlm_eagle(out, model, tcfg, 27, draft_vocab, "eagle3_speculators_default_layers", None)
+    name = "dspark_speculators_mlx_dspark"
+    make("dspark", name,
+         lambda s: mlx_dspark_head(out, model, tcfg, name, spec, s, draft_vocab))(25)  # fmt: skip
+    assert tcfg["num_hidden_layers"] == 6
     llama3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
-    name = "eagle3_speculators_llama3_rope"
-    mlx_vlm_eagle(out, model, tcfg, 28, draft_vocab, name, [2, 3, 5], rope=llama3)
-    dflash_mlx_head(out, model, tcfg, 29)
-    mlx_vlm_mtp(out, 30)
+    eagles = {  # (layer ids, rope scaling)
+        "eagle3_speculators_mlx_vlm": ([2, 3, 5], None),  # and its SpecForge twin
+        "eagle3_speculators_default_layers": (None, None),
+        "eagle3_speculators_llama3_rope": ([2, 3, 5], llama3),
+    }
+    for seed, (name, (ids, rope)) in enumerate(eagles.items(), 26):
+        eagle = partial(mlx_vlm_eagle, out, model, tcfg, draft_vocab=draft_vocab, name=name)
+        make("eagle3", name, lambda s, f=eagle, i=ids, r=rope: f(seed=s, ids=i, rope=r))(seed)
+    name = "dflash_dflash_mlx_default_layers"
+    make("dflash", name, lambda s: dflash_mlx_head(out, model, tcfg, s))(29)
+    settled(lambda s: mlx_vlm_mtp(out, s), "qwen3_5_mtp_mlx_vlm", 30, None, None)
 
 
 if __name__ == "__main__":
