@@ -69,6 +69,20 @@ def write_head(path, config: dict, seed: int = 1, drop: str | None = None, prefi
     return path
 
 
+def write_reduced(path, config: dict, draft: list[int], lm_head=True, d2t=True, seed: int = 1):
+    """A head over a reduced vocabulary (mlx-dspark's vLLM speculators heads): `d2t` offsets
+    to the target ids `draft`, its own `lm_head` and `markov_w2` over them."""
+    weights = head_weights(config, seed)  # markov_w2 already len(draft) rows (the config's)
+    if d2t:
+        weights["d2t"] = mx.array([t - i for i, t in enumerate(draft)], mx.int64)
+    if lm_head:
+        weights["lm_head.weight"] = mx.random.normal((len(draft), config["hidden_size"])) * 0.5
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 def lfm2_config(vocab_size: int) -> dict:
     """A tiny LFM2 (what Liquid AI's DSpark heads draft for): short-convolution layers (a
     recurrent state, as Qwen3.5's) around a full-attention one."""
@@ -351,6 +365,33 @@ def bad_heads(root, llama: dict) -> dict:
         "an empty block": (write_head(root / "empty", cfg), "at least 1 token, got -1"),
         "a DFlash2 head": (write_head(root / "dflash2", cfg), "DFlash2 head"),
     }
+    draft = list(range(0, 320, 2))  # a reduced vocabulary: the even ids
+    reduced = cfg | {"draft_vocab_size": len(draft)}
+    cases |= {
+        "d2t without its own lm_head": (
+            write_reduced(root / "nohead", reduced, draft, lm_head=False),
+            "a d2t table but no lm_head",
+        ),
+        "a reduced vocabulary without d2t": (
+            write_reduced(root / "nod2t", reduced, draft, d2t=False),
+            "ships no d2t table",
+        ),
+        "d2t past the target's vocabulary": (
+            write_reduced(root / "outside", reduced, [t + 2 for t in draft]),
+            "outside the target's vocabulary of 320",
+        ),
+        "logits_start past the block": (
+            write_head(root / "start", cfg),
+            "logits_start must be a row of the block, got 6",
+        ),
+        "a speculators EAGLE-3 head": (
+            write_head(root / "spec_eagle", cfg),
+            "speculators 'eagle3' model, not dspark",
+        ),
+    }
+    spec = {"speculators_model_type": "eagle3", "transformer_layer_config": cfg}
+    (root / "spec_eagle" / "config.json").write_text(json.dumps(spec))
+    (root / "start" / "config.json").write_text(json.dumps(cfg | {"logits_start": 6}))
     dflash2 = cfg | {"architectures": ["DFlash2DraftModel"]}
     dflash2["dflash_config"] = cfg["dflash_config"] | {"selector_top_k": 16, "selector_rank": 8}
     (root / "dflash2" / "config.json").write_text(json.dumps(dflash2))
@@ -390,3 +431,97 @@ def test_rope_pairing_defaults_to_neox_as_the_peers_read_it():
     assert DSparkArgs(cfg).rope_traditional is True  # the published heads' own setting
     del cfg["rope_is_neox_style"]
     assert DSparkArgs(cfg).rope_traditional is False
+
+
+@pytest.mark.parametrize(
+    ("fields", "dflash_fields", "rows"),
+    [
+        ({}, {}, (0, 6)),  # DeepSpec / Liquid AI: the anchor's row guesses, block_size guesses
+        ({}, {"sample_from_anchor": True}, (0, 6)),
+        ({}, {"sample_from_anchor": False}, (1, 7)),  # mlx-vlm: one wider, from row 1
+        ({"dspark_bonus_anchor": True}, {}, (0, 5)),  # mlx-vlm: block_size counts the anchor
+        ({"dspark_bonus_anchor": True}, {"sample_from_anchor": False}, (1, 6)),
+        ({"logits_start": 1}, {}, (1, 6)),  # mlx-dspark: block_size wide, from that row
+        ({"sample_from_anchor": False}, {}, (1, 6)),  # mlx-dspark's top-level spelling
+        ({"sample_from_anchor": True}, {}, (0, 6)),
+    ],
+)
+def test_the_rows_that_guess_are_read_as_the_peers_read_them(fields, dflash_fields, rows):
+    """(first guessing row, block width) for a config of block_size 6: mlx-vlm 0.7.10's
+    DSparkConfig.from_dict (proposal_length = block_size - dspark_bonus_anchor, the block
+    1 + proposal_length - sample_from_anchor wide) and mlx-dspark 0.20.3's logits_start (the
+    block block_size wide); always row 0 and block_size before."""
+    cfg = head_config(tiny.family_configs(320)["qwen3"], [1, 2]) | fields
+    cfg["dflash_config"] = cfg["dflash_config"] | dflash_fields
+    args = DSparkArgs(cfg)
+    assert (args.first_row, args.block_size) == rows
+    assert DSparkHead(args).first_row == rows[0]
+
+
+def test_a_speculators_config_reads_as_mlx_dspark_translates_it():
+    """vLLM speculators packaging: the backbone under transformer_layer_config, the target
+    layers as aux_hidden_state_layer_ids, the first guessing row block_size minus the
+    proposal's speculative_tokens (else sample_from_anchor, else 1); refused before ('no
+    hidden_size')."""
+    layer = head_config(tiny.family_configs(320)["qwen3"], [1, 2])
+    del layer["dflash_config"], layer["block_size"]
+    cfg = {
+        "speculators_model_type": "dspark",
+        "transformer_layer_config": layer,
+        "aux_hidden_state_layer_ids": [1, 2],
+        "block_size": 8,
+        "mask_token_id": 5,
+        "markov_rank": RANK,
+        "draft_vocab_size": 100,
+        "speculators_config": {"proposal_methods": [{"speculative_tokens": 7}]},
+    }
+    args = DSparkArgs(cfg)
+    assert args.target_layer_ids == (1, 2) and args.mask_token_id == 5
+    assert (args.first_row, args.block_size, args.draft_vocab_size) == (1, 8, 100)
+    cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 8  # no anchor
+    assert DSparkArgs(cfg).first_row == 0
+    del cfg["speculators_config"]
+    assert DSparkArgs(cfg).first_row == 1  # the heads older than sample_from_anchor
+    assert DSparkArgs(cfg | {"sample_from_anchor": True}).first_row == 0
+
+
+def test_a_head_that_ships_its_embedding_and_output_head_drafts_with_them(tiny_models, heads):
+    """Both peers embed the block with a shipped embed_tokens, mlx-dspark projects with a
+    shipped lm_head: here too (they were dropped before, the target's used)."""
+    root = heads["root"] / "own"
+    cfg = head_config(heads["llama_config"], [0, 2])
+    weights = head_weights(cfg)
+    weights["embed_tokens.weight"] = mx.random.normal((320, 64))
+    weights["lm_head.weight"] = mx.random.normal((320, 64))
+    root.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(root / "model.safetensors"), weights)
+    (root / "config.json").write_text(json.dumps(cfg))
+    pair = load_pair(target=str(tiny_models.target), drafter="dspark", head=str(root))
+    drafter = DSparkDrafter(pair.head, pair.target)
+    assert drafter.embed is pair.head.embed_tokens and drafter.lm_head is pair.head.lm_head
+    assert mx.array_equal(pair.head.embed_tokens.weight, weights["embed_tokens.weight"])
+    assert_greedy_equals_the_target_alone(pair, 4)
+
+
+def test_a_reduced_vocabulary_keeps_the_target_distribution(tiny_models, heads):
+    """A d2t head over 10 of the small target's 16 tokens (refused before): greedy equal to
+    the target alone, guesses only among its tokens, and sampled first two tokens distributed
+    as the target's (q scattered onto the target's vocabulary, 0 off the head's)."""
+    small = json.loads((tiny_models.small_target / "config.json").read_text())
+    draft = [0, 2, 3, 5, 7, 8, 11, 12, 13, 15]
+    cfg = head_config(small, [0, 1], block_size=3, mask=15) | {"draft_vocab_size": len(draft)}
+    path = write_reduced(heads["root"] / "reduced", cfg, draft)
+    pair = load_pair(target=str(tiny_models.small_target), drafter="dspark", head=str(path))
+    for prompt in ([1, 4, 6], [9, 9, 2, 14, 3]):
+        alone = generate(pair, prompt, max_tokens=20, use_draft=False).tokens
+        assert generate(pair, prompt, max_tokens=20, num_draft_tokens=3).tokens == alone
+    params = SamplingParams(temperature=1.0)
+    drafter = DSparkDrafter(pair.head, pair.target)
+    Decoder(pair.target, drafter, ()).prefill([1, 4, 6])
+    tokens, q = drafter.propose(3, params, mx.random.key(0))
+    assert set(tokens.tolist()) <= set(draft)
+    off = [t for t in range(16) if t not in draft]
+    assert float(q[:, mx.array(off)].max()) == 0.0 and mx.allclose(q.sum(-1), mx.ones(3))
+    counts = first_two(pair, params, 600, k=3, drafter=DSparkDrafter(pair.head, pair.target))
+    stat, threshold = chi_square(counts, exact_joint(pair, params))
+    assert stat < threshold

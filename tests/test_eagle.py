@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 import tiny
+from mlx_lm.models.rope_utils import Llama3RoPE, initialize_rope
 from test_distribution import PROMPT, chi_square, exact_joint, first_two
 from test_greedy_equality import PROMPTS, reference
 
@@ -438,3 +441,96 @@ def test_a_grammar_masks_the_heads_guesses(eagle_pair, tiny_models):
         if temperature == 0.0:
             assert res.tokens == generate(plain, PROMPTS[0], **kwargs).tokens
         assert res.stats.drafted > res.stats.forced_drafted  # the head proposed
+
+
+# ----------------------------------------------------------------------------- config variants
+
+
+def test_rope_settings_are_read_as_specforge_reads_them(tiny_models, heads, target_cfg, tmp_path):
+    """SpecForge's get_rope_config: transformers 5's rope_parameters (base and scaling in one
+    block) first, else rope_theta / rope_scaling; a Llama 3.1 scaling block is applied
+    (SpecForge's llama3 rotary embedding; mlx-vlm 0.7.10 builds a plain nn.RoPE and ignores
+    it). A rope_parameters-only config read base 10000 and no scaling before."""
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    target = str(tiny_models.target)
+    for name, fields in {
+        "rope_scaling": {"rope_theta": 500000.0, "rope_scaling": llama3},
+        "rope_parameters": {"rope_parameters": {"rope_theta": 500000.0, **llama3}},
+    }.items():
+        path = tmp_path / name
+        shutil.copytree(heads["sglang"], path)
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.pop("rope_theta")
+        (path / "config.json").write_text(json.dumps(cfg | fields))
+        pair = load_pair(target=target, drafter="eagle3", head=str(path))
+        rope = pair.head.midlayer.self_attn.rope
+        assert isinstance(rope, Llama3RoPE), name
+        want = initialize_rope(16, 500000.0, False, llama3, 512)
+        x = mx.random.normal((1, 4, 5, 16))
+        assert mx.allclose(rope(x, offset=3), want(x, offset=3)), name
+        res = generate(pair, PROMPTS[0], max_tokens=20, num_draft_tokens=3)
+        assert res.tokens == reference(pair, PROMPTS[0], 20)
+    plain = tmp_path / "rope_parameters_default"
+    shutil.copytree(heads["sglang"], plain)
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg.pop("rope_theta")
+    cfg["rope_parameters"] = {"rope_theta": 2000.0, "rope_type": "default"}
+    (plain / "config.json").write_text(json.dumps(cfg))
+    rope = load_pair(target=target, drafter="eagle3", head=str(plain)).head.midlayer.self_attn.rope
+    assert isinstance(rope, nn.RoPE) and rope.base == 2000.0
+
+
+def test_other_eagle_heads_are_refused_naming_the_variant(tiny_models, heads, target_cfg, tmp_path):
+    """An EAGLE-1 / EAGLE-2 head (layers.0.*, fc over [embedding; features], no midlayer;
+    said 'lacks lm_head.weight' before), a speculators EAGLE-1 head, a Qwen3-style layer."""
+    target = str(tiny_models.target)
+    hidden = target_cfg["hidden_size"]
+    weights = {
+        k.replace("midlayer.", "layers.0."): v
+        for k, v in heads["weights"].items()
+        if k not in ("lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight")
+    }
+    weights["fc.weight"] = mx.zeros((hidden, 2 * hidden))
+    v1 = tmp_path / "eagle2"
+    v1.mkdir()
+    mx.save_safetensors(str(v1 / "model.safetensors"), weights)
+    cfg = json.loads((heads["sglang"] / "config.json").read_text())
+    (v1 / "config.json").write_text(json.dumps(cfg | {"architectures": ["LlamaForCausalLM"]}))
+    spec1 = tmp_path / "spec_eagle"
+    shutil.copytree(heads["speculators"], spec1)
+    scfg = json.loads((spec1 / "config.json").read_text())
+    (spec1 / "config.json").write_text(json.dumps(scfg | {"speculators_model_type": "eagle"}))
+    for path, message in [
+        (v1, "is an EAGLE-1 / EAGLE-2 head"),
+        (spec1, "is a speculators 'eagle' model, not eagle3"),
+    ]:
+        with pytest.raises(SpecError, match=message):
+            load_pair(target=target, drafter="eagle3", head=str(path))
+
+
+def test_a_tied_speculators_head_projects_with_the_embedding(tiny_models, heads, tmp_path):
+    """speculators' tie_word_embeddings with no lm_head and the full vocabulary (mlx-vlm:
+    embed_tokens.as_linear): the head's own embedding when it ships one, else the target's;
+    refused before ('lacks lm_head.weight')."""
+    target = str(tiny_models.target)
+    for name, source in (("own", "own_weights"), ("target's", "weights")):
+        weights = {
+            k.replace("midlayer.", "layers.0."): v
+            for k, v in heads[source].items()
+            if k not in ("lm_head.weight", "d2t", "t2d")
+        }
+        path = tmp_path / name
+        path.mkdir()
+        mx.save_safetensors(str(path / "model.safetensors"), weights)
+        cfg = json.loads((heads["speculators"] / "config.json").read_text())
+        cfg["transformer_layer_config"]["tie_word_embeddings"] = True
+        cfg["draft_vocab_size"] = 320
+        (path / "config.json").write_text(json.dumps(cfg))
+        pair = load_pair(target=target, drafter="eagle3", head=str(path))
+        embed = weights.get("embed_tokens.weight", pair.target.model.embed_tokens.weight)
+        g = mx.random.normal((64,))
+        want = pair.head.norm(g) @ embed.astype(mx.float32).T
+        assert mx.allclose(pair.head.logits(g), want, atol=1e-4), name
+        res = generate(pair, PROMPTS[1], max_tokens=20, num_draft_tokens=3)
+        assert res.tokens == reference(pair, PROMPTS[1], 20)

@@ -46,16 +46,17 @@ OUTPUTS = ("out_proj.weight", "o_proj.weight", "down_proj.weight")
 
 
 def original_checkpoint(
-    path, vocab: int, tokenizer, seed: int = 0, head_scale: float = 4.0, agree=None
+    path, vocab: int, tokenizer, seed: int = 0, head_scale: float = 4.0, agree=None, config=None
 ):
     """A Qwen3.5 checkpoint as the Hugging Face repositories ship it; returns its mtp tensors.
+    (`config`: another Qwen3.5 config than `qwen35_config(vocab)`.)
 
     `agree` (a noise level): a head that predicts well. The target's layers are damped so it
     is nearly a bigram model (its hidden state at t+1 ~ final_norm(embed(s[t+1]))), and the
     head computes just that: fc takes the embedding half, its layer adds nothing (its output
     projections are zero; its attention still fills the cache), mtp.norm is the final norm.
     Noise on fc makes it wrong some of the time."""
-    config = qwen35_config(vocab)
+    config = config or qwen35_config(vocab)
     weights = tiny.family_weights(config, seed=seed, head_scale=head_scale)
     if agree is not None:
         for k, v in weights.items():

@@ -308,8 +308,15 @@ class DSparkRows(DFlashRows):
     chained = True
     drafter_type = DSparkDrafter
 
+    def __init__(self, head, target):
+        super().__init__(head, target)
+        if head.embed_tokens is not None:  # the head's own, when it ships them
+            self.embed = head.embed_tokens
+        if head.lm_head is not None:
+            self.lm_head = head.lm_head
+
     def step(self, j: int, logits: mx.array, previous: mx.array, process=None) -> mx.array:
-        return logits + self.head.markov_head(previous)
+        return self.head.widen(logits + self.head.markov_head(previous))
 
 
 class DFlash2Rows(DFlashRows):

@@ -503,7 +503,7 @@ def load_head(
     head_type = next((v for v in variants if v.matches(config)), head_type)
     name = head_type.args_type.name
     args = head_type.args_type(config)
-    least = 1 + head_type.first_row  # a block that guesses at least one token
+    least = 1 + getattr(args, "first_row", head_type.first_row)  # at least one guess
     if args.block_size < least:
         raise short_block(name, least, args.block_size)
     depth = len(layer_list(target))
@@ -514,5 +514,5 @@ def load_head(
         )
     head_type.check_target(args, text_config(target_config))
     head = head_type(args)
-    load_head_weights(head, path, config, name, head_type.sanitize)
+    load_head_weights(head, path, config, name, head.sanitize)
     return head

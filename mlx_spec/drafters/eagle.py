@@ -15,13 +15,28 @@ Two layouts load (references: SafeAILab/EAGLE `cnets.py`, SpecForge `llama3_eagl
   `norm`, `lm_head`, `d2t`, `t2d` and, when shipped, `embed_tokens` (else the target's).
 - speculators: config.json with `speculators_model_type: "eagle3"` and the layer settings in
   `transformer_layer_config`; weights `layers.0.*` (and further `layers.N.*`, plain decoder
-  layers), optional `input_norm` before `fc`.
+  layers), optional `input_norm` before `fc`; with `tie_word_embeddings` and no `lm_head`
+  (the full vocabulary), the embedding is the output head (as mlx-vlm reads it).
+
+Refused in one line each, naming the variant: EAGLE-1 / EAGLE-2 heads (`layers.0.*`, no
+`midlayer`), speculators models of another algorithm (`eagle`, `dspark`, ...), EAGLE-3 heads
+with a Qwen3-style layer (`q_norm`), PyTorch-only weights.
+
+Rope: as SpecForge's `get_rope_config` reads it (the reference that trains these heads):
+transformers 5's `rope_parameters` first, else `rope_theta` / `rope_scaling`, and a scaling
+block is applied (SpecForge builds its Llama3 / YaRN / linear / dynamic rotary embedding from
+it). mlx-vlm 0.7.10 builds a plain RoPE and ignores it; EAGLE's `cnets.py` knows linear and
+dynamic only. The embedding: the head's own when it ships one (EAGLE's `cnets.py` and SpecForge
+embed with the head's `embed_tokens`, a frozen copy of the target's unless trained with
+`embed_requires_grad`); mlx-vlm swaps in the target's whenever the shapes agree.
 
 Which layers, the capture convention: the formats name the three layers differently, by one.
 SpecForge and SGLang (`eagle_config.eagle_aux_hidden_state_layer_ids`) name a layer whose
 *output* is read (SGLang captures the input of layer id+1); vLLM and speculators (a top-level
 `eagle_aux_hidden_state_layer_ids`) name a layer whose *input* is read, the output of layer
-id-1. With no ids, both read the inputs of layers 2, N/2 and N-3 (EAGLE's own choice). All are
+id-1. With no ids, both read the inputs of layers 2, N/2 and N-3 of the target (EAGLE's own
+`modeling_llama_kv.py`; mlx-vlm 0.7.10 takes N from the head's own `num_hidden_layers`, 1,
+and reads layers 1, 0, 0). All are
 mapped here to `hidden.capturing`'s layer-output ids (`capture_layers`).
 """
 
@@ -82,8 +97,22 @@ def capture_layers(config: dict, target_layers: int) -> tuple[int, int, int]:
     return layers
 
 
+def rope_settings(cfg: dict) -> tuple[float, dict | None]:
+    """(rope base, scaling) as SpecForge's `get_rope_config` reads them: transformers 5's
+    `rope_parameters` (base and scaling in one block) first, else `rope_theta` and
+    `rope_scaling`. A scaling block is applied (SpecForge's Llama3, YaRN, linear, dynamic
+    rotary embeddings; the head was trained with it), not ignored as mlx-vlm does."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and cfg.get("rope_scaling") is None:
+        kind = params.get("rope_type", params.get("type", "default"))
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        return float(theta), (params if kind != "default" else None)
+    return float(cfg.get("rope_theta", 10000.0)), cfg.get("rope_scaling")
+
+
 def _layer_args(cfg: dict, hidden: int) -> llama.ModelArgs:
     heads = int(cfg["num_attention_heads"])
+    theta, scaling = rope_settings(cfg)
     return llama.ModelArgs(
         model_type="llama",
         hidden_size=hidden,
@@ -94,8 +123,8 @@ def _layer_args(cfg: dict, hidden: int) -> llama.ModelArgs:
         head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         vocab_size=int(cfg.get("vocab_size") or 0),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings"),
         attention_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -140,8 +169,18 @@ class Embed:
         return self.module(tokens)
 
 
+class TiedHead(Embed):
+    """An embedding as the output head (a speculators head with tie_word_embeddings and no
+    lm_head of its own, as mlx-vlm reads it): the head's own embedding, else the target's."""
+
+    def __call__(self, x):
+        return self.module.as_linear(x)
+
+
 class Eagle3Head(nn.Module):
-    def __init__(self, cfg: dict, target_hidden: int, draft_vocab: int, fc_bias: bool):
+    def __init__(
+        self, cfg: dict, target_hidden: int, draft_vocab: int, fc_bias: bool, tied: bool = False
+    ):
         super().__init__()
         hidden = int(cfg["hidden_size"])
         self.hidden_size = hidden
@@ -150,7 +189,8 @@ class Eagle3Head(nn.Module):
         extra = int(cfg.get("num_hidden_layers") or 1) - 1  # speculators: more plain layers
         self.layers = [llama.TransformerBlock(_layer_args(cfg, hidden)) for _ in range(extra)]
         self.norm = nn.RMSNorm(hidden, eps=float(cfg.get("rms_norm_eps", 1e-6)))
-        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+        if not tied:  # else the embedding, set at load (TiedHead)
+            self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
         self.input_norm = None  # speculators' norm_before_fc (gpt-oss heads): set at load
         self.layers_read: tuple = ()  # target layer-output ids, set at load
         self._to_target = None  # (draft_vocab,) target ids
@@ -262,12 +302,23 @@ def load_head(path: Path, target, target_config: dict) -> Eagle3Head:
     weights = _rename(_load_weights(path), speculators)
     try:
         hidden = int(cfg["hidden_size"])
-        if "lm_head.weight" not in weights:
+        refuse_other_eagles(path, weights, speculators)
+        tied = "lm_head.weight" not in weights and bool(
+            cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        )
+        if tied:
+            draft_vocab = int(config.get("draft_vocab_size") or vocab)
+            if draft_vocab != vocab or "d2t" in weights:
+                raise SpecError(
+                    f"the head {path} ties its output head to the embedding but drafts over "
+                    f"{draft_vocab} tokens, not the target's {vocab}"
+                )
+        elif "lm_head.weight" not in weights:
             raise KeyError("lm_head.weight")
-        draft_vocab = int(weights["lm_head.weight"].shape[0])
-        if any(k.startswith("midlayer.self_attn.q_norm") for k in weights):
-            raise SpecError(f"the head {path} has a Qwen3-style layer (q_norm): not supported")
-        head = Eagle3Head(cfg, target_hidden, draft_vocab, fc_bias="fc.bias" in weights)
+        else:
+            draft_vocab = int(weights["lm_head.weight"].shape[0])
+        bias = "fc.bias" in weights
+        head = Eagle3Head(cfg, target_hidden, draft_vocab, fc_bias=bias, tied=tied)
     except KeyError as err:
         raise SpecError(f"the head {path} lacks {err.args[0]} (is it an EAGLE-3 head?)") from None
     head.layers_read = capture_layers(config, target_layers)
@@ -323,8 +374,24 @@ def load_head(path: Path, target, target_config: dict) -> Eagle3Head:
                 f"{tcfg['hidden_size']} wide"
             )
         head.embed = Embed(module)
+    if tied:
+        head.lm_head = TiedHead(module)
     head.eval()
     return head
+
+
+def refuse_other_eagles(path: Path, weights: dict, speculators: bool) -> None:
+    """One line for the EAGLE heads that are not EAGLE-3 as read here: EAGLE-1 / EAGLE-2
+    (`layers.0.*` and an `fc` over [embedding; features], 2H -> H, no `midlayer`; SafeAILab's
+    EAGLE and EAGLE-2 checkpoints) and EAGLE-3 heads with a Qwen3-style layer (q_norm)."""
+    if any(k.startswith("midlayer.self_attn.q_norm") for k in weights):
+        raise SpecError(f"the head {path} has a Qwen3-style layer (q_norm): not supported")
+    if not speculators and not any(k.startswith("midlayer.") for k in weights):
+        if any(k.startswith("layers.0.") for k in weights):
+            raise SpecError(
+                f"the head {path} is an EAGLE-1 / EAGLE-2 head (layers.0.*, no midlayer): "
+                "only EAGLE-3 heads are supported"
+            )
 
 
 # ----------------------------------------------------------------------------- the drafter
