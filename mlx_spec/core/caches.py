@@ -234,6 +234,32 @@ class BatchWindowedKVCache(BatchKVCache):
         return merged
 
 
+class MarginChunkedKVCache(ChunkedKVCache):
+    """mlx-lm's `ChunkedKVCache` (Llama 4's chunked attention) that keeps `margin` tokens more
+    than its chunk, so a roll-back of up to `margin` tokens still holds the whole chunk the
+    next token attends to. mlx-lm's keeps only the last `chunk_size` tokens before each pass
+    (`maybe_trim_front`, which the model calls): a draft model fed one token a step drops the
+    front of its chunk step by step, and could not go back over the tokens it drafted. The
+    extra tokens change nothing the model computes: its chunk mask, built from
+    `start_position`, hides every token of an earlier chunk. Trimmed once per `slack` tokens,
+    as WindowedKVCache compacts."""
+
+    def __init__(self, chunk_size: int, margin: int = WINDOW_MARGIN, slack: int = WINDOW_SLACK):
+        super().__init__(chunk_size)
+        self.margin, self.slack = margin, slack
+
+    def maybe_trim_front(self):
+        if self.keys is None:
+            return
+        valid = self.offset - self.start_position
+        keep = self.chunk_size + self.margin
+        if valid > keep + self.slack:
+            trim = valid - keep
+            self.start_position += trim
+            self.keys = self.keys[..., trim:valid, :]
+            self.values = self.values[..., trim:valid, :]
+
+
 def rollback_rows(cache: list, rejected: list[int]) -> None:
     """Forget the last `rejected[i]` entries of row i in every layer (see decode/batch.py's note),
     or raise CacheRollbackError before any layer changed (a sliding-window row that would
@@ -272,14 +298,19 @@ def _convert(c):
                 f"a rotating KV cache that keeps {c.keep} attention-sink tokens cannot roll back"
             )
         return WindowedKVCache(c.max_size, WINDOW_MARGIN, WINDOW_SLACK)
+    if type(c) is ChunkedKVCache:
+        return MarginChunkedKVCache(c.chunk_size, WINDOW_MARGIN, WINDOW_SLACK)
     return c
 
 
-# Layer caches whose trim is exact at any length (checked by class, not by is_trimmable(),
-# which says only whether a trim is possible now). ArraysCache is snapshotted instead.
+# Layer caches whose trim is exact (checked by class, not by is_trimmable(), which says only
+# whether a trim is possible now). ArraysCache is snapshotted instead. MarginChunkedKVCache
+# (Llama 4's chunked attention) forgets exactly any tokens back to the start of the chunk
+# the next token attends to; a roll-back past what it still holds is refused (`_refusal`).
+# (not mlx-lm's ChunkedKVCache itself: it may already have dropped the front of that chunk)
 # (not mlx-lm's ConcatenateKVCache: its trim lowers the offset but keeps the rows, so the next
-# write lands after the forgotten ones; no model's make_prompt_cache returns it today)
-ROLLBACK_TYPES = (KVCache, QuantizedKVCache, ArraysCache)
+# write lands after the forgotten ones; afm7's kv-reuse layer is one)
+ROLLBACK_TYPES = (KVCache, QuantizedKVCache, ArraysCache, MarginChunkedKVCache)
 
 
 def make_cache(model, role: str = "target", strict: bool = True) -> list:
@@ -419,7 +450,7 @@ def _copy_layer(c):
         twin.keys, twin.values = _rows(c.keys, c.stored), _rows(c.values, c.stored)
     elif kind in (KVCache, QuantizedKVCache, ConcatenateKVCache):
         twin.keys, twin.values = _rows(c.keys, c.offset), _rows(c.values, c.offset)
-    elif kind is ChunkedKVCache:  # plain decoding only (make_cache(strict=False))
+    elif kind in (ChunkedKVCache, MarginChunkedKVCache):  # (it holds start_position on)
         held = c.offset - c.start_position
         twin.keys, twin.values = _rows(c.keys, held), _rows(c.values, held)
     else:

@@ -10,8 +10,9 @@ GPT-OSS, Mistral-style `sliding_window`), whose rows `caches.BatchWindowedKVCach
 roll-back that would cut into a row's window raises), and recurrent layers (ArraysCache:
 Qwen3.5 hybrids, Mamba) in the target (below) and in a draft model (its state after each draft
 step kept, as ModelDrafter keeps it alone: each row goes back to its own). Refused with a
-one-line reason (`check_batchable`), as mlx-lm cannot batch them either: chunked attention and
-attention sinks. A head beside a
+one-line reason (`check_batchable`), as mlx-lm cannot batch them either: attention sinks, models
+whose own code takes one position for the whole batch (`ONE_OFFSET`: gpt_bigcode, Llama 4's
+chunked attention), and any cache class not named here. A head beside a
 recurrent target takes the features of each row's kept tokens from where its last token sits
 in the pass (after its replay): `BatchHead.take`'s starts.
 Each round (`step`):
@@ -156,6 +157,11 @@ def _why_not(c, windows: bool = True) -> str:
 # row): refused before anything runs, where they would fail in the first pass
 ONE_OFFSET = {
     "gpt_bigcode": "computes its positions from one offset for the whole batch (np.arange)",
+    # (its ChunkedKVCache rolls back alone: caches.MarginChunkedKVCache)
+    "llama4": (
+        "computes its chunked attention mask and its no-RoPE layers' attention temperature "
+        "from one offset for the whole batch (mx.arange)"
+    ),
 }
 
 

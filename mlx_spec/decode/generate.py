@@ -257,8 +257,9 @@ def batch_generate(
     prompts, or a list of them, one per prompt (each its own k: a row drafts at most its
     num_draft_tokens, `auto` rows as the batch's controller chooses). `max_batch`: rows
     decoded together at most (None: all); the others join as rows finish. Not batched yet
-    (SpecError): a drafter kind that does not say how a batch drafts with it, chunked
-    targets (sliding windows and recurrent targets batch)."""
+    (SpecError): a drafter kind that does not say how a batch drafts with it, a model
+    whose own code takes one position for the whole batch (gpt_bigcode, Llama 4), a cache
+    class the batch does not know (sliding windows, recurrent states and CacheLists batch)."""
     if isinstance(prompts, str):  # (it ran as one prompt per character)
         raise SpecError("batch_generate takes a list of prompts; for one, use generate")
     prompts = list(prompts)
