@@ -27,6 +27,7 @@ from test_server import serving
 
 import mlx_spec
 from mlx_spec import SpecError, generate, load_pair
+from mlx_spec.core import caches
 from mlx_spec.decode.generate import make_batch_decoder
 
 FAMILIES = list(tiny.cachelist_configs(VOCAB))
@@ -102,3 +103,35 @@ def test_two_concurrent_clients_get_the_targets_text(dirs, family):
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             got = list(pool.map(ask, prompts))
     assert got == expected
+
+
+def test_a_cache_class_the_batch_does_not_know_is_refused_in_one_line():
+    """Issue 58 item 4: every cache that reaches a batch has been checked by `check_batchable`;
+    a class it does not know (here a layer's own, alone or inside a CacheList, or a subclass
+    of KVCache that may keep state of its own) is refused by name before any row, never
+    passed through to a merge that would hand it to the wrong batched class."""
+    from mlx_lm.models.cache import KVCache, _BaseCache
+
+    from mlx_spec.decode.batch import BatchDecoder, check_batchable, merge_layer
+
+    class Mine(_BaseCache):
+        offset = 0
+
+    class MyKV(KVCache):
+        pass
+
+    for layers in ([KVCache(), Mine()], [CacheList(KVCache(), Mine())], [MyKV()]):
+
+        class Model:
+            model_type = "mine"
+
+            def make_cache(self, layers=layers):
+                return layers
+
+        name = type(caches._leaves(layers)[-1]).__name__
+        for call in (lambda: check_batchable(Model()), lambda: BatchDecoder(Model())):
+            with pytest.raises(SpecError, match=f"uses {name} layers") as refused:
+                call()
+            assert "\n" not in str(refused.value)
+        with pytest.raises(SpecError, match=f"a {name} layer cannot be batched"):
+            merge_layer([layers[-1]] * 2)  # (the second line of defence)
