@@ -103,6 +103,11 @@ SIZES = {
     "linear_num_key_heads": 2,
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    # rotary and head sizes under other names
+    "rotary_dim": 8,
+    "kv_channels": 16,
+    "moe_top_k": 2,
     # a layer of each kind within 4 layers
     **dict.fromkeys(["full_attention_interval", "sliding_window_pattern"], 2),
 }
@@ -152,10 +157,6 @@ HAND: dict[str, tuple[str, dict]] = {
             }
         },
     ),  # fmt: skip
-    "exaone4": (
-        "a rope block and a window pattern",
-        {"rope_scaling": None, "sliding_window_pattern": "LLGL"},
-    ),
     "exaone_moe": (
         "layer-type and MoE-layer lists",
         {"layer_types": LAYERS4, "is_moe_layer": [False, True, True, True]},
@@ -219,6 +220,143 @@ HAND: dict[str, tuple[str, dict]] = {
                 ["sliding_attention", "full_attention"], {"rope_theta": 1e4, "rope_type": "default"}
             ),
         },
+    ),
+    "ministral3": (
+        "rope parameters with Llama 4's scaling beta",
+        {
+            "rope_parameters": {
+                "rope_theta": 1e4,
+                "rope_type": "default",
+                "llama_4_scaling_beta": 0.1,
+                "original_max_position_embeddings": 512,
+            }
+        },
+    ),  # fmt: skip
+    "mistral4": (
+        "rope parameters with Llama 4's scaling beta",
+        {
+            "rope_parameters": {
+                "rope_theta": 1e4,
+                "rope_type": "default",
+                "llama_4_scaling_beta": 0.1,
+                "original_max_position_embeddings": 512,
+            }
+        },
+    ),  # fmt: skip
+    "kimi_linear": (
+        "which layers are linear (KDA)",
+        {
+            "linear_attn_config": {
+                "kda_layers": [1, 3],
+                "head_dim": 16,
+                "num_heads": 4,
+                "short_conv_kernel_size": 4,
+            }
+        },
+    ),  # fmt: skip
+    "longcat_flash_ngram": (
+        "MLA scales",
+        {"mla_scale_q_lora": True, "mla_scale_kv_lora": True, "zero_expert_type": "identity"},
+    ),
+    "plamo": ("heads a key/value head serves", {"n_shared_head": 2}),
+    "glm_moe_dsa": (
+        "rope parameters, its router's method",
+        {
+            "rope_parameters": {"rope_theta": 1e4, "rope_type": "default"},
+            "index_topk": 8,
+            "topk_method": "noaux_tc",
+            "index_head_dim": 16,
+            "index_n_heads": 2,
+            "scoring_func": "sigmoid",
+            "moe_layer_freq": 1,
+            "norm_topk_prob": True,
+        },
+    ),  # fmt: skip
+    "nemotron_h": (
+        "a layer pattern (M: Mamba-2, *: attention, -: MLP), Mamba-2 sizes",
+        {
+            "hybrid_override_pattern": "M*-M",
+            "num_hidden_layers": 4,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 8,
+            "conv_kernel": 4,
+            "n_groups": 1,
+            "head_dim": 16,
+            "use_conv_bias": True,
+        },
+    ),  # fmt: skip
+    "openelm": (
+        "per-layer head counts and FFN multipliers",
+        {
+            "num_transformer_layers": 4,
+            "num_query_heads": [4] * 4,
+            "num_kv_heads": [2] * 4,
+            "ffn_multipliers": [2.0] * 4,
+            "ffn_dim_divisor": 16,
+            "share_input_output_layers": False,
+        },
+    ),  # fmt: skip
+    "phixtral": (
+        "its own size names",
+        {"num_vocab": VOCAB, "model_dim": 64, "num_heads": 4, "num_layers": 4, "rotary_dim": 8},
+    ),
+    "plamo2": (
+        "its own size names, Mamba sizes",
+        {
+            "hidden_size_per_head": 16,
+            "attention_window_size": WINDOW,
+            "mamba_d_state": 8,
+            "mamba_num_heads": 4,
+            "mamba_chunk_size": 16,
+            "full_attention_idx": [1, 3],
+        },
+    ),  # fmt: skip
+    "spark2_5": (
+        "a layer-type list and rope parameters per type",
+        {
+            "layer_types": LAYERS4,
+            "tie_word_embeddings": False,
+            "rope_parameters": dict.fromkeys(
+                ["sliding_attention", "full_attention"], {"rope_theta": 1e4, "rope_type": "default"}
+            ),
+        },
+    ),  # fmt: skip
+    "granitemoehybrid": (
+        "layer types and Mamba-2 sizes",
+        {
+            "layer_types": ["mamba", "attention", "mamba", "attention"],
+            "mamba_n_heads": 4,
+            "mamba_d_head": 16,
+            "mamba_proj_bias": False,
+            "mamba_d_state": 8,
+            "mamba_d_conv": 4,
+            "mamba_n_groups": 1,
+            "mamba_conv_bias": True,
+            "tie_word_embeddings": False,
+            "embedding_multiplier": 1.0,
+            "attention_multiplier": 0.25,
+            "logits_scaling": 1.0,
+            "residual_multiplier": 1.0,
+            "shared_intermediate_size": 128,
+        },
+    ),  # fmt: skip
+    "mamba2": (
+        "Mamba-2 sizes and a time-step limit",
+        {
+            "num_heads": 8,
+            "head_dim": 16,
+            "state_size": 8,
+            "n_groups": 1,
+            "time_step_limit": [0.0, 1e9],
+            "use_conv_bias": True,
+            "intermediate_size": 128,
+        },
+    ),  # fmt: skip
+    "nemotron": ("an activation name", {"hidden_act": "relu2", "partial_rotary_factor": 0.5}),
+    "exaone4": (
+        "a rope block and a window pattern",
+        {"rope_scaling": None, "sliding_window_pattern": "LLGL"},
     ),
     "minicpm3": ("its default rope block is None", {"rope_scaling": {"type": "default"}}),
     "recurrent_gemma": (
@@ -287,6 +425,19 @@ def _text_args(mod):
     return None
 
 
+def _inner_module(mod) -> str | None:
+    """A vision-language wrapper's text model: the one mlx-lm model module it imports."""
+    inner = [
+        v.__name__.rsplit(".", 1)[1]
+        for v in vars(mod).values()
+        if isinstance(v, type(mod))
+        and v.__name__.startswith("mlx_lm.models.")
+        and hasattr(v, "ModelArgs")
+        and hasattr(v, "Model")
+    ]
+    return inner[0] if len(inner) == 1 else None
+
+
 def derive(name: str) -> dict:
     """The tiny config of architecture `name` (module mlx_lm.models.<name>)."""
     if name in WHOLE:
@@ -294,8 +445,15 @@ def derive(name: str) -> dict:
     mod = importlib.import_module(f"mlx_lm.models.{name}")
     config = {"model_type": name, "eos_token_id": 2, **_shrunk(mod.ModelArgs)}
     if "text_config" in {f.name for f in dataclasses.fields(mod.ModelArgs)}:
-        text = _text_args(mod)
-        config["text_config"] = _shrunk(text) if text is not None else {}
+        text, inner = _text_args(mod), _inner_module(mod)
+        if text is not None:
+            config["text_config"] = _shrunk(text)
+            if any(f.name == "model_type" for f in dataclasses.fields(text)):
+                config["text_config"]["model_type"] = f"{name}_text"
+        elif inner is not None:
+            config["text_config"] = {k: v for k, v in derive(inner).items() if k != "eos_token_id"}
+        else:
+            config["text_config"] = {}
     if name in HAND:
         config.update(HAND[name][1])
     return config
