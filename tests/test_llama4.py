@@ -7,9 +7,9 @@ target plus noise, itself a Llama 4 whose cache rolls back too. mlx-lm's Chunked
 only the last chunk before each pass: a draft fed one token a step drops the front of its chunk
 as it goes, and could not undo its drafts (the first try here: "no longer holds the chunk of
 position 47" at k = 6). `caches.MarginChunkedKVCache` keeps a margin more. A roll-back past
-what it holds is refused in one line and changes nothing. A batch refuses Llama 4 in one line
-(its own code computes the chunk mask from one offset) and a server serves it one request at a
-time.
+what it holds is refused in one line and changes nothing. Its own code computes the chunk mask
+from one offset for the whole batch: a batch runs it row by row, each row on its own caches,
+every row exact.
 """
 
 from __future__ import annotations
@@ -19,12 +19,19 @@ import real_configs
 import tiny
 from conftest import VOCAB
 from mlx_lm.models.cache import ChunkedKVCache, KVCache
+from test_batch import (
+    TEXTS,
+    assert_a_row_comes_from_and_goes_into_single_streams,
+    assert_schedule_exact,
+    run_schedule,
+)
 from test_families import reference
 
 import mlx_spec
 from mlx_spec import SpecError, generate, load_pair, make_decoder
 from mlx_spec.core import caches
 from mlx_spec.decode.batch import check_batchable
+from mlx_spec.decode.generate import make_batch_decoder
 
 CONFIGS = real_configs.llama4_configs(VOCAB)
 TEXT = "Paris is the capital of France. The quick brown fox jumps over the lazy dog."
@@ -137,13 +144,59 @@ def test_a_roll_back_across_a_chunk_it_no_longer_holds_is_refused(pairs, monkeyp
     assert all(x.offset == first_whole for x in chunked)
 
 
-def test_a_batch_refuses_it_in_one_line_and_alone_it_speculates(pairs):
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_batched_rows_equal_each_alone(pairs, family, drafter):
+    """Its own code computes the chunk mask from one offset for the whole batch (mx.arange),
+    so a batch runs it row by row, each row on its own caches (caches.RowsCache): rows join
+    at different rounds, reject different numbers, leave, one is cancelled; every row is the
+    target's alone. A plain batch (check_batchable without `apart`) still refuses it."""
+    pair = pairs(family, drafter)
+    with pytest.raises(SpecError, match=r"\(llama4\) computes its chunked attention mask"):
+        check_batchable(pair.target)
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS]
+    decoder = make_batch_decoder(pair, 3)
+    out, reasons = run_schedule(decoder, prompts)
+    assert_schedule_exact(pair, prompts, out, reasons, family)
+    assert decoder.drafted > 0 and len(decoder) == 0
+    assert decoder.apart
+
+
+def test_a_batched_row_comes_from_and_goes_into_single_streams(pairs):
+    assert_a_row_comes_from_and_goes_into_single_streams(pairs("llama4-scout"))
+
+
+def test_two_rows_of_batch_generate_equal_generate(pairs):
     pair = pairs("llama4-maverick")
-    for model in (pair.target, pair.draft):
-        with pytest.raises(SpecError, match=r"\(llama4\) computes its chunked attention mask"):
-            check_batchable(model)
-    with pytest.raises(SpecError, match="one request at a time"):
-        mlx_spec.batch_generate(pair, [TEXT, TEXT[:20]], max_tokens=4)
-    prompt = prompt_ids(pair)
-    res = generate(pair, prompt, max_tokens=12, num_draft_tokens=3)
-    assert res.tokens == reference(pair, prompt, 12) and res.stats.drafted > 0
+    got = mlx_spec.batch_generate(pair, [TEXT, TEXTS[1]], max_tokens=16, num_draft_tokens=4)
+    for res, text in zip(got, [TEXT, TEXTS[1]], strict=True):
+        ids = pair.tokenizer.encode(text)
+        assert res.tokens == reference(pair, ids, 16) and res.stats.drafted > 0
+
+
+def test_two_concurrent_clients_get_the_targets_text(dirs, tmp_path):
+    """`mlx-spec serve --max-batch 4` on a Llama 4 pair: two clients at once, each reply
+    what the target alone gives (its rows batched row by row)."""
+    import concurrent.futures
+
+    import openai
+    from test_server import serving
+
+    target, draft = dirs["llama4-scout"]
+    pair = load_pair(target=str(target), draft=str(draft))
+    prompts = [TEXT, TEXTS[1]]
+    expected = [generate(pair, p, max_tokens=24, use_draft=False).text for p in prompts]
+    args = ["--target", str(target), "--draft", str(draft), "--num-draft-tokens", "3",
+            "--max-batch", "4"]  # fmt: skip
+    with serving(args, tmp_path) as (_, url):
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
+
+        def ask(prompt):
+            res = client.completions.create(
+                model="llama4-scout", prompt=prompt, max_tokens=24, temperature=0
+            )
+            return res.choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(ask, prompts))
+    assert got == expected

@@ -260,19 +260,83 @@ class MarginChunkedKVCache(ChunkedKVCache):
             self.values = self.values[..., trim:valid, :]
 
 
+class RowsCache:
+    """One layer of a batch whose rows stay single-stream caches, apart: for a model whose own
+    code takes one position for the whole batch (decode/batch.py's ONE_OFFSET: gpt_bigcode,
+    Llama 4's chunked attention), which the batch then runs row by row (`RowWise`), each row
+    on its own caches, exactly as alone. It batches the requests, not the passes: each row's
+    pass reads the weights again."""
+
+    def __init__(self, rows: list):
+        self.rows = list(rows)
+
+    @classmethod
+    def merge(cls, caches: list) -> RowsCache:
+        return cls(caches)
+
+    def extract(self, i: int):
+        return self.rows[i]
+
+    def filter(self, index) -> None:
+        self.rows = [self.rows[i] for i in mx.array(index).tolist()]
+
+    def extend(self, other: RowsCache) -> None:
+        self.rows += other.rows
+
+    @property
+    def state(self):
+        return [r.state for r in self.rows]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes([r]) for r in self.rows)
+
+    def refusal(self, rejected: list[int]) -> str | None:
+        for i, (r, n) in enumerate(zip(self.rows, rejected, strict=True)):
+            why = _refusal(r, n) if n else None
+            if why is not None:
+                return f"row {i}: {why}"
+        return None
+
+    def rollback(self, rejected: list[int]) -> None:
+        for r, n in zip(self.rows, rejected, strict=True):
+            if n and r.trim(n) != n:  # (checked by refusal first)
+                raise CacheRollbackError(f"{type(r).__name__} could not forget {n} tokens")
+
+
+class RowWise:
+    """A model run row by row over a batch of `RowsCache` layers: logits (B, L, vocab)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, inputs, cache):
+        return mx.concatenate(
+            [
+                self.model(inputs[b : b + 1], cache=[c.rows[b] for c in cache])
+                for b in range(inputs.shape[0])
+            ]
+        )
+
+
 def rollback_rows(cache: list, rejected: list[int]) -> None:
     """Forget the last `rejected[i]` entries of row i in every layer (see decode/batch.py's note),
     or raise CacheRollbackError before any layer changed (a sliding-window row that would
     lose part of its window)."""
     # the windowed layers of one window hold the same rows (one check each: it reads them)
     windows = {c.window: c for c in cache if isinstance(c, BatchWindowedKVCache)}
-    for c in windows.values():
+    apart = [c for c in cache if isinstance(c, RowsCache)]
+    for c in [*windows.values(), *apart]:
         why = c.refusal(rejected)
         if why is not None:
             raise CacheRollbackError(why)
+    for c in apart:
+        c.rollback(rejected)
     low = min(rejected)
     rest = [r - low for r in rejected]
     for c in _leaves(cache):
+        if isinstance(c, RowsCache):
+            continue  # (rolled back above)
         if isinstance(c, ArraysCache):
             continue  # a recurrent state forgets nothing: its rows are restored (restore_rows)
         if low:
