@@ -394,6 +394,21 @@ WHOLE: dict[str, tuple[str, object]] = {
         lambda v: __import__("real_configs").llama4_configs(v)["llama4-scout"],
     ),
 }
+WHOLE["mistral3"] = (
+    "a wrapper of three text models: llama's",
+    lambda v: {"model_type": "mistral3", "text_config": derive("llama")},
+)
+WHOLE["qwen3_5_moe"] = (
+    "tests/tiny.py's qwen3_5 with experts",
+    lambda v: {
+        **tiny.family_configs(v)["qwen3_5"],
+        "model_type": "qwen3_5_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    },
+)
 # mlx-lm's model cannot be built tiny, with why
 NOT_TINY = {
     "phi3small": "writes -inf into logits 100256..100351 in place: needs a vocabulary of 100352",
