@@ -259,6 +259,36 @@ HAND: dict[str, tuple[str, dict]] = {
         {"mla_scale_q_lora": True, "mla_scale_kv_lora": True, "zero_expert_type": "identity"},
     ),
     "plamo": ("heads a key/value head serves", {"n_shared_head": 2}),
+    "mimo_v2_flash": (
+        "per-layer sliding and MoE lists, the sliding layers' own sizes",
+        {
+            "hybrid_layer_pattern": [0, 1, 0, 1],
+            "moe_layer_freq": [0, 1, 1, 1],
+            "sliding_window_size": WINDOW,
+            "swa_num_attention_heads": 4,
+            "swa_num_key_value_heads": 2,
+            "swa_head_dim": 16,
+            "swa_v_head_dim": 16,
+            "swa_rope_theta": 1e4,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": True,
+            "partial_rotary_factor": 0.5,
+            "layernorm_epsilon": 1e-5,
+        },
+    ),  # fmt: skip
+    "nemotron-nas": (
+        "one block config a layer (attention grouping, FFN width; one attention skipped)",
+        {
+            "block_configs": [
+                {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
+                {"attention": {"no_op": True}, "ffn": {"ffn_mult": 1.0}},
+                {"attention": {"n_heads_in_group": 4}, "ffn": {"ffn_mult": 2.0}},
+                {"attention": {"n_heads_in_group": 2}, "ffn": {"no_op": True}},
+            ],
+            "hidden_act": "silu",
+        },
+    ),  # fmt: skip
     "glm_moe_dsa": (
         "rope parameters, its router's method",
         {
@@ -394,6 +424,23 @@ WHOLE: dict[str, tuple[str, object]] = {
         lambda v: __import__("real_configs").llama4_configs(v)["llama4-scout"],
     ),
 }
+WHOLE["gemma3n"] = (
+    "a text config of lists and AltUp / LAuReL sizes (Gemma 3n E2B's, shrunk)",
+    lambda v: {
+        "model_type": "gemma3n",
+        "text_config": {
+            "model_type": "gemma3n_text", "hidden_size": 64, "num_hidden_layers": 4,
+            "intermediate_size": [128] * 4, "num_attention_heads": 4, "head_dim": 16,
+            "rms_norm_eps": 1e-6, "vocab_size": v, "num_key_value_heads": 2,
+            "num_kv_shared_layers": 2, "vocab_size_per_layer_input": v,
+            "sliding_window": WINDOW, "max_position_embeddings": 512,
+            "rope_local_base_freq": 1e4, "rope_theta": 1e6, "final_logit_softcapping": 30.0,
+            "layer_types": LAYERS4, "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+            "hidden_size_per_layer_input": 16, "altup_num_inputs": 4, "altup_coef_clip": 120.0,
+            "altup_correct_scale": True, "altup_active_idx": 0, "laurel_rank": 8,
+        },
+    },
+)  # fmt: skip
 WHOLE["mistral3"] = (
     "a wrapper of three text models: llama's",
     lambda v: {"model_type": "mistral3", "text_config": derive("llama")},
