@@ -50,6 +50,11 @@ class TinyModels:
         self.chunked = tiny.write_model(
             root / "chunked", l4, tiny.family_weights(l4, seed=0), self.tokenizer
         )
+        # a cache that cannot roll back (deepseek_v41's LayerCache): refused for speculation
+        cc = tiny.compressed_config(VOCAB)
+        self.compressed = tiny.write_model(
+            root / "compressed", cc, tiny.family_weights(cc, seed=0), self.tokenizer
+        )
         self.swapped = tiny.write_model(root / "swapped", dc, dw, self.tokenizer)
         tiny.write_swapped_tokenizer(self.swapped, self.tokenizer, 100, 101)
         # a 16-token vocabulary: distributions small enough to enumerate exactly

@@ -439,6 +439,74 @@ def mtp_configs(vocab: int) -> dict[str, dict]:
     }
 
 
+def llama4_configs(vocab: int, chunk: int = 8) -> dict[str, dict]:
+    """Llama 4's two published text configs, shrunk: chunked attention (`attention_chunk_size`
+    8192 -> `chunk`) on three layers of four, the fourth global without RoPE (iRoPE; mlx-lm
+    decides it by layer index, `no_rope_layers` ships empty), attention temperature tuning
+    on the no-RoPE layers, qk-norm, one routed expert a token beside a shared one."""
+    text = {
+        "model_type": "llama4_text",
+        "attention_bias": False,
+        "attention_chunk_size": chunk,
+        "attn_scale": 0.1,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "intermediate_size_mlp": 128,
+        "no_rope_layers": [],
+        "num_attention_heads": 4,
+        "num_experts_per_tok": 1,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    return {
+        # meta-llama/Llama-4-Scout-17B-16E-Instruct: 16 experts on every layer, llama3 rope
+        # scaling (factor 16), qk-norm, 10M positions
+        "llama4-scout": {
+            "architectures": ["Llama4ForConditionalGeneration"],
+            "model_type": "llama4",
+            "eos_token_id": 2,
+            "text_config": {
+                **text,
+                "interleave_moe_layer_step": 1,
+                "num_local_experts": 4,
+                "max_position_embeddings": 10485760,
+                "rope_scaling": {
+                    "factor": 16.0,
+                    "high_freq_factor": 1.0,
+                    "low_freq_factor": 1.0,
+                    "original_max_position_embeddings": 8192,
+                    "rope_type": "llama3",
+                },
+                "use_qk_norm": True,
+            },
+        },
+        # meta-llama/Llama-4-Maverick-17B-128E-Instruct: experts on every other layer (128),
+        # no rope scaling, no qk-norm, 1M positions
+        "llama4-maverick": {
+            "architectures": ["Llama4ForConditionalGeneration"],
+            "model_type": "llama4",
+            "eos_token_id": 2,
+            "text_config": {
+                **text,
+                "interleave_moe_layer_step": 2,
+                "num_local_experts": 4,
+                "max_position_embeddings": 1048576,
+                "rope_scaling": None,
+                "use_qk_norm": False,
+            },
+        },
+    }
+
+
 def tied(config: dict) -> bool:
     text = config.get("text_config", {})
     return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings")))

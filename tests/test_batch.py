@@ -403,13 +403,14 @@ def test_a_sampled_row_in_a_mixed_batch_follows_the_target(tiny_models, monkeypa
 
 
 def test_caches_a_batch_cannot_roll_back_are_refused(tiny_models):
-    """Chunked targets are refused by name (sliding windows batch: test_batch_window.py;
-    recurrent states: test_batch_recurrent.py); single-stream decoding of the same pair still
-    works (speculating, where its caches roll back)."""
-    cases = [(tiny_models.chunked, "chunked attention", False)]
+    """A cache class a batch does not know (deepseek_v41's compressed LayerCache) is refused by
+    name (sliding windows batch: test_batch_window.py; recurrent states:
+    test_batch_recurrent.py; Llama 4 row by row: test_llama4.py); single-stream decoding of
+    the same pair still works (plain: its cache cannot roll back)."""
+    cases = [(tiny_models.compressed, "uses LayerCache layers", False)]
     for target, why, speculates in cases:
         pair = load_pair(target=str(target))
-        pair = pair.configured(drafter="ngram") if speculates else pair  # chunked: plain only
+        pair = pair.configured(drafter="ngram") if speculates else pair
         with pytest.raises(SpecError, match=why):
             mlx_spec.batch_generate(pair, TEXTS[:2], max_tokens=4)
         res = generate(pair, TEXTS[1], max_tokens=8, num_draft_tokens=2, use_draft=speculates)

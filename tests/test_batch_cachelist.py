@@ -3,8 +3,8 @@ target's alone (they crashed the whole batch: `merge_rows` handed the CacheList 
 BatchKVCache.merge). Target and draft are of the family (a noisy copy as the draft), so both
 batched caches hold CacheLists; rows join, reject different numbers, leave, are cancelled,
 come from and go into single streams. Two concurrent clients of a real server get the
-target's text. gpt_bigcode, whose own code takes one position for the whole batch, is
-refused in one line before anything runs and served one request at a time.
+target's text. gpt_bigcode, whose own code takes one position for the whole batch, is run
+row by row (each row on its own caches).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from test_batch import (
 from test_greedy_equality import reference
 from test_server import serving
 
-import mlx_spec
 from mlx_spec import SpecError, generate, load_pair
+from mlx_spec.core import caches
+from mlx_spec.decode.batch import check_batchable
 from mlx_spec.decode.generate import make_batch_decoder
 
 FAMILIES = list(tiny.cachelist_configs(VOCAB))
@@ -68,10 +69,18 @@ def test_a_row_comes_from_and_goes_into_single_streams(dirs, family):
     assert_a_row_comes_from_and_goes_into_single_streams(pair_of(dirs, family))
 
 
-def test_a_model_that_takes_one_offset_is_refused_in_one_line(dirs):
+def test_a_model_that_takes_one_offset_is_batched_row_by_row(dirs):
+    """gpt_bigcode's own code computes its positions from one offset for the whole batch
+    (np.arange): a plain batch refuses it in one line; a BatchDecoder runs it row by row,
+    each row on its own caches (caches.RowsCache), every row the target's alone."""
     pair = pair_of(dirs, "gpt_bigcode")
     with pytest.raises(SpecError, match=r"gpt_bigcode\) computes its positions .*one request"):
-        mlx_spec.batch_generate(pair, TEXTS[:2], max_tokens=4)
+        check_batchable(pair.target)
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS]
+    decoder = make_batch_decoder(pair, 3)
+    out, reasons = run_schedule(decoder, prompts)
+    assert_schedule_exact(pair, prompts, out, reasons, "gpt_bigcode")
+    assert decoder.apart and decoder.drafted > 0
     prompt = pair.tokenizer.encode(TEXTS[2])
     res = generate(pair, prompt, max_tokens=12, num_draft_tokens=3)  # alone it speculates
     assert res.tokens == reference(pair, prompt, 12) and res.stats.drafted > 0
@@ -80,7 +89,7 @@ def test_a_model_that_takes_one_offset_is_refused_in_one_line(dirs):
 @pytest.mark.parametrize("family", ["falcon_h1", "deepseek_v32", "gpt_bigcode"])
 def test_two_concurrent_clients_get_the_targets_text(dirs, family):
     """`mlx-spec serve --max-batch 4`: two clients at once; each reply is what the target
-    alone gives (a batch of CacheList rows; gpt_bigcode one after the other)."""
+    alone gives (a batch of CacheList rows; gpt_bigcode's row by row)."""
     root, _ = dirs
     target, draft = dirs[1][family]
     args = ["--target", str(target), "--draft", str(draft), "--num-draft-tokens", "3",
@@ -102,3 +111,35 @@ def test_two_concurrent_clients_get_the_targets_text(dirs, family):
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             got = list(pool.map(ask, prompts))
     assert got == expected
+
+
+def test_a_cache_class_the_batch_does_not_know_is_refused_in_one_line():
+    """Issue 58 item 4: every cache that reaches a batch has been checked by `check_batchable`;
+    a class it does not know (here a layer's own, alone or inside a CacheList, or a subclass
+    of KVCache that may keep state of its own) is refused by name before any row, never
+    passed through to a merge that would hand it to the wrong batched class."""
+    from mlx_lm.models.cache import KVCache, _BaseCache
+
+    from mlx_spec.decode.batch import BatchDecoder, merge_layer
+
+    class Mine(_BaseCache):
+        offset = 0
+
+    class MyKV(KVCache):
+        pass
+
+    for layers in ([KVCache(), Mine()], [CacheList(KVCache(), Mine())], [MyKV()]):
+
+        class Model:
+            model_type = "mine"
+
+            def make_cache(self, layers=layers):
+                return layers
+
+        name = type(caches._leaves(layers)[-1]).__name__
+        for call in (lambda: check_batchable(Model()), lambda: BatchDecoder(Model())):
+            with pytest.raises(SpecError, match=f"uses {name} layers") as refused:
+                call()
+            assert "\n" not in str(refused.value)
+        with pytest.raises(SpecError, match=f"a {name} layer cannot be batched"):
+            merge_layer([layers[-1]] * 2)  # (the second line of defence)

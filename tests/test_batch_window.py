@@ -190,6 +190,8 @@ def test_attention_sinks_recurrent_and_chunked_stay_refused(tiny_models):
 
     with pytest.raises(SpecError, match="attention-sink"):
         check_batchable(Sinks())
+    # (a plain batch's check: a BatchDecoder restores recurrent rows and runs Llama 4's chunked
+    # attention row by row, test_batch_recurrent.py and test_llama4.py)
     for target, why in [(tiny_models.mamba, "recurrent"), (tiny_models.chunked, "chunked")]:
         with pytest.raises(SpecError, match=why):
             check_batchable(load_pair(target=str(target)).target)

@@ -116,8 +116,8 @@ def error_cases(t):
             ["vocabularies differ", "token id 100"],
         ),
         (
-            ["generate", "--target", str(t.chunked), "--draft", draft, "hi"],
-            ["cannot be rolled back", "ChunkedKVCache"],
+            ["generate", "--target", str(t.compressed), "--draft", draft, "hi"],
+            ["cannot be rolled back", "LayerCache"],
         ),
         (["generate", *pair, "--num-draft-tokens", "0", "hi"], ["num-draft-tokens", ">= 1"]),
         (["generate", *pair, "--temp", "-1", "hi"], ["temperature"]),

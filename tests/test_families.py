@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tiny
 from mlx_lm import stream_generate
-from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache
+from mlx_lm.models.cache import ChunkedKVCache, ConcatenateKVCache, KVCache, RotatingKVCache
 from mlx_lm.sample_utils import make_sampler
 from test_distribution import chi_square, exact_joint, first_two
 
@@ -152,12 +152,15 @@ def test_mlx_lm_rotating_cache_fails_loudly_not_silently(pairs, monkeypatch):
 
 
 def test_a_cache_that_cannot_roll_back_is_refused_before_any_token():
-    class ChunkedModel:  # llama4's chunked attention: it drops old rows on its own schedule
+    class ConcatModel:  # afm7's kv-reuse layer: its trim keeps the rows it says it forgot
         def make_cache(self):
-            return [ChunkedKVCache(8)]
+            return [KVCache(), ConcatenateKVCache()]
 
-    with pytest.raises(SpecError, match="ChunkedKVCache.*cannot be rolled back"):
-        caches.make_cache(ChunkedModel())
+    with pytest.raises(SpecError, match="ConcatenateKVCache.*cannot be rolled back"):
+        caches.make_cache(ConcatModel())
+    # Llama 4's chunked attention rolls back within a chunk (test_llama4.py)
+    made = caches.make_cache(type("Chunked", (), {"make_cache": lambda _: [ChunkedKVCache(8)]})())
+    assert type(made[0]) is caches.MarginChunkedKVCache
 
 
 def test_recurrent_rollback_is_refused_not_ignored(pairs):

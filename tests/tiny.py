@@ -348,9 +348,23 @@ def family_weights(
     return weights
 
 
+def compressed_config(vocab_size: int) -> dict:
+    """mlx-lm's `deepseek_v41` (compressed attention beside a sliding window): its layer cache
+    (`LayerCache`: closed compressed groups, an open group's rows) has no trim, so the engine
+    cannot roll it back and refuses it in one line."""
+    return {
+        "model_type": "deepseek_v41", "vocab_size": vocab_size, "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16, "q_lora_rank": 32,
+        "qk_rope_head_dim": 8, "o_lora_rank": 32, "moe_intermediate_size": 32,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "routed_scaling_factor": 1.0,
+        "rms_norm_eps": 1e-5, "sliding_window": 8, "rope_theta": 1e4,
+        "max_position_embeddings": 512, "eos_token_id": 2,
+    }  # fmt: skip
+
+
 def llama4_config(vocab_size: int) -> dict:
-    """Llama 4: chunked attention (ChunkedKVCache drops old rows on its own schedule), a cache
-    the engine cannot roll back."""
+    """Llama 4: chunked attention (ChunkedKVCache), which rolls back within a chunk
+    (caches.MarginChunkedKVCache); a batch refuses it (its code takes one offset)."""
     return {
         "model_type": "llama4",
         "text_config": {

@@ -234,19 +234,109 @@ class BatchWindowedKVCache(BatchKVCache):
         return merged
 
 
+class MarginChunkedKVCache(ChunkedKVCache):
+    """mlx-lm's `ChunkedKVCache` (Llama 4's chunked attention) that keeps `margin` tokens more
+    than its chunk, so a roll-back of up to `margin` tokens still holds the whole chunk the
+    next token attends to. mlx-lm's keeps only the last `chunk_size` tokens before each pass
+    (`maybe_trim_front`, which the model calls): a draft model fed one token a step drops the
+    front of its chunk step by step, and could not go back over the tokens it drafted. The
+    extra tokens change nothing the model computes: its chunk mask, built from
+    `start_position`, hides every token of an earlier chunk. Trimmed once per `slack` tokens,
+    as WindowedKVCache compacts."""
+
+    def __init__(self, chunk_size: int, margin: int = WINDOW_MARGIN, slack: int = WINDOW_SLACK):
+        super().__init__(chunk_size)
+        self.margin, self.slack = margin, slack
+
+    def maybe_trim_front(self):
+        if self.keys is None:
+            return
+        valid = self.offset - self.start_position
+        keep = self.chunk_size + self.margin
+        if valid > keep + self.slack:
+            trim = valid - keep
+            self.start_position += trim
+            self.keys = self.keys[..., trim:valid, :]
+            self.values = self.values[..., trim:valid, :]
+
+
+class RowsCache:
+    """One layer of a batch whose rows stay single-stream caches, apart: for a model whose own
+    code takes one position for the whole batch (decode/batch.py's ONE_OFFSET: gpt_bigcode,
+    Llama 4's chunked attention), which the batch then runs row by row (`RowWise`), each row
+    on its own caches, exactly as alone. It batches the requests, not the passes: each row's
+    pass reads the weights again."""
+
+    def __init__(self, rows: list):
+        self.rows = list(rows)
+
+    @classmethod
+    def merge(cls, caches: list) -> RowsCache:
+        return cls(caches)
+
+    def extract(self, i: int):
+        return self.rows[i]
+
+    def filter(self, index) -> None:
+        self.rows = [self.rows[i] for i in mx.array(index).tolist()]
+
+    def extend(self, other: RowsCache) -> None:
+        self.rows += other.rows
+
+    @property
+    def state(self):
+        return [r.state for r in self.rows]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes([r]) for r in self.rows)
+
+    def refusal(self, rejected: list[int]) -> str | None:
+        for i, (r, n) in enumerate(zip(self.rows, rejected, strict=True)):
+            why = _refusal(r, n) if n else None
+            if why is not None:
+                return f"row {i}: {why}"
+        return None
+
+    def rollback(self, rejected: list[int]) -> None:
+        for r, n in zip(self.rows, rejected, strict=True):
+            if n and r.trim(n) != n:  # (checked by refusal first)
+                raise CacheRollbackError(f"{type(r).__name__} could not forget {n} tokens")
+
+
+class RowWise:
+    """A model run row by row over a batch of `RowsCache` layers: logits (B, L, vocab)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, inputs, cache):
+        return mx.concatenate(
+            [
+                self.model(inputs[b : b + 1], cache=[c.rows[b] for c in cache])
+                for b in range(inputs.shape[0])
+            ]
+        )
+
+
 def rollback_rows(cache: list, rejected: list[int]) -> None:
     """Forget the last `rejected[i]` entries of row i in every layer (see decode/batch.py's note),
     or raise CacheRollbackError before any layer changed (a sliding-window row that would
     lose part of its window)."""
     # the windowed layers of one window hold the same rows (one check each: it reads them)
     windows = {c.window: c for c in cache if isinstance(c, BatchWindowedKVCache)}
-    for c in windows.values():
+    apart = [c for c in cache if isinstance(c, RowsCache)]
+    for c in [*windows.values(), *apart]:
         why = c.refusal(rejected)
         if why is not None:
             raise CacheRollbackError(why)
+    for c in apart:
+        c.rollback(rejected)
     low = min(rejected)
     rest = [r - low for r in rejected]
     for c in _leaves(cache):
+        if isinstance(c, RowsCache):
+            continue  # (rolled back above)
         if isinstance(c, ArraysCache):
             continue  # a recurrent state forgets nothing: its rows are restored (restore_rows)
         if low:
@@ -272,14 +362,19 @@ def _convert(c):
                 f"a rotating KV cache that keeps {c.keep} attention-sink tokens cannot roll back"
             )
         return WindowedKVCache(c.max_size, WINDOW_MARGIN, WINDOW_SLACK)
+    if type(c) is ChunkedKVCache:
+        return MarginChunkedKVCache(c.chunk_size, WINDOW_MARGIN, WINDOW_SLACK)
     return c
 
 
-# Layer caches whose trim is exact at any length (checked by class, not by is_trimmable(),
-# which says only whether a trim is possible now). ArraysCache is snapshotted instead.
+# Layer caches whose trim is exact (checked by class, not by is_trimmable(), which says only
+# whether a trim is possible now). ArraysCache is snapshotted instead. MarginChunkedKVCache
+# (Llama 4's chunked attention) forgets exactly any tokens back to the start of the chunk
+# the next token attends to; a roll-back past what it still holds is refused (`_refusal`).
+# (not mlx-lm's ChunkedKVCache itself: it may already have dropped the front of that chunk)
 # (not mlx-lm's ConcatenateKVCache: its trim lowers the offset but keeps the rows, so the next
-# write lands after the forgotten ones; no model's make_prompt_cache returns it today)
-ROLLBACK_TYPES = (KVCache, QuantizedKVCache, ArraysCache)
+# write lands after the forgotten ones; afm7's kv-reuse layer is one)
+ROLLBACK_TYPES = (KVCache, QuantizedKVCache, ArraysCache, MarginChunkedKVCache)
 
 
 def make_cache(model, role: str = "target", strict: bool = True) -> list:
@@ -419,7 +514,7 @@ def _copy_layer(c):
         twin.keys, twin.values = _rows(c.keys, c.stored), _rows(c.values, c.stored)
     elif kind in (KVCache, QuantizedKVCache, ConcatenateKVCache):
         twin.keys, twin.values = _rows(c.keys, c.offset), _rows(c.values, c.offset)
-    elif kind is ChunkedKVCache:  # plain decoding only (make_cache(strict=False))
+    elif kind in (ChunkedKVCache, MarginChunkedKVCache):  # (it holds start_position on)
         held = c.offset - c.start_position
         twin.keys, twin.values = _rows(c.keys, held), _rows(c.values, held)
     else:

@@ -10,8 +10,10 @@ GPT-OSS, Mistral-style `sliding_window`), whose rows `caches.BatchWindowedKVCach
 roll-back that would cut into a row's window raises), and recurrent layers (ArraysCache:
 Qwen3.5 hybrids, Mamba) in the target (below) and in a draft model (its state after each draft
 step kept, as ModelDrafter keeps it alone: each row goes back to its own). Refused with a
-one-line reason (`check_batchable`), as mlx-lm cannot batch them either: chunked attention and
-attention sinks. A head beside a
+one-line reason (`check_batchable`), as mlx-lm cannot batch them either: attention sinks and any
+cache class not named here. Models whose own code takes one position for the whole batch
+(`ONE_OFFSET`: gpt_bigcode, Llama 4's chunked attention) run row by row, each row on its own
+single-stream caches (`caches.RowsCache`, `caches.RowWise`): exact, not faster. A head beside a
 recurrent target takes the features of each row's kept tokens from where its last token sits
 in the pass (after its replay): `BatchHead.take`'s starts.
 Each round (`step`):
@@ -156,11 +158,20 @@ def _why_not(c, windows: bool = True) -> str:
 # row): refused before anything runs, where they would fail in the first pass
 ONE_OFFSET = {
     "gpt_bigcode": "computes its positions from one offset for the whole batch (np.arange)",
+    # (its ChunkedKVCache rolls back: caches.MarginChunkedKVCache)
+    "llama4": (
+        "computes its chunked attention mask and its no-RoPE layers' attention temperature "
+        "from one offset for the whole batch (mx.arange)"
+    ),
 }
 
 
 def check_batchable(
-    model, role: str = "target", windows: bool = True, recurrent: bool = False
+    model,
+    role: str = "target",
+    windows: bool = True,
+    recurrent: bool = False,
+    apart: bool = False,
 ) -> None:
     """Refuse a model whose cache the batch cannot roll back per row: plain KVCache layers
     merge into a BatchKVCache, sliding-window layers (RotatingKVCache without attention
@@ -168,8 +179,12 @@ def check_batchable(
     per row. `windows=False`: plain KVCache layers only (a caller that batches with
     BatchKVCache alone, as eagle_head's replies). `recurrent=True`: recurrent layers
     (ArraysCache) too, which a BatchDecoder's target restores per row and replays.
-    A model whose own code cannot take one position per row (`ONE_OFFSET`) is refused too."""
+    A model whose own code cannot take one position per row (`ONE_OFFSET`) is refused too,
+    unless `apart` (a BatchDecoder: it runs such a model row by row, each row on its own
+    single-stream caches, `caches.RowsCache`, which `caches.make_cache` checked)."""
     kind = getattr(model, "model_type", None)
+    if kind in ONE_OFFSET and apart:
+        return
     if kind in ONE_OFFSET:
         raise SpecError(
             f"the {role} model ({kind}) {ONE_OFFSET[kind]}, so its rows cannot be batched; "
@@ -185,9 +200,11 @@ def check_batchable(
             )
 
 
-def merge_rows(row_caches: list[list]) -> list:
-    """Single-row caches (one list per row) -> one batched cache per layer, left-padded."""
-    return [merge_layer([c[i] for c in row_caches]) for i in range(len(row_caches[0]))]
+def merge_rows(row_caches: list[list], apart: bool = False) -> list:
+    """Single-row caches (one list per row) -> one batched cache per layer, left-padded
+    (`apart`: each row's caches kept as they are, `caches.RowsCache`)."""
+    merge = caches.RowsCache.merge if apart else merge_layer
+    return [merge([c[i] for c in row_caches]) for i in range(len(row_caches[0]))]
 
 
 def merge_layer(layer: list):
@@ -305,7 +322,7 @@ def _held(cache: list, tokens: int, what: str) -> None:
     """Every layer holds `tokens` entries (a sliding-window layer: has taken them in, its
     oldest maybe dropped), or SpecError (a cache that is not what it says)."""
     sizes = {
-        c.offset if isinstance(c, WindowedKVCache) else c.size()
+        c.offset if isinstance(c, WindowedKVCache | caches.MarginChunkedKVCache) else c.size()
         for c in caches._leaves(cache)
         if not isinstance(c, ArraysCache)  # (a recurrent state has no length to check)
     }
@@ -314,7 +331,8 @@ def _held(cache: list, tokens: int, what: str) -> None:
 
 
 def _plain(cache: list, what: str, recurrent: bool = False) -> None:
-    kinds = (KVCache, WindowedKVCache) + ((ArraysCache,) if recurrent else ())
+    kinds = (KVCache, WindowedKVCache, caches.MarginChunkedKVCache)
+    kinds += (ArraysCache,) if recurrent else ()
     if any(type(c) not in kinds for c in caches._leaves(cache)):
         raise SpecError(f"the kept {what} cache is not made of plain or windowed KV caches")
 
@@ -439,9 +457,20 @@ class BatchDecoder:
         draft_confidence: float = 0.0,
         head=None,
     ):
-        check_batchable(target, "target", recurrent=True)
+        check_batchable(target, "target", recurrent=True, apart=True)
         if draft is not None:
-            check_batchable(draft, "draft", recurrent=True)
+            check_batchable(draft, "draft", recurrent=True, apart=True)
+        # a model whose own code takes one position for the whole batch (ONE_OFFSET) runs
+        # row by row, each row on its own caches (caches.RowsCache): exact, not faster
+        self.apart = getattr(target, "model_type", None) in ONE_OFFSET
+        self.draft_apart = getattr(draft, "model_type", None) in ONE_OFFSET
+        if head is not None and self.apart:
+            raise SpecError(
+                f"the target model ({target.model_type}) runs a batch row by row, which a "
+                "head's batch does not; decode it with a draft model or prompt lookup"
+            )
+        self.target_pass = caches.RowWise(target) if self.apart else target
+        self.draft_pass = caches.RowWise(draft) if self.draft_apart else draft
         if head is not None and (draft is not None or lookup is not None):
             raise SpecError("a batch drafts with a head alone, not beside another drafter")
         # a recurrent target (Qwen3.5, Qwen3-Next, Mamba): rows restored and replayed
@@ -626,8 +655,10 @@ class BatchDecoder:
         if self.lookup is not None:
             row.lookup = NGramDrafter(*self.lookup, history=history)
             row.lookup.prefill(prompt)
-        merged = merge_rows([cache])
-        merged_draft = merge_rows([draft_cache]) if draft_cache is not None else None
+        merged = merge_rows([cache], self.apart)
+        merged_draft = (
+            merge_rows([draft_cache], self.draft_apart) if draft_cache is not None else None
+        )
         if self.cache is None:
             self.cache, self.draft_cache = merged, merged_draft
         else:
@@ -714,7 +745,7 @@ class BatchDecoder:
         if self.rows and self.lag > 2:
             begin = time.perf_counter()
             tokens = mx.array([draft_tail(r, self.lag)[:-2] for r in self.rows], mx.uint32)
-            self.draft(tokens, cache=self.draft_cache)
+            self.draft_pass(tokens, cache=self.draft_cache)
             caches.eval_state(self.draft_cache)
             if self.controller is not None:
                 self.controller.observe_catch_up(tokens.size, time.perf_counter() - begin)
@@ -870,7 +901,7 @@ class BatchDecoder:
             last = mx.array([[r.sequence[-1]] for r in rows], mx.uint32)
             inputs = mx.concatenate([last, drafts.astype(mx.uint32)], axis=1) if width else last
         with capturing(self.target, self.hidden_layers) as hidden:  # (a head's layers)
-            logits = self.target(inputs, cache=self.cache)  # (B, K+1, vocab)
+            logits = self.target_pass(inputs, cache=self.cache)  # (B, K+1, vocab)
         # a processor reads the row's proposal as ids (a grammar walks it): read once
         proposals = drafts.tolist() if any(r.processors for r in rows) else None
         outs, lps = [], []
@@ -980,7 +1011,7 @@ class BatchDecoder:
                 # guesses must go back to before the tail's last token: the tail's other
                 # tokens go in a pass of their own (one extra draft pass a round), then every
                 # step's state is kept (draft_states[h]: sequence[:-2] of a row that keeps h)
-                self.draft(y[:, :-1], cache=self.draft_cache)
+                self.draft_pass(y[:, :-1], cache=self.draft_cache)
                 y = y[:, -1:]
                 self.draft_states.append(caches.snapshot(self.draft_cache))
         columns, qs = [], [[] for _ in rows]
@@ -1011,7 +1042,7 @@ class BatchDecoder:
             elif heads is not None:  # (B, vocab)
                 logits = process(heads.draft_logits(j, before, sequences, width))
             else:
-                logits = process(self.draft(y, cache=self.draft_cache)[:, -1])  # (B, vocab)
+                logits = process(self.draft_pass(y, cache=self.draft_cache)[:, -1])  # (B, vocab)
                 if self.draft_recurrent:
                     self.draft_states.append(caches.snapshot(self.draft_cache))
             picks = mx.argmax(logits, axis=-1)  # (B,)

@@ -257,8 +257,9 @@ def batch_generate(
     prompts, or a list of them, one per prompt (each its own k: a row drafts at most its
     num_draft_tokens, `auto` rows as the batch's controller chooses). `max_batch`: rows
     decoded together at most (None: all); the others join as rows finish. Not batched yet
-    (SpecError): a drafter kind that does not say how a batch drafts with it, chunked
-    targets (sliding windows and recurrent targets batch)."""
+    (SpecError): a drafter kind that does not say how a batch drafts with it, a cache
+    class the batch does not know (sliding windows, recurrent states, CacheLists and chunked
+    attention batch; gpt_bigcode and Llama 4 row by row)."""
     if isinstance(prompts, str):  # (it ran as one prompt per character)
         raise SpecError("batch_generate takes a list of prompts; for one, use generate")
     prompts = list(prompts)
