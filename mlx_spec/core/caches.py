@@ -262,7 +262,7 @@ class MarginChunkedKVCache(ChunkedKVCache):
 
 class RowsCache:
     """One layer of a batch whose rows stay single-stream caches, apart: for a model whose own
-    code takes one position for the whole batch (decode/batch.py's ONE_OFFSET: gpt_bigcode,
+    code takes one position for the whole batch (core/batch_caches.py's ONE_OFFSET: gpt_bigcode,
     Llama 4's chunked attention), which the batch then runs row by row (`RowWise`), each row
     on its own caches, exactly as alone. It batches the requests, not the passes: each row's
     pass reads the weights again."""
