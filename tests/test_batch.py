@@ -893,13 +893,13 @@ def test_a_long_catch_up_is_a_pass_of_its_own(pair, monkeypatch):
     rid = decoder.add(pair.tokenizer.encode(TEXTS[4]), GenerationConfig(max_tokens=30))
     for _ in range(8):
         decoder.step()
-    widths, draft = [], decoder.draft  # the draft model, recording what each pass feeds it
+    widths, draft = [], decoder.draft_pass  # the draft model, recording what each pass feeds
 
     def recording(y, cache):
         widths.append(y.shape[1])
         return draft(y, cache=cache)
 
-    monkeypatch.setattr(decoder, "draft", recording)
+    monkeypatch.setattr(decoder, "draft_pass", recording)
     u = decoder.step()[rid]
     assert widths == [8, 2, 1, 1] and decoder.timing.draft_steps == 3
     assert u.round.drafted == 3 and decoder.lag == 2

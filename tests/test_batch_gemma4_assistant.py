@@ -114,12 +114,12 @@ def test_rows_past_a_compacting_window(pair, monkeypatch):
     """The sliding layers' buffers drop their front every few tokens (a margin of 7 beyond
     the window, 3 of slack, as test_batch_window's): rows still see their last window - 1
     keys, greedy rows and seeded rounds as alone."""
-    from mlx_spec.core import caches
+    from mlx_spec.core import batch_caches, caches
 
     monkeypatch.setattr(caches, "WINDOW_MARGIN", 7)
     monkeypatch.setattr(caches, "WINDOW_SLACK", 3)
     compactions = []
-    update = caches.BatchWindowedKVCache.update_and_fetch
+    update = batch_caches.BatchWindowedKVCache.update_and_fetch
 
     def spy(self, keys, values):
         before = self._idx
@@ -128,7 +128,7 @@ def test_rows_past_a_compacting_window(pair, monkeypatch):
             compactions.append(before)
         return out
 
-    monkeypatch.setattr(caches.BatchWindowedKVCache, "update_and_fetch", spy)
+    monkeypatch.setattr(batch_caches.BatchWindowedKVCache, "update_and_fetch", spy)
     assert_greedy_rows_equal_each_alone(pair, make_batch_decoder(pair, 3))
     assert_seeded_rounds_as_alone(pair)
     assert compactions

@@ -1,14 +1,17 @@
 """How the batch (decode/batch.py) holds each mlx-lm cache class: one home for what is per
 class — whether a model's caches can be batched with a roll-back per row (`check_batchable`,
 `why_not`), how single-stream layers merge into a batched one (`merge_layer`) and how a row is
-taken back out (`extract_layer`). Rolling rows back and restoring them is `caches.rollback_rows`
-/ `caches.restore_rows`, beside the batched classes themselves (`BatchWindowedKVCache`,
-`RowsCache`) in core/caches.py. A new cache class is one case in each of these functions; a
-class none of them names is refused in one line (check_batchable, then merge_layer)."""
+taken back out (`extract_layer`), the batched classes of our own (`BatchWindowedKVCache`,
+`RowsCache` and the `RowWise` pass over it) and how every row forgets what it rejected
+(`rollback_rows`; a recurrent row is restored instead, `caches.restore_rows`). The
+single-stream classes they hold are core/caches.py's. A new cache class is one case in each of
+these functions; a class none of them names is refused in one line (check_batchable, then
+merge_layer)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (
     ArraysCache,
     BatchKVCache,
@@ -21,7 +24,15 @@ from mlx_lm.models.cache import (
 
 from ..errors import SpecError
 from . import caches
-from .caches import BatchWindowedKVCache, WindowedKVCache
+from .caches import (
+    WINDOW_MARGIN,
+    WINDOW_SLACK,
+    CacheRollbackError,
+    WindowedKVCache,
+    _leaves,
+    _refusal,
+    nbytes,
+)
 
 
 def why_not(c, windows: bool = True) -> str:
@@ -69,7 +80,7 @@ def check_batchable(
     (ArraysCache) too, which a BatchDecoder's target restores per row and replays.
     A model whose own code cannot take one position per row (`ONE_OFFSET`) is refused too,
     unless `apart` (a BatchDecoder: it runs such a model row by row, each row on its own
-    single-stream caches, `caches.RowsCache`, which `caches.make_cache` checked)."""
+    single-stream caches, `RowsCache`, which `caches.make_cache` checked)."""
     kind = getattr(model, "model_type", None)
     if kind in ONE_OFFSET and apart:
         return
@@ -90,8 +101,8 @@ def check_batchable(
 
 def merge_rows(row_caches: list[list], apart: bool = False) -> list:
     """Single-row caches (one list per row) -> one batched cache per layer, left-padded
-    (`apart`: each row's caches kept as they are, `caches.RowsCache`)."""
-    merge = caches.RowsCache.merge if apart else merge_layer
+    (`apart`: each row's caches kept as they are, `RowsCache`)."""
+    merge = RowsCache.merge if apart else merge_layer
     return [merge([c[i] for c in row_caches]) for i in range(len(row_caches[0]))]
 
 
@@ -134,3 +145,180 @@ def extract_layer(c, i: int):
         one.cache = [a[i : i + 1] if a is not None else None for a in c.cache]
         return one
     return c.extract(i)
+
+
+class BatchWindowedKVCache(BatchKVCache):
+    """`WindowedKVCache` for a batch (decode/batch.py): mlx-lm's left-padded `BatchKVCache`
+    (its extend, filter, trim and per-row roll right all apply) whose rows forget old tokens.
+
+    Each row's tokens are contiguous and end at column `_idx - 1`, so a column distance is a
+    distance in time: the mask (`make_mask`) is causal, limited to the window, and hides each
+    row's left padding. `offset` (per row) stays absolute, for RoPE. Once the buffer holds
+    more than `window - 1 + margin + slack` columns, its front is dropped down to the last
+    `window - 1 + margin`, a slice common to all rows: every row then keeps its last
+    `window - 1 + margin` tokens (or all it has; a row with fewer loses left padding only),
+    so a roll-back of up to `margin` tokens leaves every row its window, as alone."""
+
+    def __init__(self, left_padding, window: int, margin: int = WINDOW_MARGIN,
+                 slack: int = WINDOW_SLACK):  # fmt: skip
+        super().__init__(left_padding)
+        self.window, self.margin, self.slack = window, margin, slack
+
+    def update_and_fetch(self, keys, values):
+        fetched = super().update_and_fetch(keys, values)
+        # compact after fetching, as WindowedKVCache: this pass's mask counted the columns
+        keep = self.window - 1 + self.margin
+        if self._idx > keep + self.slack:
+            drop = self._idx - keep
+            self.keys = self.keys[..., drop : self._idx, :]
+            self.values = self.values[..., drop : self._idx, :]
+            self._idx = keep
+            self.left_padding = mx.maximum(self.left_padding - drop, 0)
+        return fetched
+
+    def stored(self) -> list[int]:
+        """Each row's tokens held (the rest of its `offset` was dropped)."""
+        return (self._idx - self.left_padding).tolist()
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        # models that leave the window to the cache (RotatingKVCache's max_size) pass None
+        return create_causal_mask(
+            N, offset=self._idx, window_size=window_size or self.window,
+            left_padding=self.left_padding,
+        )  # fmt: skip
+
+    def refusal(self, rejected: list[int]) -> str | None:
+        """Why the rows cannot forget `rejected[i]` tokens each (None: they can): after it a
+        row's next token must still see its window - 1 predecessors (or all of them)."""
+        offsets = self.offset.tolist()
+        for i, (stored, n) in enumerate(zip(self.stored(), rejected, strict=True)):
+            if n > stored or stored - n < min(self.window - 1, offsets[i] - n):
+                return (
+                    f"a sliding-window layer's row {i} cannot forget {n} tokens (it keeps "
+                    f"{self.margin} beyond its window of {self.window})"
+                )
+        return None
+
+    def trim(self, n):
+        n = min(self._idx, n)
+        if self.refusal([n] * len(self.offset.tolist())) is not None:
+            return 0
+        return super().trim(n)
+
+    def extract(self, idx) -> WindowedKVCache:
+        padding, offset = self.left_padding.tolist()[idx], self.offset.tolist()[idx]
+        cache = WindowedKVCache(self.window, self.margin, self.slack)
+        if self.keys is not None and self._idx > padding:
+            cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, padding : self._idx])
+            cache.values = mx.contiguous(self.values[idx : idx + 1, :, padding : self._idx])
+        cache.offset = offset
+        cache.dropped = offset - (self._idx - padding)
+        return cache
+
+    @classmethod
+    def merge(cls, caches):
+        """Single-row WindowedKVCaches (one window) -> one batch, left-padded."""
+        first = caches[0]
+        lengths = [c.stored for c in caches]
+        longest = max(lengths)
+        merged = cls([longest - n for n in lengths], first.window, first.margin, first.slack)
+        merged.offset = mx.array([c.offset for c in caches])
+        if longest == 0:
+            return merged
+        some = next(c for c in caches if c.keys is not None)
+        _, H, _, Dk = some.keys.shape
+        Dv = some.values.shape[3]
+        keys = mx.zeros((len(caches), H, longest, Dk), some.keys.dtype)
+        values = mx.zeros((len(caches), H, longest, Dv), some.values.dtype)
+        for i, (c, n) in enumerate(zip(caches, lengths, strict=True)):
+            if n:
+                keys[i : i + 1, :, longest - n :] = c.keys[..., :n, :]
+                values[i : i + 1, :, longest - n :] = c.values[..., :n, :]
+        merged.keys, merged.values, merged._idx = keys, values, longest
+        return merged
+
+
+class RowsCache:
+    """One layer of a batch whose rows stay single-stream caches, apart: for a model whose own
+    code takes one position for the whole batch (core/batch_caches.py's ONE_OFFSET: gpt_bigcode,
+    Llama 4's chunked attention), which the batch then runs row by row (`RowWise`), each row
+    on its own caches, exactly as alone. It batches the requests, not the passes: each row's
+    pass reads the weights again."""
+
+    def __init__(self, rows: list):
+        self.rows = list(rows)
+
+    @classmethod
+    def merge(cls, caches: list) -> RowsCache:
+        return cls(caches)
+
+    def extract(self, i: int):
+        return self.rows[i]
+
+    def filter(self, index) -> None:
+        self.rows = [self.rows[i] for i in mx.array(index).tolist()]
+
+    def extend(self, other: RowsCache) -> None:
+        self.rows += other.rows
+
+    @property
+    def state(self):
+        return [r.state for r in self.rows]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes([r]) for r in self.rows)
+
+    def refusal(self, rejected: list[int]) -> str | None:
+        for i, (r, n) in enumerate(zip(self.rows, rejected, strict=True)):
+            why = _refusal(r, n) if n else None
+            if why is not None:
+                return f"row {i}: {why}"
+        return None
+
+    def rollback(self, rejected: list[int]) -> None:
+        for r, n in zip(self.rows, rejected, strict=True):
+            if n and r.trim(n) != n:  # (checked by refusal first)
+                raise CacheRollbackError(f"{type(r).__name__} could not forget {n} tokens")
+
+
+class RowWise:
+    """A model run row by row over a batch of `RowsCache` layers: logits (B, L, vocab)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, inputs, cache):
+        return mx.concatenate(
+            [
+                self.model(inputs[b : b + 1], cache=[c.rows[b] for c in cache])
+                for b in range(inputs.shape[0])
+            ]
+        )
+
+
+def rollback_rows(cache: list, rejected: list[int]) -> None:
+    """Forget the last `rejected[i]` entries of row i in every layer (see decode/batch.py's note),
+    or raise CacheRollbackError before any layer changed (a sliding-window row that would
+    lose part of its window)."""
+    # the windowed layers of one window hold the same rows (one check each: it reads them)
+    windows = {c.window: c for c in cache if isinstance(c, BatchWindowedKVCache)}
+    apart = [c for c in cache if isinstance(c, RowsCache)]
+    for c in [*windows.values(), *apart]:
+        why = c.refusal(rejected)
+        if why is not None:
+            raise CacheRollbackError(why)
+    for c in apart:
+        c.rollback(rejected)
+    low = min(rejected)
+    rest = [r - low for r in rejected]
+    for c in _leaves(cache):
+        if isinstance(c, RowsCache):
+            continue  # (rolled back above)
+        if isinstance(c, ArraysCache):
+            continue  # a recurrent state forgets nothing: its rows are restored (restore_rows)
+        if low:
+            BatchKVCache.trim(c, low)  # (a windowed layer's own trim would check again)
+        if max(rest):
+            c.prepare(right_padding=rest)
+            c.finalize()

@@ -31,10 +31,8 @@ import time
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (
     ArraysCache,
-    BatchKVCache,
     CacheList,
     ChunkedKVCache,
     ConcatenateKVCache,
@@ -143,97 +141,6 @@ class WindowedKVCache(KVCache):
         raise NotImplementedError("WindowedKVCache cannot be restored from a saved state")
 
 
-class BatchWindowedKVCache(BatchKVCache):
-    """`WindowedKVCache` for a batch (decode/batch.py): mlx-lm's left-padded `BatchKVCache`
-    (its extend, filter, trim and per-row roll right all apply) whose rows forget old tokens.
-
-    Each row's tokens are contiguous and end at column `_idx - 1`, so a column distance is a
-    distance in time: the mask (`make_mask`) is causal, limited to the window, and hides each
-    row's left padding. `offset` (per row) stays absolute, for RoPE. Once the buffer holds
-    more than `window - 1 + margin + slack` columns, its front is dropped down to the last
-    `window - 1 + margin`, a slice common to all rows: every row then keeps its last
-    `window - 1 + margin` tokens (or all it has; a row with fewer loses left padding only),
-    so a roll-back of up to `margin` tokens leaves every row its window, as alone."""
-
-    def __init__(self, left_padding, window: int, margin: int = WINDOW_MARGIN,
-                 slack: int = WINDOW_SLACK):  # fmt: skip
-        super().__init__(left_padding)
-        self.window, self.margin, self.slack = window, margin, slack
-
-    def update_and_fetch(self, keys, values):
-        fetched = super().update_and_fetch(keys, values)
-        # compact after fetching, as WindowedKVCache: this pass's mask counted the columns
-        keep = self.window - 1 + self.margin
-        if self._idx > keep + self.slack:
-            drop = self._idx - keep
-            self.keys = self.keys[..., drop : self._idx, :]
-            self.values = self.values[..., drop : self._idx, :]
-            self._idx = keep
-            self.left_padding = mx.maximum(self.left_padding - drop, 0)
-        return fetched
-
-    def stored(self) -> list[int]:
-        """Each row's tokens held (the rest of its `offset` was dropped)."""
-        return (self._idx - self.left_padding).tolist()
-
-    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
-        # models that leave the window to the cache (RotatingKVCache's max_size) pass None
-        return create_causal_mask(
-            N, offset=self._idx, window_size=window_size or self.window,
-            left_padding=self.left_padding,
-        )  # fmt: skip
-
-    def refusal(self, rejected: list[int]) -> str | None:
-        """Why the rows cannot forget `rejected[i]` tokens each (None: they can): after it a
-        row's next token must still see its window - 1 predecessors (or all of them)."""
-        offsets = self.offset.tolist()
-        for i, (stored, n) in enumerate(zip(self.stored(), rejected, strict=True)):
-            if n > stored or stored - n < min(self.window - 1, offsets[i] - n):
-                return (
-                    f"a sliding-window layer's row {i} cannot forget {n} tokens (it keeps "
-                    f"{self.margin} beyond its window of {self.window})"
-                )
-        return None
-
-    def trim(self, n):
-        n = min(self._idx, n)
-        if self.refusal([n] * len(self.offset.tolist())) is not None:
-            return 0
-        return super().trim(n)
-
-    def extract(self, idx) -> WindowedKVCache:
-        padding, offset = self.left_padding.tolist()[idx], self.offset.tolist()[idx]
-        cache = WindowedKVCache(self.window, self.margin, self.slack)
-        if self.keys is not None and self._idx > padding:
-            cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, padding : self._idx])
-            cache.values = mx.contiguous(self.values[idx : idx + 1, :, padding : self._idx])
-        cache.offset = offset
-        cache.dropped = offset - (self._idx - padding)
-        return cache
-
-    @classmethod
-    def merge(cls, caches):
-        """Single-row WindowedKVCaches (one window) -> one batch, left-padded."""
-        first = caches[0]
-        lengths = [c.stored for c in caches]
-        longest = max(lengths)
-        merged = cls([longest - n for n in lengths], first.window, first.margin, first.slack)
-        merged.offset = mx.array([c.offset for c in caches])
-        if longest == 0:
-            return merged
-        some = next(c for c in caches if c.keys is not None)
-        _, H, _, Dk = some.keys.shape
-        Dv = some.values.shape[3]
-        keys = mx.zeros((len(caches), H, longest, Dk), some.keys.dtype)
-        values = mx.zeros((len(caches), H, longest, Dv), some.values.dtype)
-        for i, (c, n) in enumerate(zip(caches, lengths, strict=True)):
-            if n:
-                keys[i : i + 1, :, longest - n :] = c.keys[..., :n, :]
-                values[i : i + 1, :, longest - n :] = c.values[..., :n, :]
-        merged.keys, merged.values, merged._idx = keys, values, longest
-        return merged
-
-
 class MarginChunkedKVCache(ChunkedKVCache):
     """mlx-lm's `ChunkedKVCache` (Llama 4's chunked attention) that keeps `margin` tokens more
     than its chunk, so a roll-back of up to `margin` tokens still holds the whole chunk the
@@ -258,92 +165,6 @@ class MarginChunkedKVCache(ChunkedKVCache):
             self.start_position += trim
             self.keys = self.keys[..., trim:valid, :]
             self.values = self.values[..., trim:valid, :]
-
-
-class RowsCache:
-    """One layer of a batch whose rows stay single-stream caches, apart: for a model whose own
-    code takes one position for the whole batch (core/batch_caches.py's ONE_OFFSET: gpt_bigcode,
-    Llama 4's chunked attention), which the batch then runs row by row (`RowWise`), each row
-    on its own caches, exactly as alone. It batches the requests, not the passes: each row's
-    pass reads the weights again."""
-
-    def __init__(self, rows: list):
-        self.rows = list(rows)
-
-    @classmethod
-    def merge(cls, caches: list) -> RowsCache:
-        return cls(caches)
-
-    def extract(self, i: int):
-        return self.rows[i]
-
-    def filter(self, index) -> None:
-        self.rows = [self.rows[i] for i in mx.array(index).tolist()]
-
-    def extend(self, other: RowsCache) -> None:
-        self.rows += other.rows
-
-    @property
-    def state(self):
-        return [r.state for r in self.rows]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(nbytes([r]) for r in self.rows)
-
-    def refusal(self, rejected: list[int]) -> str | None:
-        for i, (r, n) in enumerate(zip(self.rows, rejected, strict=True)):
-            why = _refusal(r, n) if n else None
-            if why is not None:
-                return f"row {i}: {why}"
-        return None
-
-    def rollback(self, rejected: list[int]) -> None:
-        for r, n in zip(self.rows, rejected, strict=True):
-            if n and r.trim(n) != n:  # (checked by refusal first)
-                raise CacheRollbackError(f"{type(r).__name__} could not forget {n} tokens")
-
-
-class RowWise:
-    """A model run row by row over a batch of `RowsCache` layers: logits (B, L, vocab)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, inputs, cache):
-        return mx.concatenate(
-            [
-                self.model(inputs[b : b + 1], cache=[c.rows[b] for c in cache])
-                for b in range(inputs.shape[0])
-            ]
-        )
-
-
-def rollback_rows(cache: list, rejected: list[int]) -> None:
-    """Forget the last `rejected[i]` entries of row i in every layer (see decode/batch.py's note),
-    or raise CacheRollbackError before any layer changed (a sliding-window row that would
-    lose part of its window)."""
-    # the windowed layers of one window hold the same rows (one check each: it reads them)
-    windows = {c.window: c for c in cache if isinstance(c, BatchWindowedKVCache)}
-    apart = [c for c in cache if isinstance(c, RowsCache)]
-    for c in [*windows.values(), *apart]:
-        why = c.refusal(rejected)
-        if why is not None:
-            raise CacheRollbackError(why)
-    for c in apart:
-        c.rollback(rejected)
-    low = min(rejected)
-    rest = [r - low for r in rejected]
-    for c in _leaves(cache):
-        if isinstance(c, RowsCache):
-            continue  # (rolled back above)
-        if isinstance(c, ArraysCache):
-            continue  # a recurrent state forgets nothing: its rows are restored (restore_rows)
-        if low:
-            BatchKVCache.trim(c, low)  # (a windowed layer's own trim would check again)
-        if max(rest):
-            c.prepare(right_padding=rest)
-            c.finalize()
 
 
 def _leaves(cache: list) -> list:

@@ -5,7 +5,7 @@ and, with a draft model, one for the draft; with an EAGLE-3 head, the target's M
 DFlash head, the head's (batch_head.py).
 What batches: plain KV layers (`BatchKVCache`) and
 sliding-window layers (mlx-lm's `RotatingKVCache` without attention sinks: Gemma 2/3/4,
-GPT-OSS, Mistral-style `sliding_window`), whose rows `caches.BatchWindowedKVCache` holds as
+GPT-OSS, Mistral-style `sliding_window`), whose rows `batch_caches.BatchWindowedKVCache` holds as
 `WindowedKVCache` holds one stream's (a window mask, absolute offsets, old tokens dropped; a
 roll-back that would cut into a row's window raises), and recurrent layers (ArraysCache:
 Qwen3.5 hybrids, Mamba) in the target (below) and in a draft model (its state after each draft
@@ -13,7 +13,7 @@ step kept, as ModelDrafter keeps it alone: each row goes back to its own). Refus
 one-line reason (`check_batchable`), as mlx-lm cannot batch them either: attention sinks and any
 cache class not named here. Models whose own code takes one position for the whole batch
 (`ONE_OFFSET`: gpt_bigcode, Llama 4's chunked attention) run row by row, each row on its own
-single-stream caches (`caches.RowsCache`, `caches.RowWise`): exact, not faster. A head beside a
+single-stream caches (`batch_caches.RowsCache`, `RowWise`): exact, not faster. A head beside a
 recurrent target takes the features of each row's kept tokens from where its last token sits
 in the pass (after its replay): `BatchHead.take`'s starts.
 Each round (`step`):
@@ -97,18 +97,16 @@ from mlx_lm.utils import common_prefix_len
 from ..core import caches
 from ..core.batch_caches import (  # noqa: F401  (check_batchable, merge_layer: batch's API)
     ONE_OFFSET,
+    RowWise,
     check_batchable,
     extract_layer,
     merge_layer,
     merge_rows,
+    rollback_rows,
     unmasked,
 )
 from ..core.batch_policy import BatchController
-from ..core.caches import (
-    WindowedKVCache,
-    prefill_cache,
-    rollback_rows,
-)
+from ..core.caches import WindowedKVCache, prefill_cache
 from ..core.grammar import GrammarStateError, grammar_of
 from ..core.hidden import capturing
 from ..core.policies import Auto, DraftLength, Fixed, draft_length
@@ -352,7 +350,7 @@ class BatchDecoder:
         if draft is not None:
             check_batchable(draft, "draft", recurrent=True, apart=True)
         # a model whose own code takes one position for the whole batch (ONE_OFFSET) runs
-        # row by row, each row on its own caches (caches.RowsCache): exact, not faster
+        # row by row, each row on its own caches (batch_caches.RowsCache): exact, not faster
         self.apart = getattr(target, "model_type", None) in ONE_OFFSET
         self.draft_apart = getattr(draft, "model_type", None) in ONE_OFFSET
         if head is not None and self.apart:
@@ -360,8 +358,8 @@ class BatchDecoder:
                 f"the target model ({target.model_type}) runs a batch row by row, which a "
                 "head's batch does not; decode it with a draft model or prompt lookup"
             )
-        self.target_pass = caches.RowWise(target) if self.apart else target
-        self.draft_pass = caches.RowWise(draft) if self.draft_apart else draft
+        self.target_pass = RowWise(target) if self.apart else target
+        self.draft_pass = RowWise(draft) if self.draft_apart else draft
         if head is not None and (draft is not None or lookup is not None):
             raise SpecError("a batch drafts with a head alone, not beside another drafter")
         # a recurrent target (Qwen3.5, Qwen3-Next, Mamba): rows restored and replayed

@@ -52,7 +52,7 @@ import copy
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from ..core import caches
+from ..core.batch_caches import rollback_rows
 from ..drafters.base import TargetOutput
 from ..drafters.dflash import DFlashDrafter, DFlashHead, target_io
 from ..drafters.dflash2 import DFlash2Drafter, DFlash2Head
@@ -433,7 +433,7 @@ class BatchHead:
                 self.notes[b] = self.kind.fed(self.notes[b], starts[b], m)
                 if out is not None:
                     self.last[b] = out[b, m - 1]
-        caches.rollback_rows(self.cache, [width - m for m in counts])
+        rollback_rows(self.cache, [width - m for m in counts])
         self.pending = [None] * len(counts)
 
     def draft_logits(self, j, picks, sequences: list[list[int]], width: int, process=None):

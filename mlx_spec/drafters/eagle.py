@@ -38,6 +38,10 @@ id-1. With no ids, both read the inputs of layers 2, N/2 and N-3 of the target (
 `modeling_llama_kv.py`; mlx-vlm 0.7.10 takes N from the head's own `num_hidden_layers`, 1,
 and reads layers 1, 0, 0). All are
 mapped here to `hidden.capturing`'s layer-output ids (`capture_layers`).
+
+Over 600 lines: the head, the reading of every published layout and config variant (the
+refusals naming each), and the drafter's state across rounds, forks, batch rows and the disk
+tier are one format's; split, each part would reach into the others' fields.
 """
 
 from __future__ import annotations
