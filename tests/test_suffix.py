@@ -10,6 +10,7 @@ import numpy as np
 import openai
 import pytest
 from test_distribution import PROMPT, chi_square, exact_joint, first_two
+from test_eagle import heads, target_cfg  # noqa: F401  (fixtures)
 from test_greedy_equality import reference
 from test_server import serving
 
@@ -229,3 +230,39 @@ def test_another_keys_text_never_drafts(tiny_models, tmp_path):
     # B drafts only from its own request, as A did the first time (the lengths the policy
     # picks vary with its timings: not the same count, far from what A's history gives)
     assert spec_b["accepted"] < 0.7 * 60
+
+
+# ------------------------------------------------------------------- beside an EAGLE-3 head
+
+
+@pytest.fixture(scope="module")
+def suffix_eagle_pair(tiny_models, heads):  # noqa: F811
+    return load_pair(
+        target=str(tiny_models.target), drafter="suffix+eagle3", head=str(heads["sglang"])
+    )
+
+
+@pytest.mark.parametrize("k", [1, 3, "auto"])
+def test_suffix_eagle3_equals_target_alone_and_keeps_the_heads_cache(suffix_eagle_pair, request, k):
+    """Lookup rounds (past K_MAX: the prompt holds the reply) and head rounds interleaved:
+    the target's tokens, and the head's cache what a fresh forward over the sequence gives
+    (it took the target's features of the looked-up tokens as of its own)."""
+    from types import SimpleNamespace
+
+    from test_eagle import check_sglang_cache
+
+    from mlx_spec.decode.generate import make_decoder
+
+    pair = suffix_eagle_pair
+    made, cfg = request.getfixturevalue("heads"), request.getfixturevalue("target_cfg")
+    expected = reference(pair, REPEATING, 50)
+    prompt = pair.tokenizer.encode(REPEATING) + expected[:30] + [0] * 3
+    prompt += pair.tokenizer.encode(REPEATING)
+    decoder = make_decoder(pair)
+    res = generate(pair, prompt, max_tokens=50, num_draft_tokens=k, decoder=decoder)
+    assert res.tokens == reference(pair, prompt, 50)
+    if k == 1:
+        assert len(res.stats.draft_lengths) - 1 > K_MAX  # a lookup round past K_MAX
+        assert res.stats.draft_lengths[1] > 0  # and head rounds
+    inner = SimpleNamespace(drafter=decoder.drafter.inner, sequence=decoder.sequence)
+    check_sglang_cache(inner, pair, made, cfg)
