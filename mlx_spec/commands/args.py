@@ -26,7 +26,15 @@ DRAFTER_KINDS = {
     "dspark": "a DSpark head: a DFlash block drafter with a Markov head over the previous guess",
     "assistant": "a Gemma 4 assistant (MTP) drafter (--head DIR or hub id, model_type "
     "gemma4_assistant): attends to the target's own keys and values",
+    "suffix": "suffix decoding: the longest match in the request and the key's history, drafts "
+    "as long as the verify cost says (past K_MAX)",
 }
+DRAFTER_KINDS.update(
+    {
+        f"suffix+{base}": f"suffix decoding where the match is long, else {base}"
+        for base in ("model", "eagle3", "mtp", "dflash", "dspark", "assistant")
+    }
+)
 
 DEFAULT_PAIR = "smollm2-demo"
 

@@ -13,16 +13,21 @@ def setup_arg_parser(parser):
     )
 
 
-def describe_draft(spec) -> str:
-    if spec.drafter == "ngram":
+def describe_draft(spec, drafter: str | None = None) -> str:
+    drafter = drafter or spec.drafter
+    if drafter == "ngram":
         return "(prompt lookup)"
+    if drafter == "suffix":
+        return "(suffix decoding)"
+    if drafter and drafter.startswith("suffix+"):
+        return "suffix decoding, then " + describe_draft(spec, drafter.removeprefix("suffix+"))
     if spec.head is not None:  # a drafting head: MTP, EAGLE-3, DFlash
-        return f"({spec.drafter} head {spec.head})"
+        return f"({drafter} head {spec.head})"
     if spec.draft_bits is not None:
         draft = f"(target at {spec.draft_bits} bits)"
     else:
         draft = spec.draft or "(none)"
-    return f"prompt lookup, then {draft}" if spec.drafter == "ngram+model" else draft
+    return f"prompt lookup, then {draft}" if drafter == "ngram+model" else draft
 
 
 def describe_seen(spec) -> str | None:

@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..errors import SpecError
+from .lookup_length import LookupCosts
 from .payoff import Payoff, estimate_alpha, expected_tokens, predicted_speedup
 
-K_MAX = 8  # `auto` chooses k within [0, K_MAX]
+K_MAX = 8  # `auto` chooses k within [0, K_MAX] (a lookup draft's length: lookup_length.py)
+FIXED_LOOKUP_MATCH = 4  # a fixed k beside a lookup: a match this long drafts by lookup
 
 
 # --------------------------------------------------------------------------- the user's choice
@@ -117,6 +119,14 @@ class Policy(Protocol):
     def payoff(self) -> Payoff | None:
         """Whether drafting pays by what this run measured (None: not measured yet)."""
 
+    def lookup_length(self, match: int, reach: int, rival: bool) -> int:
+        """A lookup draft's length this round (suffix decoding; 0: none), by the verify cost
+        (lookup_length.py), not k_max: `match` the longest match's length, `reach` the most
+        it supports; `rival`: another drafter could draft the round instead."""
+
+    def update_lookup(self, match: int, drafted: int, verified: int, seconds: float) -> None:
+        """A lookup round happened (not one of the k rounds `update` counts)."""
+
 
 class FixedK:
     """The same draft length every round. It decides nothing from what happens, but keeps what
@@ -149,6 +159,17 @@ class FixedK:
         self.timed_rounds, self.round_seconds = 0, 0.0  # k-draft rounds after the first, their time
         self.accepted = self.rejections = 0  # draft tokens accepted; rounds that rejected one
         self.held_rounds, self.held_seconds = 0, 0.0  # rounds the caller held, for how long
+        self.lookup = LookupCosts()
+
+    def lookup_length(self, match: int, reach: int, rival: bool) -> int:
+        """Beside another drafter, a lookup draft goes where the match is long
+        (FIXED_LOOKUP_MATCH); its length by the verify cost against a plain step."""
+        if rival and match < FIXED_LOOKUP_MATCH:
+            return 0
+        return self.lookup.choose(match, reach, self.plain_step, None)
+
+    def update_lookup(self, match: int, drafted: int, verified: int, seconds: float) -> None:
+        self.lookup.update(match, drafted, verified, seconds)
 
     def next(self, available: bool | None = None) -> int:
         if self.retime and self.since_plain >= self.retime:
@@ -211,7 +232,8 @@ class FixedK:
         return False
 
     def view(self) -> dict:
-        return {}
+        lookup = self.lookup.view()
+        return {"lookup": lookup} if lookup else {}
 
 
 @dataclass
@@ -307,6 +329,7 @@ class Controller:
     given: bool | None = None  # the drafter's word on this round (see next)
     drafted_total: int = 0  # draft tokens proposed in all rounds so far (measured, no prior)
     accepted_total: int = 0  # ... and accepted by the target
+    lookup: LookupCosts = field(default_factory=LookupCosts)  # suffix drafts (lookup_length.py)
 
     def __post_init__(self):
         self.accept = [Rate() for _ in range(self.k_max)]
@@ -429,6 +452,22 @@ class Controller:
             # past k need fresh evidence
             self.chosen = k = min(self.k_max, k + 2)
         return k
+
+    def lookup_length(self, match: int, reach: int, rival: bool) -> int:
+        """The lookup draft's length by the verify cost (lookup_length.py) when it beats the
+        rival's best round (the other drafter's, or a plain step), else 0."""
+        plain = self.round_time(0)
+        if plain is None:  # not timed yet: in plain steps, against a plain step
+            return self.lookup.choose(match, reach, None, None)
+        speed = None
+        if rival and self.warmed and not self.plan:
+            given, self.given = self.given, None
+            speed = self.best()[1]
+            self.given = given
+        return self.lookup.choose(match, reach, plain, speed)
+
+    def update_lookup(self, match: int, drafted: int, verified: int, seconds: float) -> None:
+        self.lookup.update(match, drafted, verified, seconds)
 
     def warm_up(self) -> list[int]:
         """Rounds that measure what prefill did not time (see `calibrate`): plain steps, then
@@ -569,4 +608,5 @@ class Controller:
             "acceptance": [
                 round(self.acceptance(i), 3) for i, e in enumerate(self.accept) if e.count
             ],
+            **({"lookup": lookup} if (lookup := self.lookup.view()) else {}),
         }

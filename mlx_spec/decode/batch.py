@@ -320,7 +320,8 @@ class BatchDecoder:
 
     `draft`: a draft model (batched like the target); `head`: an EAGLE-3 head, the
     target's MTP layer or a DFlash head (alone, no draft or lookup beside it: batch_head.py);
-    `lookup`: (ngram_max, ngram_min) for prompt lookup per row; both: lookup first, the model
+    `lookup`: (ngram_max, ngram_min) for prompt lookup per row, or a kind's row lookup made from
+    the row's history (suffix decoding, bounded by k here); both: lookup first, the model
     where it finds nothing (ngram+model); neither: plain continuous batching.
     `num_draft_tokens`: an int, `Fixed(k)` or `Auto()` (a `BatchController`: k from measured
     pass costs per row count).
@@ -339,7 +340,7 @@ class BatchDecoder:
         target,
         draft=None,
         *,
-        lookup: tuple[int, int] | None = None,
+        lookup=None,
         eos_token_ids=(),
         num_draft_tokens: DraftLength | int | str = 4,
         vocab: int | None = None,
@@ -542,7 +543,10 @@ class BatchDecoder:
                 # what the draft costs a token when it takes many in: a catch-up's price
                 self.controller.observe_catch_up(len(fed), time.perf_counter() - begin)
         if self.lookup is not None:
-            row.lookup = NGramDrafter(*self.lookup, history=history)
+            if callable(self.lookup):  # a kind's own row lookup (suffix decoding)
+                row.lookup = self.lookup(history)
+            else:
+                row.lookup = NGramDrafter(*self.lookup, history=history)
             row.lookup.prefill(prompt)
         merged = merge_rows([cache], self.apart)
         merged_draft = (

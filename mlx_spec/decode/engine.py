@@ -313,6 +313,19 @@ class Decoder:
             def peek():
                 return bool(forced.forced(self.sequence, 1)) or bool(lookup())
 
+        until = peek  # what ends a plain stretch
+        found = self.drafter.suffix_match() if drafting else None
+        if found is not None:  # suffix decoding: a lookup worth drafting ends it too
+            rival = getattr(self.drafter, "inner", None) is not None
+
+            def lookup_k(limit: int) -> int:
+                match, reach = self.drafter.suffix_match()
+                reach = min(reach, limit)
+                return policy.lookup_length(match, reach, rival) if reach > 0 else 0
+
+            def until():
+                return lookup_k(max_tokens - emitted - 1) > 0 or bool(peek())
+
         emitted = 0
         last = time.perf_counter()  # wall time between round starts: the consumer's share too
         while emitted < max_tokens:
@@ -336,6 +349,21 @@ class Decoder:
                         if r.finished:
                             return
                     continue
+            # a lookup draft (suffix decoding) as long as the policy's verify cost says, past
+            # k_max: its own round, kept out of the k rounds' estimates
+            n = lookup_k(max_tokens - emitted - 1) if found is not None else 0
+            if n and self.unfed <= REPLAY_LIMIT:
+                match = self.drafter.suffix_match()[0]
+                r = self._speculative_round(n, params, lookup=True, **extra)
+                emitted += len(r.tokens)
+                now = time.perf_counter()
+                policy.update_lookup(match, r.drafted, r.accepted, now - last)
+                last = now
+                yield r
+                policy.consumed(time.perf_counter() - now)
+                if r.finished:
+                    return
+                continue
             # the round adds at most k+1 tokens; never draft past max_tokens
             available = peek()
             k_round = min(policy.next(available), max_tokens - emitted - 1)
@@ -345,7 +373,7 @@ class Decoder:
                 n = min(policy.plain_burst(), max_tokens - emitted)
                 # a plain stretch ends where lookup finds a match (after the step already
                 # queued): the policy decides again
-                for r in self._plain_steps(n, params, plain=True, until=peek, **extra):
+                for r in self._plain_steps(n, params, plain=True, until=until, **extra):
                     emitted += len(r.tokens)
                     self.drafter.commit(self.sequence[-1:], r.target_output)
                     now = time.perf_counter()
@@ -383,14 +411,18 @@ class Decoder:
         processors=(),
         logprobs: int | None = None,
         proposal: list[int] | None = None,
+        lookup: bool = False,
     ) -> Round:
-        """One round; `proposal`: draft these tokens (forced by a grammar), not the drafter's."""
+        """One round; `proposal`: draft these tokens (forced by a grammar), not the drafter's;
+        `lookup`: the drafter's lookup draft (suffix decoding), not its k-draft."""
         requested, start = k, time.perf_counter()
         # greedy rounds draw nothing: splitting the key anyway would grow its lazy graph by a
         # node per round for the whole conversation
         key = None if params.greedy else self._next_key()
         drafter = self.drafter if proposal is None else None
-        if drafter is not None:  # (k,), (k, V) | None
+        if lookup:  # a point mass on each looked-up token
+            draft_tokens, q = drafter.propose_lookup(k)
+        elif drafter is not None:  # (k,), (k, V) | None
             kwargs = {"processors": processors} if processors else {}
             draft_tokens, q = drafter.propose(k, params, key, **kwargs)
         else:  # a point mass on each forced token, verified like any guess

@@ -22,6 +22,8 @@ from .kinds import (
     ModelKind,
     MTPKind,
     NGramKind,
+    SuffixKind,
+    suffix_kind,
 )
 
 KINDS: dict[str, type[DrafterKind]] = {}
@@ -56,5 +58,8 @@ register(MTPKind)
 register(DFlashKind)
 register(DSparkKind)
 register(AssistantKind)
+register(SuffixKind)
+for _base in (ModelKind, EagleKind, MTPKind, DFlashKind, DSparkKind, AssistantKind):
+    register(suffix_kind(_base))
 
 __all__ = ["KINDS", "Drafter", "DrafterKind", "TargetOutput", "batched_kinds", "kind", "register"]

@@ -128,6 +128,15 @@ class Drafter:
     def use_history(self, history) -> None:
         """Search a history.HistoryIndex of earlier requests too (kinds with uses_history)."""
 
+    def suffix_match(self) -> tuple[int, int] | None:
+        """Suffix decoding (suffix.py): (the longest match's length, the longest lookup draft
+        it supports); None: a drafter without lookup drafts past k."""
+        return None
+
+    def propose_lookup(self, k: int) -> tuple[mx.array, None]:
+        """Its lookup draft, k tokens at most (a point mass on each: q None)."""
+        raise NotImplementedError
+
 
 class DrafterKind:
     """A registry entry: one kind of drafter, named as models.toml and --drafter name it."""
@@ -167,6 +176,13 @@ class DrafterKind:
     def build(cls, pair) -> Drafter:
         """A fresh drafter over a loaded pair (its draft model, its head: `pair.head`)."""
         raise NotImplementedError
+
+    @classmethod
+    def history_index(cls, max_tokens: int):
+        """The index of a key's earlier requests the server keeps for it (uses_history)."""
+        from ..decode.history import HistoryIndex
+
+        return HistoryIndex(max_tokens)
 
     @classmethod
     def batch_drafting(cls, pair) -> dict | None:

@@ -207,3 +207,67 @@ class AssistantKind(DrafterKind):
     @classmethod
     def batch_drafting(cls, pair) -> dict:
         return {"head": pair.head}
+
+
+def _suffix_lookup(pair):
+    """A batch row's lookup: a suffix drafter over its request and its key's history."""
+    from .suffix import SuffixDrafter
+
+    def row(history=None):
+        return SuffixDrafter(history=history)
+
+    return row
+
+
+class SuffixKind(DrafterKind):
+    name = "suffix"
+    uses_history = True
+    help = (
+        "suffix decoding: the longest match in the request and the key's history, drafts as "
+        "long as the verify cost says (past K_MAX)"
+    )
+
+    @classmethod
+    def build(cls, pair):
+        from .suffix import SuffixDrafter
+
+        return SuffixDrafter()
+
+    @classmethod
+    def history_index(cls, max_tokens: int):
+        from .suffix import SuffixHistory
+
+        return SuffixHistory(max_tokens)
+
+    @classmethod
+    def batch_drafting(cls, pair) -> dict:
+        return {"lookup": _suffix_lookup(pair)}
+
+
+def suffix_kind(base: type[DrafterKind]) -> type[DrafterKind]:
+    """`suffix+<base>`: suffix decoding where the match is long, `base`'s drafter where it is
+    short or absent (the base's settings, models and head)."""
+
+    def build(cls, pair):
+        from .suffix import SuffixDrafter
+
+        return SuffixDrafter(base.build(pair))
+
+    def batch_drafting(cls, pair):
+        drafting = base.batch_drafting(pair)
+        if drafting is None or "head" in drafting:
+            return None  # a batch drafts with a head alone (batch.py): one stream at a time
+        return {**drafting, "lookup": _suffix_lookup(pair)}
+
+    return type(
+        f"Suffix{base.__name__}",
+        (base,),
+        {
+            "name": f"suffix+{base.name}",
+            "uses_history": True,
+            "help": f"suffix decoding where the match is long, else {base.name}",
+            "build": classmethod(build),
+            "batch_drafting": classmethod(batch_drafting),
+            "history_index": SuffixKind.history_index,
+        },
+    )

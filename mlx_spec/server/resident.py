@@ -89,7 +89,7 @@ class Resident:
         """A history for lookup across requests, when the drafter kind uses one."""
         kind = self.pair.config.kind if self.pair is not None else None
         uses = kind is not None and kind.uses_history
-        return HistoryIndex(self.history_tokens) if uses and self.history_tokens else None
+        return kind.history_index(self.history_tokens) if uses and self.history_tokens else None
 
     @property
     def drafter(self) -> str:

@@ -1,0 +1,268 @@
+"""Suffix decoding (drafters/suffix.py): lossless like any drafter, drafts past K_MAX where the
+match supports it, hands over to the pair's drafter where it does not, memory bounded under
+hostile input, and each key's history its own (through a real server process)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import openai
+import pytest
+from test_distribution import PROMPT, chi_square, exact_joint, first_two
+from test_eagle import heads, target_cfg  # noqa: F401  (fixtures)
+from test_greedy_equality import reference
+from test_server import serving
+
+from mlx_spec import SamplingParams, generate, load_pair
+from mlx_spec.cli import main
+from mlx_spec.core.lookup_length import LookupCosts
+from mlx_spec.core.policies import K_MAX, Auto
+from mlx_spec.decode.engine import Decoder
+from mlx_spec.drafters.suffix import (
+    DRAFT_MAX,
+    POSITIONS,
+    SuffixDrafter,
+    SuffixHistory,
+    SuffixIndex,
+)
+
+REPEATING = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
+
+
+@pytest.fixture(scope="module")
+def suffix_pair(tiny_models):
+    return load_pair(target=str(tiny_models.target)).configured(drafter="suffix")
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tiny_models):
+    pair = load_pair(target=str(tiny_models.target), draft=str(tiny_models.draft))
+    return pair.configured(drafter="suffix+model")
+
+
+# ------------------------------------------------------------------------------ the index
+
+
+def test_longest_match_and_most_frequent_continuation():
+    idx = SuffixIndex(1000)
+    # "1 2 3" continues with 4 twice and with 9 once; "7 1 2 3" once, with 9
+    idx.extend([1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 6, 0, 7, 1, 2, 3, 9, 0])
+    n, found = idx.match([8, 1, 2, 3])
+    assert n == 3 and len(found) == 3
+    assert idx.continuation(found, 2) == [4, 6]  # two votes for 4, then a tie: the latest
+    n, found = idx.match([7, 1, 2, 3])  # the longer match wins
+    assert n == 4 and idx.continuation(found, 3) == [9, 0]
+
+
+def test_a_request_drafts_past_k_max_what_it_saw():
+    d = SuffixDrafter()
+    text = list(range(100, 160))
+    d.prefill(text + [7] + text[:20])
+    match, reach = d.suffix_match()
+    assert match >= 16 and reach > K_MAX
+    assert d.lookup(61) == text[20:] + [7] + text[:20]  # up to the request's end
+    d.commit(text[20:30])
+    assert d.lookup(5) == text[30:35]
+
+
+def test_the_history_drafts_when_it_matches_longer():
+    history = SuffixHistory(1000)
+    history.add([5, 6, 7, 8, 9, 10, 11, 12])
+    d = SuffixDrafter(history=history)
+    d.prefill([1, 6, 7, 8])
+    assert d.suffix_match()[0] == 3 and d.lookup(4) == [9, 10, 11, 12]
+    d.use_history(None)
+    d.commit([40])
+    assert d.suffix_match() == (0, 0)
+
+
+def test_memory_is_bounded_under_hostile_input():
+    """One token repeated 100k times: one entry per n-gram length, at most POSITIONS each;
+    a huge prompt: at most max_tokens held. Sizes, not times."""
+    d = SuffixDrafter(context_tokens=20_000)
+    d.prefill([7] * 100_000)
+    assert len(d.context) <= 20_000
+    assert len(d.context.index) == len(d.context.lengths)
+    assert d.context.entries() <= POSITIONS * len(d.context.lengths)
+    assert d.lookup(DRAFT_MAX) == [7] * DRAFT_MAX
+    rng = np.random.default_rng(0)
+    history = SuffixHistory(30_000)
+    for _ in range(4):
+        history.add(rng.integers(0, 50_000, 100_000).tolist())
+    assert len(history) <= 30_000
+    assert history.entries() <= len(history) * len(history.lengths)
+    d = SuffixDrafter(history=history, context_tokens=20_000)
+    d.prefill(rng.integers(0, 50_000, 300_000).tolist())
+    assert len(d.context) <= 20_000
+    assert d.context.entries() <= 20_000 * len(d.context.lengths)
+
+
+def test_the_cost_model_chooses_long_drafts_only_for_long_matches():
+    costs = LookupCosts()
+    assert costs.choose(16, 64, 0.05, None) > K_MAX  # a verified row costs 7 % of a step
+    assert costs.choose(1, 4, 0.05, None) <= 4
+    # a rival that makes 3 tokens a step beats a 1-token match's guesses
+    assert costs.choose(1, 4, 0.05, 3 / 0.05) == 0
+    for _ in range(30):  # long matches that are always rejected at once
+        costs.update(16, 32, 0, 0.05 + 0.0035 * 32)
+    assert costs.choose(16, 64, 0.05, None) <= 2
+
+
+# --------------------------------------------------------------------------- lossless
+
+
+@pytest.mark.parametrize("k", [2, 5, "auto"])
+@pytest.mark.parametrize("prompt", [REPEATING, "The quick brown fox"])
+def test_greedy_suffix_equals_target_alone(suffix_pair, prompt, k):
+    expected = reference(suffix_pair, prompt, 60)
+    res = generate(suffix_pair, prompt, max_tokens=60, num_draft_tokens=k)
+    assert res.tokens == expected
+
+
+@pytest.mark.parametrize("k", [2, "auto"])
+@pytest.mark.parametrize("prompt", [REPEATING, "The quick brown fox"])
+def test_greedy_suffix_model_equals_target_alone(hybrid_pair, prompt, k):
+    expected = reference(hybrid_pair, prompt, 60)
+    res = generate(hybrid_pair, prompt, max_tokens=60, num_draft_tokens=k)
+    assert res.tokens == expected
+    assert res.stats.drafted > 0
+
+
+def test_long_lookup_rounds_equal_target_alone(suffix_pair):
+    """A prompt that holds the reply the target will give: lookup rounds past K_MAX."""
+    expected = reference(suffix_pair, REPEATING, 80)
+    prompt = suffix_pair.tokenizer.encode(REPEATING) + expected + [0] * 3
+    prompt += suffix_pair.tokenizer.encode(REPEATING)
+    again = reference(suffix_pair, prompt, 80)
+    res = generate(suffix_pair, prompt, max_tokens=80, num_draft_tokens="auto")
+    assert res.tokens == again
+    assert len(res.stats.draft_lengths) - 1 > K_MAX  # some round drafted more than K_MAX
+
+
+def test_suffix_distribution_is_the_target(tiny_models):
+    pair = load_pair(target=str(tiny_models.small_target))
+    params = SamplingParams(temperature=1.0)
+    prompt = PROMPT * 3  # repeated: the lookup always has a guess
+    probs = exact_joint(pair, params, prompt)
+    drafted = []
+    counts = first_two(pair, params, 1500, Auto().policy(), SuffixDrafter(), prompt, drafted)
+    stat, threshold = chi_square(counts, probs)
+    print(f"suffix: chi-square {stat:.1f} (threshold {threshold:.1f})")
+    assert sum(drafted) > 1500
+    assert stat < threshold
+
+
+def test_suffix_model_distribution_is_the_target(tiny_models):
+    from mlx_spec.drafters.model import ModelDrafter
+
+    pair = load_pair(target=str(tiny_models.small_target), draft=str(tiny_models.small_draft))
+    params = SamplingParams(temperature=1.0)
+    prompt = PROMPT * 3
+    probs = exact_joint(pair, params, prompt)
+    drafter = SuffixDrafter(ModelDrafter(pair.draft))
+    counts = first_two(pair, params, 1500, 2, drafter, prompt)
+    stat, threshold = chi_square(counts, probs)
+    print(f"suffix+model: chi-square {stat:.1f} (threshold {threshold:.1f})")
+    assert stat < threshold
+
+
+def test_a_decoder_forks_with_its_own_index(suffix_pair):
+    decoder = Decoder(suffix_pair.target, SuffixDrafter(), eos_token_ids=())
+    decoder.prefill(suffix_pair.tokenizer.encode(REPEATING))
+    twin = decoder.fork()
+    assert twin.drafter.context is not decoder.drafter.context
+    assert twin.drafter.context.tokens == decoder.drafter.context.tokens
+
+
+def test_cli_drafter_suffix(tiny_models, capsys):
+    args = ["generate", "--target", str(tiny_models.target), "--drafter", "suffix", "--raw"]
+    assert main([*args, "--max-tokens", "24", "--json", REPEATING]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == reference(
+        load_pair(target=str(tiny_models.target)), REPEATING, len(out["tokens"])
+    )
+
+
+# ------------------------------------------------------------------------------- batch
+
+
+@pytest.mark.parametrize("drafter", ["suffix", "suffix+model"])
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_batch_rows_equal_each_alone(tiny_models, drafter, k):
+    from test_batch import TEXTS, assert_schedule_exact, run_schedule
+
+    from mlx_spec.decode.generate import make_batch_decoder
+
+    draft = str(tiny_models.draft) if drafter == "suffix+model" else None
+    pair = load_pair(target=str(tiny_models.target), draft=draft).configured(drafter=drafter)
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS]
+    decoder = make_batch_decoder(pair, k)
+    out, reasons = run_schedule(decoder, prompts)
+    assert_schedule_exact(pair, prompts, out, reasons)
+
+
+# ------------------------------------------------------------------------------ server
+
+KEY_A, KEY_B = "suffix-a", "suffix-b"
+SECRET = "Berlin is the capital of Germany. Speculative decoding drafts tokens with a small model"
+
+
+def test_another_keys_text_never_drafts(tiny_models, tmp_path):
+    """Key A's reply is in A's suffix history: A drafts it again, B (the same prompt, after
+    A) does not."""
+    args = ["--target", str(tiny_models.target), "--drafter", "suffix",
+            "--api-key", KEY_A, "--api-key", KEY_B]  # fmt: skip
+    with serving(args, tmp_path) as (_, url):
+
+        def ask(key, prompt):
+            c = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60)
+            r = c.completions.create(model="target", prompt=prompt, max_tokens=60, temperature=0)
+            return r.choices[0].text, r.model_extra["speculation"]
+
+        text, first = ask(KEY_A, SECRET)
+        ask(KEY_A, "def add(a, b):")  # another conversation in between
+        again, spec_a = ask(KEY_A, SECRET)
+        other, spec_b = ask(KEY_B, SECRET)
+    assert again == other == text
+    assert spec_a["history_lookup"] and spec_a["drafter"] == "suffix"
+    assert spec_a["accepted"] >= 0.7 * 60 > first["accepted"]
+    # B drafts only from its own request, as A did the first time (the lengths the policy
+    # picks vary with its timings: not the same count, far from what A's history gives)
+    assert spec_b["accepted"] < 0.7 * 60
+
+
+# ------------------------------------------------------------------- beside an EAGLE-3 head
+
+
+@pytest.fixture(scope="module")
+def suffix_eagle_pair(tiny_models, heads):  # noqa: F811
+    return load_pair(
+        target=str(tiny_models.target), drafter="suffix+eagle3", head=str(heads["sglang"])
+    )
+
+
+@pytest.mark.parametrize("k", [1, 3, "auto"])
+def test_suffix_eagle3_equals_target_alone_and_keeps_the_heads_cache(suffix_eagle_pair, request, k):
+    """Lookup rounds (past K_MAX: the prompt holds the reply) and head rounds interleaved:
+    the target's tokens, and the head's cache what a fresh forward over the sequence gives
+    (it took the target's features of the looked-up tokens as of its own)."""
+    from types import SimpleNamespace
+
+    from test_eagle import check_sglang_cache
+
+    from mlx_spec.decode.generate import make_decoder
+
+    pair = suffix_eagle_pair
+    made, cfg = request.getfixturevalue("heads"), request.getfixturevalue("target_cfg")
+    expected = reference(pair, REPEATING, 50)
+    prompt = pair.tokenizer.encode(REPEATING) + expected[:30] + [0] * 3
+    prompt += pair.tokenizer.encode(REPEATING)
+    decoder = make_decoder(pair)
+    res = generate(pair, prompt, max_tokens=50, num_draft_tokens=k, decoder=decoder)
+    assert res.tokens == reference(pair, prompt, 50)
+    if k == 1:
+        assert len(res.stats.draft_lengths) - 1 > K_MAX  # a lookup round past K_MAX
+        assert res.stats.draft_lengths[1] > 0  # and head rounds
+    inner = SimpleNamespace(drafter=decoder.drafter.inner, sequence=decoder.sequence)
+    check_sglang_cache(inner, pair, made, cfg)
