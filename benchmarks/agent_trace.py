@@ -802,9 +802,12 @@ def replay_session(args) -> int:
                     log = root / f"{list(servers).index(name)}.log"
                     raise RuntimeError(f"{name}, {label}: {err} (request: {failed}; server "
                                        f"log: {log})") from err  # fmt: skip
+                prompt = ids(messages)
+                if "prompt" not in r:  # a stream that ended without usage (a peer's, once)
+                    r["prompt"] = len(prompt)
+                    r["completion"] = len(tokenizer.encode(r["text"], add_special_tokens=False))
                 if r.get("cached") is None:  # vllm-mlx: its log says what it prefilled
                     r["cached"] = r["prompt"] - logged_prefill(logs[name])
-                prompt = ids(messages)
                 shared = max((common_prefix(prompt, s) for s in seen[name]), default=0)
                 reply = tokenizer.encode(r["text"], add_special_tokens=False)
                 if r["finish"] == "stop":

@@ -9,7 +9,12 @@ decide, so the output stays exactly the target's whatever they choose.
 measures: the wall time of a round for each k it tried (draft steps + the verify pass + the
 round's host work), the time of a plain decoding step, and the draft's acceptance per position
 from decayed counts over ~40 rounds. When no k is expected to beat a plain step it decodes
-plainly and re-probes with a short draft now and then.
+plainly and re-probes with a short draft now and then. Beside it, a lookup draft's length
+(suffix decoding) comes from the same measured round times (lookup_length.py's fit).
+
+Over 600 lines: the fixed and the measured policy answer the same questions (k, a lookup's
+length, a plain burst, the payoff verdict's figures) from the same round timings; apart, the
+one would re-read the other's estimates.
 """
 
 from __future__ import annotations

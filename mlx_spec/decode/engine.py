@@ -316,12 +316,11 @@ class Decoder:
         until = peek  # what ends a plain stretch
         found = self.drafter.suffix_match() if drafting else None
         if found is not None:  # suffix decoding: a lookup worth drafting ends it too
-            rival = getattr(self.drafter, "inner", None) is not None
+            rival = getattr(self.drafter, "inner", None) is not None  # (a head or draft model)
 
-            def lookup_k(limit: int) -> int:
+            def lookup_k(limit: int) -> int:  # the lookup draft's length now, 0: none
                 match, reach = self.drafter.suffix_match()
-                reach = min(reach, limit)
-                return policy.lookup_length(match, reach, rival) if reach > 0 else 0
+                return policy.lookup_length(match, min(reach, limit), rival)  # (reach 0: 0)
 
             def until():
                 return lookup_k(max_tokens - emitted - 1) > 0 or bool(peek())
@@ -349,8 +348,7 @@ class Decoder:
                         if r.finished:
                             return
                     continue
-            # a lookup draft (suffix decoding) as long as the policy's verify cost says, past
-            # k_max: its own round, kept out of the k rounds' estimates
+            # a lookup draft (suffix decoding) past k_max: its own round, out of the k estimates
             n = lookup_k(max_tokens - emitted - 1) if found is not None else 0
             if n and self.unfed <= REPLAY_LIMIT:
                 match = self.drafter.suffix_match()[0]
@@ -413,8 +411,7 @@ class Decoder:
         proposal: list[int] | None = None,
         lookup: bool = False,
     ) -> Round:
-        """One round; `proposal`: draft these tokens (forced by a grammar), not the drafter's;
-        `lookup`: the drafter's lookup draft (suffix decoding), not its k-draft."""
+        """One round; `proposal`: forced tokens to draft; `lookup`: the drafter's lookup draft."""
         requested, start = k, time.perf_counter()
         # greedy rounds draw nothing: splitting the key anyway would grow its lazy graph by a
         # node per round for the whole conversation

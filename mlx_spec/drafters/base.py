@@ -179,10 +179,9 @@ class DrafterKind:
 
     @classmethod
     def history_index(cls, max_tokens: int):
-        """The index of a key's earlier requests the server keeps for it (uses_history)."""
-        from ..decode.history import HistoryIndex
-
-        return HistoryIndex(max_tokens)
+        """The index of a key's earlier requests the server keeps for it (uses_history), or
+        None: the server's plain one (decode/history.py's HistoryIndex, prompt lookup's)."""
+        return None
 
     @classmethod
     def batch_drafting(cls, pair) -> dict | None:

@@ -89,7 +89,10 @@ class Resident:
         """A history for lookup across requests, when the drafter kind uses one."""
         kind = self.pair.config.kind if self.pair is not None else None
         uses = kind is not None and kind.uses_history
-        return kind.history_index(self.history_tokens) if uses and self.history_tokens else None
+        if not (uses and self.history_tokens):
+            return None
+        index = kind.history_index(self.history_tokens)
+        return index if index is not None else HistoryIndex(self.history_tokens)
 
     @property
     def drafter(self) -> str:
