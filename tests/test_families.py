@@ -36,14 +36,7 @@ def family_dirs(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     configs = tiny.family_configs(320)
     configs["mamba"] = {**tiny.mamba_config(320), "tie_word_embeddings": False}
-    dirs = {}
-    for name, cfg in configs.items():
-        weights = tiny.family_weights(cfg, seed=0)
-        target = tiny.write_model(root / name, cfg, weights, tiny_models.tokenizer)
-        draft_weights = tiny.noisy(weights, NOISE.get(name, 0.05))
-        draft = tiny.write_model(root / f"{name}-draft", cfg, draft_weights, tiny_models.tokenizer)
-        dirs[name] = (target, draft)
-    return dirs
+    return tiny.noisy_pairs(root, configs, tiny_models.tokenizer, NOISE)
 
 
 @pytest.fixture(scope="module")

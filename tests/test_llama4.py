@@ -40,15 +40,7 @@ REPLY = 40
 
 @pytest.fixture(scope="module")
 def dirs(tiny_models, tmp_path_factory):
-    root = tmp_path_factory.mktemp("llama4")
-    out = {}
-    for name, cfg in CONFIGS.items():
-        weights = tiny.family_weights(cfg, seed=0)
-        target = tiny.write_model(root / name, cfg, weights, tiny_models.tokenizer)
-        noisy = tiny.noisy(weights, 0.05)
-        draft = tiny.write_model(root / f"{name}-draft", cfg, noisy, tiny_models.tokenizer)
-        out[name] = (target, draft)
-    return out
+    return tiny.noisy_pairs(tmp_path_factory.mktemp("llama4"), CONFIGS, tiny_models.tokenizer)
 
 
 @pytest.fixture(scope="module")

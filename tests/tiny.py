@@ -154,6 +154,18 @@ def write_swapped_tokenizer(path: Path, tokenizer_from: Path, a: int, b: int) ->
     (path / "tokenizer.json").write_text(json.dumps(data))
 
 
+def noisy_pairs(root, configs: dict, tokenizer, noise: dict | None = None) -> dict:
+    """{name: (target, draft)} model directories: each config's target (seed 0) and a noisy
+    copy of it as the draft (relative noise `noise.get(name, 0.05)`)."""
+    out = {}
+    for name, cfg in configs.items():
+        weights = family_weights(cfg, seed=0)
+        target = write_model(root / name, cfg, weights, tokenizer)
+        draft_weights = noisy(weights, (noise or {}).get(name, 0.05))
+        out[name] = (target, write_model(root / f"{name}-draft", cfg, draft_weights, tokenizer))
+    return out
+
+
 def noisy(weights: dict, scale: float, seed: int = 7) -> dict:
     """The target plus relative Gaussian noise: a draft that agrees often, not always."""
     out = {}
