@@ -803,7 +803,7 @@ def replay_session(args) -> int:
                     raise RuntimeError(f"{name}, {label}: {err} (request: {failed}; server "
                                        f"log: {log})") from err  # fmt: skip
                 prompt = ids(messages)
-                if "prompt" not in r:  # a stream that ended without usage (a peer's, once)
+                if "prompt" not in r and name.split()[0] in PEERS:  # (rapid-mlx's, once)
                     r["prompt"] = len(prompt)
                     r["completion"] = len(tokenizer.encode(r["text"], add_special_tokens=False))
                 if r.get("cached") is None:  # vllm-mlx: its log says what it prefilled
