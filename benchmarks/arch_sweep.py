@@ -47,6 +47,7 @@ from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import real_configs  # noqa: E402
 import tiny  # noqa: E402
 
 from mlx_spec import SpecError, batch_generate, generate, load_pair  # noqa: E402
@@ -134,6 +135,14 @@ LAYERS4 = ["sliding_attention", "full_attention", "sliding_attention", "full_att
 
 # Changes to the derived config, each with why derivation cannot do; `WHOLE` entries replace
 # it with a config the test suite already uses.
+# ministral3's and mistral4's rope: Llama 4's attention-scaling beta on a default rope
+LLAMA4_SCALED_ROPE = {
+    "rope_theta": 1e4,
+    "rope_type": "default",
+    "llama_4_scaling_beta": 0.1,
+    "original_max_position_embeddings": 512,
+}
+
 HAND: dict[str, tuple[str, dict]] = {
     "afmoe": ("a layer-type list", {"layer_types": LAYERS4, "sliding_window": WINDOW}),
     "dbrx": (
@@ -145,17 +154,7 @@ HAND: dict[str, tuple[str, dict]] = {
     ),  # fmt: skip
     "deepseek_v2": (
         "a YaRN rope block (its default is None)",
-        {
-            "rope_scaling": {
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "factor": 40,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-                "original_max_position_embeddings": 4096,
-                "type": "yarn",
-            }
-        },
+        {"rope_scaling": dict(real_configs.DEEPSEEK_V3_YARN)},
     ),  # fmt: skip
     "exaone_moe": (
         "layer-type and MoE-layer lists",
@@ -223,25 +222,11 @@ HAND: dict[str, tuple[str, dict]] = {
     ),
     "ministral3": (
         "rope parameters with Llama 4's scaling beta",
-        {
-            "rope_parameters": {
-                "rope_theta": 1e4,
-                "rope_type": "default",
-                "llama_4_scaling_beta": 0.1,
-                "original_max_position_embeddings": 512,
-            }
-        },
+        {"rope_parameters": dict(LLAMA4_SCALED_ROPE)},
     ),  # fmt: skip
     "mistral4": (
         "rope parameters with Llama 4's scaling beta",
-        {
-            "rope_parameters": {
-                "rope_theta": 1e4,
-                "rope_type": "default",
-                "llama_4_scaling_beta": 0.1,
-                "original_max_position_embeddings": 512,
-            }
-        },
+        {"rope_parameters": dict(LLAMA4_SCALED_ROPE)},
     ),  # fmt: skip
     "kimi_linear": (
         "which layers are linear (KDA)",

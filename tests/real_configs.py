@@ -16,6 +16,18 @@ from __future__ import annotations
 WINDOW = 8  # sliding windows shrunk like everything else; prompts and replies cross them
 
 
+# DeepSeek-V3's published YaRN block (its config.json)
+DEEPSEEK_V3_YARN = {
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "factor": 40,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096,
+    "type": "yarn",
+}
+
+
 def _llama3_rope(factor: float) -> dict:
     return {
         "factor": factor,
@@ -349,15 +361,7 @@ def mtp_configs(vocab: int) -> dict[str, dict]:
             "attention_dropout": 0.0,
             "max_position_embeddings": 163840,
             "rope_theta": 10000,
-            "rope_scaling": {
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "factor": 40,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-                "original_max_position_embeddings": 4096,
-                "type": "yarn",
-            },
+            "rope_scaling": dict(DEEPSEEK_V3_YARN),
             "rms_norm_eps": 1e-6,
             "num_nextn_predict_layers": 1,
             "tie_word_embeddings": False,
