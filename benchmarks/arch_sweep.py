@@ -697,15 +697,15 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = parser.parse_args()
     names = args.arch or architectures()
-    root = Path(tempfile.mkdtemp(prefix="arch-sweep-"))
-    tokenizer = root / "tokenizer"
-    tiny.write_tokenizer(tokenizer, VOCAB)
-    rows = []
-    if args.child:
+    if args.child:  # the parent's folder and tokenizer: a child makes none of its own
         row = sweep_one(names[0], Path(args.child), Path(args.child) / "tokenizer", args.tokens,
                         args.seeds)  # fmt: skip
         print("ROW " + json.dumps(row))
         return
+    root = Path(tempfile.mkdtemp(prefix="arch-sweep-"))
+    tokenizer = root / "tokenizer"
+    tiny.write_tokenizer(tokenizer, VOCAB)
+    rows = []
     try:
         for name in names:
             start = time.perf_counter()
