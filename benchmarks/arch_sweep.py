@@ -342,7 +342,8 @@ HAND: dict[str, tuple[str, dict]] = {
         {
             "layer_types": ["mamba", "attention", "mamba", "attention"],
             "mamba_n_heads": 4,
-            "mamba_d_head": 16,
+            "mamba_d_head": 32,  # transformers checks heads x head = mamba_expand x hidden
+            "mamba_expand": 2,
             "mamba_proj_bias": False,
             "mamba_d_state": 8,
             "mamba_d_conv": 4,
@@ -371,7 +372,17 @@ HAND: dict[str, tuple[str, dict]] = {
     "nemotron": ("an activation name", {"hidden_act": "relu2", "partial_rotary_factor": 0.5}),
     "exaone4": (
         "a rope block and a window pattern",
-        {"rope_scaling": None, "sliding_window_pattern": "LLGL"},
+        {
+            "rope_scaling": None,
+            "sliding_window_pattern": "LLGL",
+            # as EXAONE-4.0-32B ships both: transformers reads the list, mlx-lm the pattern
+            "layer_types": [
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
+        },  # fmt: skip
     ),
     "minicpm3": ("its default rope block is None", {"rope_scaling": {"type": "default"}}),
     "recurrent_gemma": (
@@ -400,6 +411,11 @@ WHOLE: dict[str, tuple[str, object]] = {
         lambda v: tiny.family_configs(v)["qwen3_5"],
     ),
     "gemma4": ("per-layer-type settings: tests/tiny.py's", lambda v: tiny.gemma4_config(v)),
+    "kimi_k25": (
+        "its text config is DeepSeek-V3's ModelArgs, imported under another name: derived as "
+        "deepseek_v3's",
+        lambda v: {"model_type": "kimi_k25", "text_config": _without_eos(derive("deepseek_v3"))},
+    ),
     "gemma4_text": (
         "per-layer-type settings: tests/tiny.py's",
         lambda v: tiny.gemma4_text_config(v),
@@ -485,6 +501,10 @@ def _inner_module(mod) -> str | None:
     return inner[0] if len(inner) == 1 else None
 
 
+def _without_eos(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k != "eos_token_id"}
+
+
 def derive(name: str) -> dict:
     """The tiny config of architecture `name` (module mlx_lm.models.<name>)."""
     if name in WHOLE:
@@ -498,7 +518,7 @@ def derive(name: str) -> dict:
             if any(f.name == "model_type" for f in dataclasses.fields(text)):
                 config["text_config"]["model_type"] = f"{name}_text"
         elif inner is not None:
-            config["text_config"] = {k: v for k, v in derive(inner).items() if k != "eos_token_id"}
+            config["text_config"] = _without_eos(derive(inner))
         else:
             config["text_config"] = {}
     if name in HAND:
