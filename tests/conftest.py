@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -13,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 # the server's disk cache (and anything else under the user's cache folder) stays out of ~
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="mlx-spec-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 import mlx_spec  # noqa: E402, F401  (first: it loads OpenBLAS before mlx.core, where present)
 

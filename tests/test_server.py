@@ -81,7 +81,9 @@ def start_server(args: list[str], log, env=None) -> tuple[subprocess.Popen, str]
     cmd = [sys.executable, "-m", "mlx_spec", "serve", "--port", "0", "--log-level", "warning"]
     if "--cache-dir" not in args and "--no-disk-cache" not in args:
         # a disk tier of its own: no server finds another test's entries
-        args = [*args, "--cache-dir", tempfile.mkdtemp(prefix="mlx-spec-cache-")]
+        # (inside the tests' cache folder, which conftest removes at exit)
+        folder = tempfile.mkdtemp(prefix="mlx-spec-cache-", dir=os.environ.get("XDG_CACHE_HOME"))
+        args = [*args, "--cache-dir", folder]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLX_SPEC_API_KEY": "", **(env or {})}
     proc = subprocess.Popen(cmd + args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     sel = selectors.DefaultSelector()
