@@ -66,6 +66,9 @@ completions, installed with `pip install --no-deps --target DIR vllm-mlx==0.6.0`
 rapid-mlx==0.16.10) and run by --peer-python, a Python holding what they import (fastapi,
 uvicorn, transformers, mlx-lm <= 0.31.1 for vllm-mlx's prefix cache). --clear-after N: the user
 types /clear after the parent's N-th turn (a new conversation on the same system prompt).
+--variant NAME=FLAGS (repeatable) adds an mlx-spec server in chat completions with more flags
+(e.g. `--variant "suffix=--drafter suffix"` against `--serve-flags "--drafter ngram"`): its
+decode time (wall less time to first token) is compared with the first mlx-spec server's.
 
     flock /tmp/bench.lock python benchmarks/agent_trace.py --shapes session --out session.json
         [--turns 12] [--system-tokens 3000] [--reply-tokens 32] [--rewrite-tokens 640]
@@ -754,6 +757,14 @@ def replay_session(args) -> int:
         if protocol not in PROTOCOLS:
             raise SystemExit(f"--protocols takes {', '.join(PROTOCOLS)}")
         servers[f"mlx-spec {protocol}"] = (spec, protocol, args.pair)
+    for variant in args.variant:  # more flags (the last of a flag wins), a disk tier of its own
+        name, _, flags = variant.partition("=")
+        if not name or not flags:
+            raise SystemExit("--variant takes NAME=FLAGS")
+        folder = ["--cache-dir", str(root / f"prompt-cache-{len(servers)}")]
+        flags = shlex.split(flags)
+        servers[f"mlx-spec {name}"] = ([*spec, *flags, *([] if "--cache-dir" in flags else folder)],
+                                       "chat", args.pair)  # fmt: skip
     if not args.no_mlx_lm:
         target, _ = write_mlx_dirs(args.pair, root, pair)
         # mlx_lm.server unchanged, but on the OpenBLAS mlx-spec loads (importing mlx_spec first
@@ -905,6 +916,12 @@ def report_session(args, labels: list[str], system_len: int, rows: dict[str, lis
               f" {s['ttft_median']:.2f} / {s['ttft_total']:.1f} |"
               f" {s['decode_tokens_per_second']:.1f} | {s['wall']:.1f} | {speed} | {acc} |"
               f" {tpp} | {same} |")  # fmt: skip
+    if len(ours) > 1:
+        base = summaries[reference]["wall"] - summaries[reference]["ttft_total"]
+        for n in ours[1:]:
+            decode = summaries[n]["wall"] - summaries[n]["ttft_total"]
+            print(f"\ndecode time (wall less TTFT): {n} {decode:.1f} s, {reference} {base:.1f} s:"
+                  f" {base / max(decode, 1e-9):.2f}x")  # fmt: skip
     print(
         "\nPer request: prompt tokens, the minimum to prefill, then each server's prefilled"
         " tokens / time to first token (s)\n"
@@ -1010,6 +1027,13 @@ def main():
     session.add_argument("--protocols", default="chat,messages,responses")
     session.add_argument("--no-mlx-lm", action="store_true", help="leave mlx_lm.server out")
     session.add_argument("--serve-flags", default="", help="more flags for mlx-spec serve")
+    session.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="one more mlx-spec server (chat), with these flags after --serve-flags",
+    )
     session.add_argument("--out", help="write the session's requests and summary (JSON)")
     session.add_argument("--dry-run", action="store_true", help="print the requests' sizes only")
     session.add_argument(
