@@ -457,6 +457,136 @@ WHOLE["qwen3_5_moe"] = (
         "shared_expert_intermediate_size": 32,
     },
 )
+WHOLE["kimi_k3"] = (
+    "a text config with a KDA layer list, gated NoPE MLA, latent MoE, SiTU's softcaps and "
+    "attention residuals in blocks (Kimi K3's fields, shrunk)",
+    lambda v: {
+        "model_type": "kimi_k3",
+        "text_config": {
+            "model_type": "kimi_linear", "vocab_size": v, "hidden_size": 64,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "intermediate_size": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 512,
+            "tie_word_embeddings": False, "hidden_act": "situ", "activation_situ_beta": 4.0,
+            "activation_situ_linear_beta": 25.0,
+            # 1-based layer numbers: layers 0 and 2 are KDA, 1 and 3 MLA
+            "linear_attn_config": {
+                "kda_layers": [1, 3], "full_attn_layers": [2, 4], "num_heads": 4,
+                "head_dim": 16, "short_conv_kernel_size": 4, "use_full_rank_gate": True,
+                "gate_lower_bound": -5.0,
+            },
+            "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8, "v_head_dim": 16, "mla_use_nope": True,
+            "mla_use_output_gate": True,
+            "num_experts": 4, "num_experts_per_token": 2, "num_shared_experts": 1,
+            "moe_intermediate_size": 32, "routed_expert_hidden_size": 32,
+            "moe_router_activation_func": "sigmoid", "moe_renormalize": True,
+            "routed_scaling_factor": 1.0, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+            "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+            "attn_res_block_size": 2,  # (K3: 12 of 93 layers) blocks close inside 4 layers
+        },
+    },
+)  # fmt: skip
+WHOLE["muse_spark"] = (
+    "per-layer lists (attention kinds, RoPE bases: 0 is NoPE, every feed-forward sparse: "
+    "mlx-lm builds no dense one) and the pooled experts' width (Muse Spark's text config, "
+    "shrunk)",
+    lambda v: {
+        "model_type": "muse_spark",
+        "text_config": {
+            "model_type": "muse_spark_text", "vocab_size": v, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-5, "post_norm_eps": 1e-8, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+            # as the released config: full attention and NoPE every 4th layer from the last
+            "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+            "layer_rope_theta": [5e5, 5e5, 5e5, 0], "sliding_window": WINDOW,
+            "final_logit_softcapping": 20.0, "qk_scale_factor": 5.4730064863875,
+            "output_multiplier": 2.0,  # 1 / sqrt(hidden_size / 256), as released
+            "hidden_act": "silu", "num_local_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "moe_hidden_size": 32, "routed_scaling_factor": 1.0,
+            "mlp_layer_types": ["sparse"] * 4, "residual_gate_temperature": 0.3,
+        },
+        # the released config's audio tower (mlx-lm drops it) writes onto the text
+        # embeddings: transformers checks its width is the text model's
+        "audio_config": {"out_hidden_size": 64},
+    },
+)  # fmt: skip
+
+
+def _hadamard_manifest(layers: int, interval: int) -> list[dict]:
+    """A Bonsai-style pack's module records: every projection of the text model (not a
+    GDN layer's two small gate projections, in_proj_a and in_proj_b), the embedding and
+    the head, each rotated in blocks of 512 (the released pack: 1024)."""
+    paths = ["model.embed_tokens", "lm_head"]
+    for i in range(layers):
+        if (i + 1) % interval:
+            mixer = [f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "out_proj")]
+        else:
+            mixer = [f"self_attn.{m}_proj" for m in "qkvo"]
+        ffn = [f"mlp.{m}_proj" for m in ("gate", "up", "down")]
+        paths += [f"model.layers.{i}.{m}" for m in mixer + ffn]
+    return [
+        {"path": p, "block": 512, "embedding": p == "model.embed_tokens", "dtype": "float16"}
+        for p in paths
+    ]
+
+
+WHOLE["prism_hadamard_qwen35"] = (
+    "a Hadamard pack's manifest (schema 2, the mlx-vlm qwen3_5 namespace, 2-bit affine "
+    "weights in group of 128, rotated in blocks: every packed width a multiple of 512) over "
+    "a Qwen3.5 text config",
+    lambda v: {
+        "model_type": "prism_hadamard_qwen35", "schema_version": 2,
+        "base_model_type": "qwen3_5", "tensor_namespace": "mlx-vlm-qwen3_5",
+        "gdn_activation_layout": "grouped",
+        "quantization": {"bits": 2, "group_size": 128, "mode": "affine"},
+        "modules": _hadamard_manifest(4, 2),
+        "text_config": {
+            "model_type": "qwen3_5_text", "vocab_size": v, "hidden_size": 512,
+            "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 128, "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+            "full_attention_interval": 2, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 512, "tie_word_embeddings": False,
+            "rope_parameters": {
+                "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25
+            },
+        },
+    },
+)  # fmt: skip
+
+
+def hadamard_pack(config: dict, weights: dict, seed: int) -> dict:
+    """The float weights of a pack's base model (`base_model_type`), packed as the pack's
+    manifest says: each module's weight rotated along its input axis (random signs, then a
+    normalized Walsh-Hadamard transform in blocks), quantized to 2-bit affine, float16
+    scales, the signs beside it. The model rotates its inputs the same way (the embedding
+    rotates its rows back), so the packed model computes the float one, up to 2-bit error."""
+    from mlx_lm.models.prism_hadamard_qwen35 import hadamard_rotate
+
+    out = dict(weights)
+    q = config["quantization"]
+    for i, record in enumerate(config["modules"]):
+        key = f"language_model.{record['path']}"
+        w = out.pop(f"{key}.weight")
+        if record["block"]:
+            signs = mx.where(mx.random.bernoulli(key=mx.random.key(seed * 1000 + i),
+                                                 shape=(w.shape[1],)), 1.0, -1.0)  # fmt: skip
+            w = hadamard_rotate(w, record["block"], signs)
+            out[f"{key}.signs"] = signs
+        packed, scales, biases = mx.quantize(
+            w.astype(mx.float16), group_size=q["group_size"], bits=q["bits"]
+        )
+        out.update({f"{key}.weight": packed, f"{key}.scales": scales, f"{key}.biases": biases})
+    return out
+
+
+# architecture -> how its checkpoint stores what `tiny.family_weights` makes in float
+PACKED = {"prism_hadamard_qwen35": hadamard_pack}
+
+
 # mlx-lm's model cannot be built tiny, with why
 NOT_TINY = {
     "phi3small": "writes -inf into logits 100256..100351 in place: needs a vocabulary of 100352",
@@ -593,13 +723,19 @@ def build(name: str, root: Path, tokenizer: Path, seed: int) -> tuple[Path, Path
         size = sum(p.size for _, p in tree_flatten(model.parameters()))
         if size > MAX_PARAMETERS:
             raise NoConfig(f"{size:,} parameters: a size field kept its real value")
-        weights = tiny.family_weights(config, seed=seed)
+        if name in PACKED:  # the base model's float weights, packed (the draft: noisy, then packed)
+            base = tiny.family_weights({**config, "model_type": config["base_model_type"]}, seed)
+            weights = PACKED[name](config, base, seed)
+            draft_weights = PACKED[name](config, tiny.noisy(base, 0.05), seed)
+        else:
+            weights = tiny.family_weights(config, seed=seed)
+            draft_weights = tiny.noisy(weights, 0.05)
     except NoConfig:
         raise
     except Exception as e:
         raise NoConfig(f"{type(e).__name__}: {_short(e)}") from e
     target = tiny.write_model(root / name / "target", config, weights, tokenizer)
-    draft = tiny.write_model(root / name / "draft", config, tiny.noisy(weights, 0.05), tokenizer)
+    draft = tiny.write_model(root / name / "draft", config, draft_weights, tokenizer)
     return target, draft
 
 
