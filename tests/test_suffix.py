@@ -167,6 +167,51 @@ def test_suffix_model_distribution_is_the_target(tiny_models):
     assert stat < threshold
 
 
+@pytest.mark.parametrize(
+    "prompt",
+    [PROMPT * 3, [5, 9, 3, 12, 7, 15, 4, 5, 9, 3, 12, 7]],
+    ids=["lookup-rejected", "lookup-accepted"],
+)
+def test_suffix_eagle3_distribution_is_the_target(tiny_models, tmp_path, prompt):
+    """Temperature 1 beside an EAGLE-3 head (test_eagle's small one: 6 of the 16 tokens). The
+    first round is always a lookup (a point mass on each guess): one the target nearly always
+    rejects (5 after PROMPT), so the head's round (its q) draws the second token, or one it
+    mostly accepts (15, its likeliest token, then 4), head rounds where it does not. The
+    first two tokens' joint is the target's either way. (A wrong q in the head's rounds —
+    uniform — gives a statistic ~8x the threshold on the first prompt, 2026-12-06.)"""
+    import tiny
+    from test_eagle import DRAFTED, head_weights
+    from test_eagle import write_head as write_eagle
+
+    from mlx_spec.drafters.eagle import EagleDrafter
+
+    small = tiny.llama_config(16, layers=2, hidden=32)
+    weights = head_weights(small, DRAFTED, 9, False, 0.3)
+    head = write_eagle(tmp_path / "head", small, weights, ids=[0, 0, 1])
+    pair = load_pair(target=str(tiny_models.small_target), drafter="suffix+eagle3", head=str(head))
+    params = SamplingParams(temperature=1.0)
+    probs = exact_joint(pair, params, prompt)
+    drafter = SuffixDrafter(EagleDrafter(pair.head))
+    rounds = {"lookup": 0, "head": 0}
+    lookup, propose = drafter.propose_lookup, drafter.propose
+
+    def spy_lookup(k):
+        rounds["lookup"] += 1
+        return lookup(k)
+
+    def spy_propose(k, *args, **kwargs):
+        rounds["head"] += 1
+        return propose(k, *args, **kwargs)
+
+    drafter.propose_lookup, drafter.propose = spy_lookup, spy_propose
+    runs = 800
+    counts = first_two(pair, params, runs, 2, drafter, prompt)
+    stat, threshold = chi_square(counts, probs)
+    print(f"suffix+eagle3: chi-square {stat:.1f} (threshold {threshold:.1f}), rounds {rounds}")
+    assert rounds["lookup"] >= runs and rounds["head"] > runs // 10
+    assert stat < threshold
+
+
 def test_a_decoder_forks_with_its_own_index(suffix_pair):
     decoder = Decoder(suffix_pair.target, SuffixDrafter(), eos_token_ids=())
     decoder.prefill(suffix_pair.tokenizer.encode(REPEATING))
