@@ -289,7 +289,7 @@ class SuffixDrafter(Drafter):
     def disk_state(self):
         return self.inner.disk_state() if self.inner is not None else None
 
-    def restore_disk_state(self, layers, figures) -> None:
+    def restore_disk_state(self, layers, figures, target) -> None:
         if self.inner is None:
-            super().restore_disk_state(layers, figures)
-        self.inner.restore_disk_state(layers, figures)
+            super().restore_disk_state(layers, figures, target)
+        self.inner.restore_disk_state(layers, figures, target)
