@@ -59,7 +59,10 @@ def from_layer_state(name: str, state):
         c.keys, c.values, c.offset, c.dropped = keys, values, int(offset), int(dropped)
         return c
     if name == "LayerCache":
-        from mlx_lm.models.deepseek_v41 import LayerCache  # (a model's module: loaded here)
+        try:  # (a model's module: loaded only here)
+            from mlx_lm.models.deepseek_v41 import LayerCache
+        except ImportError:
+            raise ValueError("a LayerCache layer needs an mlx-lm with deepseek_v41") from None
 
         *fields, window_size = state
         c = LayerCache(int(window_size))
