@@ -25,7 +25,8 @@ from test_batch import (
 from test_greedy_equality import reference
 from test_server import serving
 
-from mlx_spec import SpecError, generate, load_pair
+import mlx_spec
+from mlx_spec import GenerationConfig, SpecError, generate, load_pair
 from mlx_spec.core import caches
 from mlx_spec.core.batch_caches import check_batchable
 from mlx_spec.decode.generate import make_batch_decoder
@@ -144,3 +145,30 @@ def test_a_cache_class_the_batch_does_not_know_is_refused_in_one_line():
             assert "\n" not in str(refused.value)
         with pytest.raises(SpecError, match=f"a {name} layer cannot be batched"):
             merge_layer([layers[-1]] * 2)  # (the second line of defence)
+
+
+@pytest.mark.parametrize("family", ["gpt_bigcode", "deepseek_v32"])
+def test_a_copied_row_goes_its_own_way_and_the_row_goes_on(dirs, family):
+    """`copy_row` (the server's parallel sub-tasks: a request that shares a running row's
+    prompt starts from a copy of it): the copy, rolled back to the shared part and decoding
+    another prompt, leaves the row it came from exact — also where the batch keeps each row's
+    own caches (gpt_bigcode's row by row), which the copy must not share."""
+    from mlx_spec.decode.batch_rows import into_decoder
+
+    pair = pair_of(dirs, family)
+    config = GenerationConfig(max_tokens=24, num_draft_tokens=3)
+    prompt = pair.tokenizer.encode(TEXTS[2])
+    decoder = make_batch_decoder(pair, 3)
+    rid = decoder.add(prompt, GenerationConfig(max_tokens=24))
+    tokens = []
+    for _ in range(3):
+        tokens += decoder.step()[rid].tokens
+    copy = into_decoder(mlx_spec.make_decoder(pair), decoder.copy_row(rid))
+    other = prompt[:-3] + pair.tokenizer.encode(" and", add_special_tokens=False)
+    res = generate(pair, other, config, decoder=copy)  # rolls the copy back, then decodes
+    assert res.tokens == reference(pair, other, 24)
+    assert res.stats.prompt_tokens_reused > 0
+    while len(decoder):
+        u = decoder.step()[rid]
+        tokens += u.tokens
+    assert tokens == reference(pair, prompt, 24)

@@ -70,7 +70,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..core import batch_caches, caches
-from ..core.batch_caches import ONE_OFFSET, RowWise, check_batchable, extract_layer, merge_rows
+from ..core.batch_caches import (
+    ONE_OFFSET,
+    RowsCache,
+    RowWise,
+    check_batchable,
+    extract_layer,
+    merge_rows,
+)
 from ..core.batch_policy import BatchController
 from ..core.caches import prefill_cache
 from ..core.grammar import grammar_of
@@ -396,7 +403,15 @@ class BatchDecoder(BatchRound):
         """A copy of a row's caches, as `remove` would hand them over, the row staying: a
         request that shares the start of its sequence (an agent's sub-task beside its parent,
         one system prompt) starts from it rather than prefilling that part again."""
-        return self._extract(self._index(row_id))
+        state = self._extract(self._index(row_id))
+        # a batch run row by row (RowsCache) hands over the row's own cache objects, which the
+        # row goes on writing into: the copy gets caches of its own
+        if any(isinstance(c, RowsCache) for c in self.cache):
+            state.cache = caches.copy(state.cache)
+        if self.draft_cache is not None and any(isinstance(c, RowsCache) for c in self.draft_cache):
+            state.draft_cache = caches.copy(state.draft_cache) if state.draft_cache else None
+        caches.eval_state(state.cache + (state.draft_cache or []))
+        return state
 
     def _extract(self, i: int) -> RowState:
         """Row i's caches as single-row KVCaches (evaluated: nothing lazy points into the
