@@ -192,3 +192,30 @@ def test_two_concurrent_clients_get_the_targets_text(dirs, tmp_path):
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             got = list(pool.map(ask, prompts))
     assert got == expected
+
+
+def test_a_saved_conversation_continues_exactly(pairs, tmp_path):
+    """The chunked caches (with their margin) go to a file and come back (the server's disk
+    tier, `save_decoder`): the next turn reuses them and equals a fresh run."""
+    from mlx_spec import load_decoder, save_decoder
+
+    pair = pairs("llama4-scout")
+    prompt = prompt_ids(pair) * 25  # (past chunk + margin + slack: the caches dropped a front)
+    decoder = make_decoder(pair)
+    first = generate(pair, prompt, max_tokens=13, num_draft_tokens=3, decoder=decoder)
+    save_decoder(decoder, tmp_path / "turn.safetensors")
+    loaded = load_decoder(pair, tmp_path / "turn.safetensors")
+    chunked = [
+        (a, b)
+        for a, b in zip(decoder.cache, loaded.cache, strict=True)
+        if isinstance(a, caches.MarginChunkedKVCache)
+    ]
+    assert chunked and all(a.start_position > 0 for a, _ in chunked)
+    for a, b in chunked:
+        assert type(b) is type(a)
+        assert (b.offset, b.start_position, b.chunk_size, b.margin, b.slack) == (
+            a.offset, a.start_position, a.chunk_size, a.margin, a.slack)  # fmt: skip
+    follow = prompt + first.tokens + pair.tokenizer.encode(" and then", add_special_tokens=False)
+    again = generate(pair, follow, max_tokens=REPLY, num_draft_tokens=3, decoder=loaded)
+    assert again.stats.prompt_tokens_reused > len(prompt)
+    assert again.tokens == reference(pair, follow, REPLY)

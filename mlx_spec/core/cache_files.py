@@ -1,6 +1,7 @@
 """Kept decoders as files: mlx-lm's `save_prompt_cache` format (the caches' states flattened
 into safetensors, `[metadata, classes, scalars]` in its metadata), with one class of ours added
-(`WindowedKVCache`, whose `state` leaves out its offset and window) and deepseek_v41's
+(`WindowedKVCache`, whose `state` leaves out its offset and window; `MarginChunkedKVCache`,
+Llama 4's chunks with a margin) and deepseek_v41's
 `LayerCache` (not mlx-lm's cache module's: its attributes and window size), and the identity of the
 models a state belongs to. The server's disk tier (server/disk_cache.py) and the Python API's
 `save_decoder` / `load_decoder` (decode/saved.py) write and read these files.
@@ -36,6 +37,13 @@ def layer_state(c):
             (None, None) if c.keys is None else (c.keys[..., :held, :], c.values[..., :held, :])
         )
         return "WindowedKVCache", (keys, values, c.offset, c.dropped, c.window, c.margin, c.slack)
+    if type(c) is caches.MarginChunkedKVCache:  # (Llama 4's: its margin and slack besides)
+        held = c.offset - c.start_position
+        keys, values = (
+            (None, None) if c.keys is None else (c.keys[..., :held, :], c.values[..., :held, :])
+        )
+        return "MarginChunkedKVCache", (keys, values, c.offset, c.start_position, c.chunk_size,
+                                        c.margin, c.slack)  # fmt: skip
     if type(c) is mlx_lm_cache.KVCache and c.keys is not None and c.offset < c.keys.shape[2]:
         # its state is the whole buffer, grown 256 positions at a time: only the rows it holds
         return "KVCache", (c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset)
@@ -57,6 +65,11 @@ def from_layer_state(name: str, state):
         keys, values, offset, dropped, window, margin, slack = state
         c = caches.WindowedKVCache(int(window), int(margin), int(slack))
         c.keys, c.values, c.offset, c.dropped = keys, values, int(offset), int(dropped)
+        return c
+    if name == "MarginChunkedKVCache":
+        keys, values, offset, start, chunk_size, margin, slack = state
+        c = caches.MarginChunkedKVCache(int(chunk_size), int(margin), int(slack))
+        c.keys, c.values, c.offset, c.start_position = keys, values, int(offset), int(start)
         return c
     if name == "LayerCache":
         try:  # (a model's module: loaded only here)
