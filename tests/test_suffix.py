@@ -14,7 +14,7 @@ from test_eagle import heads, target_cfg  # noqa: F401  (fixtures)
 from test_greedy_equality import reference
 from test_server import serving
 
-from mlx_spec import SamplingParams, generate, load_pair
+from mlx_spec import GenerationConfig, SamplingParams, generate, load_pair
 from mlx_spec.cli import main
 from mlx_spec.core.lookup_length import LookupCosts
 from mlx_spec.core.policies import K_MAX, Auto
@@ -266,3 +266,71 @@ def test_suffix_eagle3_equals_target_alone_and_keeps_the_heads_cache(suffix_eagl
         assert res.stats.draft_lengths[1] > 0  # and head rounds
     inner = SimpleNamespace(drafter=decoder.drafter.inner, sequence=decoder.sequence)
     check_sglang_cache(inner, pair, made, cfg)
+
+
+def long_rows(pair) -> list[list[int]]:
+    """Three prompts; the first ends 24 tokens into the target's own reply, which runs into a
+    repetition: its suffix match supports a draft far past K_MAX that the target accepts."""
+    first = pair.tokenizer.encode(REPEATING)
+    first += reference(pair, first, 24)
+    return [first, pair.tokenizer.encode("The quick brown fox"), pair.tokenizer.encode("Once")]
+
+
+def run_rows_longest(decoder, prompts, max_tokens: int) -> tuple[list, list]:
+    """Every prompt a row from the start: (each row's tokens, the most it accepted in a
+    round)."""
+    ids = [decoder.add(p, GenerationConfig(max_tokens=max_tokens)) for p in prompts]
+    out, most = {i: [] for i in ids}, dict.fromkeys(ids, 0)
+    for _ in range(4 * max_tokens):
+        if not len(decoder):
+            break
+        for row, u in decoder.step().items():
+            out[row] += u.tokens
+            most[row] = max(most[row], u.round.accepted)
+    assert not len(decoder)
+    return [out[i] for i in ids], [most[i] for i in ids]
+
+
+@pytest.mark.parametrize("dear", [False, True])
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_a_batch_row_drafts_past_k_max_where_the_pass_pays(suffix_pair, monkeypatch, k, dear):
+    """In a batch a suffix row's lookup draft is as long as the pass's cost says, not the
+    batch's k (<= K_MAX): where a wider pass costs little (memory-bound) the row that holds
+    its reply accepts more than K_MAX tokens in a round; where every verified row costs a
+    step's worth, none goes past K_MAX. Every row is the target alone either way."""
+    from mlx_spec.decode.generate import make_batch_decoder
+
+    prompts = long_rows(suffix_pair)
+    decoder = make_batch_decoder(suffix_pair, k)
+    per_row = 0.05 if dear else 0.0002
+    monkeypatch.setattr(decoder.curve, "pass_seconds", lambda rows: 0.05 + per_row * rows)
+    out, most = run_rows_longest(decoder, prompts, 60)
+    for p, tokens in zip(prompts, out, strict=True):
+        assert tokens == reference(suffix_pair, p, 60)
+    assert (most[0] > K_MAX) is not dear
+    assert decoder.lookup_costs.rounds > 0 or dear
+
+
+@pytest.mark.parametrize("cheap", [True, False])
+def test_the_lookup_width_is_what_the_pass_cost_pays_for(cheap):
+    """A long match widens the pass while a wider pass costs little; where each column costs
+    as much as the batch's whole pass, it does not (the rows draft their k as before). A
+    draft model fed every column pays a step a column: a shorter lookup."""
+    from mlx_spec.core.batch_policy import lookup_width
+
+    per_row = 0.001 if cheap else 1.0
+
+    def pass_seconds(rows):
+        return 1.0 + per_row * (rows - 3)
+
+    found = {0: (0.93, 64)}  # row 0: a long match, accepted 93 %; rows 1, 2: their k of 2
+    chosen = lookup_width([2, 2, 2], [2.0, 2.0, 2.0], found, pass_seconds, 0.0)
+    if cheap:
+        assert chosen[0] > K_MAX
+        fed = lookup_width([2, 2, 2], [2.0, 2.0, 2.0], found, pass_seconds, 0.05, fed=True)
+        assert fed[0] < chosen[0]
+        # the same beside a head: its steps are its own rows' (k), not the width's
+        head = lookup_width([2, 2, 2], [2.0, 2.0, 2.0], found, pass_seconds, 0.05)
+        assert head[0] > K_MAX
+    else:  # (a lookup within the pass's width still goes where it beats the row's k)
+        assert all(n <= 2 for n in chosen.values())

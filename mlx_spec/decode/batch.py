@@ -105,11 +105,20 @@ from ..core.batch_caches import (  # noqa: F401  (check_batchable, merge_layer: 
     rollback_rows,
     unmasked,
 )
-from ..core.batch_policy import BatchController
+from ..core.batch_policy import BatchController, lookup_width
 from ..core.caches import WindowedKVCache, prefill_cache
 from ..core.grammar import GrammarStateError, grammar_of
 from ..core.hidden import capturing
-from ..core.policies import Auto, DraftLength, Fixed, draft_length
+from ..core.lookup_length import LookupCosts
+from ..core.lookup_length import expected_tokens as lookup_tokens
+from ..core.payoff import expected_tokens
+from ..core.policies import (
+    FIXED_LOOKUP_MATCH,
+    Auto,
+    DraftLength,
+    Fixed,
+    draft_length,
+)
 from ..core.processors import apply as apply_processors
 from ..core.sampling import SamplingParams, probabilities, random_key, sample
 from ..drafters.ngram import NGramDrafter
@@ -129,6 +138,8 @@ from .rounds import (
     verify,
 )
 
+# a draft step's cost before one is measured, as a share of a pass (suffix rows' lookup widths)
+PRIOR_DRAFT_SHARE = 0.1
 FORCED_MAX = 8  # the most forced tokens a row drafts in a round (engine.FORCED_MAX)
 
 # Tokens the draft missed (plain rounds) that ride along in a drafting round's first step; more
@@ -305,6 +316,16 @@ def filled_q(q: mx.array, x: list[int], k: int) -> mx.array:
     return mx.concatenate([pad_vocab(q[:k], width), point_mass(fillers, width)])
 
 
+def beside(drafts: mx.array, lengths: list[int], looked: dict) -> tuple[mx.array, list[int]]:
+    """A head's (B, K) drafts with the looked-up rows' guesses in their rows ({row: (match,
+    guess)}), as wide as the widest: (B, K'), each row's length (the rest is padding)."""
+    picks, lengths = drafts.tolist(), list(lengths)
+    for b, (_, guess) in looked.items():
+        picks[b], lengths[b] = list(guess), len(guess)
+    width = max(len(p) for p in picks)
+    return mx.array([p + [0] * (width - len(p)) for p in picks], mx.uint32), lengths
+
+
 @dataclass
 class BatchTiming:
     """The last round's measured parts (what the controller learns from)."""
@@ -361,8 +382,14 @@ class BatchDecoder:
             )
         self.target_pass = RowWise(target) if self.apart else target
         self.draft_pass = RowWise(draft) if self.draft_apart else draft
-        if head is not None and (draft is not None or lookup is not None):
-            raise SpecError("a batch drafts with a head alone, not beside another drafter")
+        # a kind's own row lookup (suffix decoding: a callable making each row's) may go
+        # beside a head or a draft model, its drafts past k where they pay (`_lookups`)
+        self.suffix = callable(lookup)
+        if head is not None and (draft is not None or (lookup is not None and not self.suffix)):
+            raise SpecError(
+                "a batch drafts with a head alone (or beside suffix lookup), not beside "
+                "another drafter"
+            )
         # a recurrent target (Qwen3.5, Qwen3-Next, Mamba): rows restored and replayed
         self.recurrent = caches.is_recurrent(make_prompt_cache(target))
         # a recurrent draft model (Qwen3.5-0.8B for a Qwen3.5 target): each row's state is
@@ -393,6 +420,13 @@ class BatchDecoder:
             if self.fixed_k is None
             else None
         )
+        # suffix rows: their looked-up tokens' acceptance per match length (lookup_length.py)
+        # and the pass costs their lookup drafts are chosen by (the controller's; with a fixed
+        # k, a controller kept for its measured costs only)
+        self.lookup_costs = LookupCosts()
+        self.curve = self.controller
+        if self.curve is None and self.suffix:
+            self.curve = BatchController(k_max, draft is not None or head is not None)
         self.pair = None  # make_batch_decoder's: what a row's grammar compiles against
         self.rows: list[Row] = []
         self.cache: list | None = None
@@ -679,10 +713,60 @@ class BatchDecoder:
         if self.fixed_k is not None:
             return self.fixed_k
         available = None  # (with a draft model too, every row can draft)
-        if self.lookup is not None and self.draft is None:
+        if self.lookup is not None and self.draft is None and self.heads is None:
             available = [r.use_draft and r.lookup.has_proposal() for r in self.rows]
         missed = self.lag - 2 if self.draft is not None else 0
         return self.controller.next(len(self.rows), available, missed)
+
+    def _lookups(self, rows, requested, forced, ending) -> dict[int, tuple[int, list[int]]]:
+        """Suffix rows whose lookup draft this round pays, {row: (match length, guess)}: as
+        long as the pass's cost says (`batch_policy.lookup_width`, past the batch's k and
+        K_MAX up to what the match supports), where its expected tokens beat the row's own
+        k-draft (beside a head or a draft model; with a fixed k, only matches of
+        FIXED_LOOKUP_MATCH tokens or more, as alone); a suffix row alone only where it goes
+        past the k it drafts anyway. The output stays the target's: the costs are past
+        rounds', and every guess is verified."""
+        rival_kind = self.draft is not None or self.heads is not None
+        found = {}
+        for b, r in enumerate(rows):
+            if not r.use_draft or b in forced or b in ending or r.lookup is None:
+                continue
+            match, reach = r.lookup.suffix_match()
+            reach = min(reach, r.max_tokens - r.emitted - 1)
+            short = rival_kind and self.fixed_k is not None and match < FIXED_LOOKUP_MATCH
+            if match > 0 and reach > 0 and not short:
+                found[b] = (self.lookup_costs.acceptance(match), reach)
+        if not found:
+            return {}
+        curve, batch = self.curve, len(rows)
+        acceptance = curve.acceptance()
+        own, rival = [], []  # what each row drafts without a lookup past k, and its tokens
+        for b, req in enumerate(requested):
+            if not rival_kind:  # its own lookup within k (nothing: no match)
+                n = min(found[b][1], req) if b in found and b not in forced else 0
+                n = len(forced[b]) if b in forced else n
+                a = found[b][0] if b in found else acceptance[0]
+                own.append(n)
+                rival.append(lookup_tokens(a, n) if b in found else expected_tokens([a] * n))
+            else:
+                own.append(req)
+                rival.append(expected_tokens(acceptance[:req]))
+        # (not measured yet: None, the prior slope over a pass of the batch)
+        pass_seconds = curve.pass_seconds if curve.pass_seconds(batch) is not None else None
+        draft_step = curve.draft_seconds(batch) if pass_seconds is not None else None
+        if draft_step is None:  # (not measured yet: a share of a pass of the batch)
+            plain = pass_seconds(batch) if pass_seconds is not None else 1.0
+            draft_step = PRIOR_DRAFT_SHARE * plain if curve.draft_model else 0.0
+        block = self.heads is not None and bool(self.heads.kind.block)
+        fed = self.draft is not None
+        chosen = lookup_width(own, rival, found, pass_seconds, draft_step, fed, block)
+        looked = {}
+        for b, n in chosen.items():
+            if rival_kind or n > own[b]:
+                guess = rows[b].lookup.lookup(n)
+                if guess:
+                    looked[b] = (rows[b].lookup.suffix_match()[0], guess)
+        return looked
 
     def _guarded(self, row: Row, call, fallback, *args):
         """`call(*args)` for one row's processors or grammar; when its grammar cannot go on
@@ -736,7 +820,13 @@ class BatchDecoder:
         # lookup and a draft model (ngram+model): lookup first, the model where it finds
         # nothing; the draft is fed a looked-up guess as it would be its own
         overrides = dict(forced)
-        if self.lookup is not None and self.draft is not None:
+        # suffix rows: a lookup draft where the cost says it pays, past k where it does
+        looked = self._lookups(rows, requested, forced, ending) if self.suffix else {}
+        for b, (_, guess) in looked.items():
+            requested[b] = len(guess)
+            if self.draft is not None:  # fed to the draft as its own (one lag for all rows)
+                overrides[b] = guess
+        if self.lookup is not None and self.draft is not None and not self.suffix:
             for b, r in enumerate(rows):
                 if b not in overrides and requested[b]:
                     guess = r.lookup.lookup(requested[b])
@@ -749,7 +839,10 @@ class BatchDecoder:
             for r, req in zip(rows, requested, strict=True)
         ]
         models = self.draft is not None or self.heads is not None
-        drafting = models and max(requested) > 0
+        # a head drafts the other rows only (a looked-up row's guesses join after: `_beside`)
+        by_head = self.heads is not None and looked
+        head_requested = [0 if by_head and b in looked else q for b, q in enumerate(requested)]
+        drafting = models and max(head_requested) > 0
         if drafting and self.draft is not None and self.lag > 2 + CATCH_UP_RIDES:
             self._catch_up()
         start = time.perf_counter()
@@ -757,16 +850,21 @@ class BatchDecoder:
         steps = 0
         if drafting:
             # (B, K), per row (k_i, V) | None, and k_i after a confidence stop
-            drafts, qs, lengths = self._draft(requested, draft_keys, overrides)
+            keys = [None if by_head and b in looked else key for b, key in enumerate(draft_keys)]
+            drafts, qs, lengths = self._draft(head_requested, keys, overrides)
             block = self.heads is not None and self.heads.kind.block
             steps = 1 if block else drafts.shape[1]  # a block head: one forward
             # a sync between draft and verify (the pass waits on the draft anyway): the
             # controller learns the two costs apart
             mx.eval(drafts, *[q for q in qs if q is not None])
+            if by_head:
+                drafts, lengths = beside(drafts, lengths, looked)
         else:
             guesses = [
                 forced[b]
                 if b in forced
+                else looked[b][1]
+                if b in looked
                 else r.lookup.lookup(req)
                 if r.lookup is not None and req
                 else []
@@ -816,6 +914,7 @@ class BatchDecoder:
         out = mx.stack(outs)  # (B, 2): accepted n, the target's token
         arrays = [a for lp in lps if lp is not None for a in lp if a is not None]
         mx.eval(out, drafts, *arrays, *[r.key for r in rows if r.key is not None])
+        overrides.update({b: guess for b, (_, guess) in looked.items()})  # (no draft steps)
         done = self._finish_round(
             out.tolist(), passes or drafts.tolist(), requested, lengths, steps, lps, forced,
             overrides, hidden, saved,
@@ -833,17 +932,22 @@ class BatchDecoder:
         # look dearer than a 16-row drafting one (120 against 110 ms, 2026-12-04: it is only
         # ever measured right after the joins) and the server drafted where plain was faster
         timed, self.reshaped = not self.reshaped, False
-        if self.controller is not None and k:
+        lookup_ids = {rows[b].id: match for b, (match, _) in looked.items()}
+        if self.curve is not None and k:
             outcomes = [  # (a forced round is not the policy's: kept out, as alone; fillers
-                # are no row's proposal)
+                # are no row's proposal; nor is a lookup draft, as alone: lookup_costs')
                 (u.round.requested, d, min(u.round.accepted, d))
-                for u in done.values()
-                if not u.round.forced
+                for i, u in done.items()
+                if not u.round.forced and i not in lookup_ids
                 for d in [u.round.drafted - u.round.filled]
             ]
-            self.controller.update(len(rows), self.timing, outcomes, timed)
-        elif self.controller is not None and timed:
-            self.controller.update_plain(len(rows), self.timing)
+            self.curve.update(len(rows), self.timing, outcomes, timed)
+        elif self.curve is not None and timed:
+            self.curve.update_plain(len(rows), self.timing)
+        for i, match in lookup_ids.items():
+            r = done[i].round
+            if r.drafted:
+                self.lookup_costs.update(match, r.drafted, r.accepted, self.timing.verify_seconds)
         return updates
 
     def _verify(self, r: Row, requested: int, k: int, drafts, logits, q, proposal=None):

@@ -286,10 +286,17 @@ class SuffixDrafter(Drafter):
         self._draft = None
         self.inner.adopt(cache, cached, unfed)
 
+    def adopt_inner(self, inner: Drafter) -> None:
+        """A head's drafter from a batch row (its state over the row's sequence) as the inner
+        one; the request's index is rebuilt from the next prompt."""
+        self.inner = inner
+        self.context.reset()
+        self._draft = None
+
     def disk_state(self):
         return self.inner.disk_state() if self.inner is not None else None
 
-    def restore_disk_state(self, layers, figures) -> None:
+    def restore_disk_state(self, layers, figures, target) -> None:
         if self.inner is None:
-            super().restore_disk_state(layers, figures)
-        self.inner.restore_disk_state(layers, figures)
+            super().restore_disk_state(layers, figures, target)
+        self.inner.restore_disk_state(layers, figures, target)
