@@ -268,18 +268,22 @@ def test_suffix_eagle3_equals_target_alone_and_keeps_the_heads_cache(suffix_eagl
     check_sglang_cache(inner, pair, made, cfg)
 
 
-def long_rows(pair) -> list[list[int]]:
-    """Three prompts; the first ends 24 tokens into the target's own reply, which runs into a
-    repetition: its suffix match supports a draft far past K_MAX that the target accepts."""
+def long_rows(pair, max_tokens: int = 60):
+    """Three prompts and the first one's history: the key's earlier request and the target's
+    reply to it, the same prompt again (an agent repeating itself), so its suffix match
+    supports a draft far past K_MAX that the target accepts; the others have none."""
     first = pair.tokenizer.encode(REPEATING)
-    first += reference(pair, first, 24)
-    return [first, pair.tokenizer.encode("The quick brown fox"), pair.tokenizer.encode("Once")]
+    history = SuffixHistory()
+    history.add(first + reference(pair, first, max_tokens))
+    prompts = [first, pair.tokenizer.encode("The quick brown fox"), pair.tokenizer.encode("Once")]
+    return prompts, [history, None, None]
 
 
-def run_rows_longest(decoder, prompts, max_tokens: int) -> tuple[list, list]:
+def run_rows_longest(decoder, prompts, histories, max_tokens: int = 60) -> tuple[list, list]:
     """Every prompt a row from the start: (each row's tokens, the most it accepted in a
     round)."""
-    ids = [decoder.add(p, GenerationConfig(max_tokens=max_tokens)) for p in prompts]
+    config = GenerationConfig(max_tokens=max_tokens)
+    ids = [decoder.add(p, config, history=h) for p, h in zip(prompts, histories, strict=True)]
     out, most = {i: [] for i in ids}, dict.fromkeys(ids, 0)
     for _ in range(4 * max_tokens):
         if not len(decoder):
@@ -300,11 +304,11 @@ def test_a_batch_row_drafts_past_k_max_where_the_pass_pays(suffix_pair, monkeypa
     step's worth, none goes past K_MAX. Every row is the target alone either way."""
     from mlx_spec.decode.generate import make_batch_decoder
 
-    prompts = long_rows(suffix_pair)
+    prompts, histories = long_rows(suffix_pair)
     decoder = make_batch_decoder(suffix_pair, k)
     per_row = 0.05 if dear else 0.0002
     monkeypatch.setattr(decoder.curve, "pass_seconds", lambda rows: 0.05 + per_row * rows)
-    out, most = run_rows_longest(decoder, prompts, 60)
+    out, most = run_rows_longest(decoder, prompts, histories)
     for p, tokens in zip(prompts, out, strict=True):
         assert tokens == reference(suffix_pair, p, 60)
     assert (most[0] > K_MAX) is not dear
@@ -334,3 +338,32 @@ def test_the_lookup_width_is_what_the_pass_cost_pays_for(cheap):
         assert head[0] > K_MAX
     else:  # (a lookup within the pass's width still goes where it beats the row's k)
         assert all(n <= 2 for n in chosen.values())
+
+
+def assert_suffix_rows_beside_the_head(pair, monkeypatch, k: int = 2) -> None:
+    """`suffix+<the pair's head kind>` in a batch: a row whose match supports a long lookup
+    drafts it past K_MAX (accepted), the others draft with the head, and every row is the
+    target alone; then the join / leave / cancel schedule of test_batch_eagle, exact too."""
+    from test_batch_eagle import assert_greedy_rows_equal_each_alone
+
+    from mlx_spec.decode.generate import make_batch_decoder
+
+    suffix = pair.configured(drafter=f"suffix+{pair.config.drafter}")
+    decoder = make_batch_decoder(suffix, k)
+    assert decoder.heads is not None and decoder.suffix
+    # a memory-bound pass (a wider one costs little): long lookups pay
+    monkeypatch.setattr(decoder.curve, "pass_seconds", lambda rows: 0.05 + 0.0002 * rows)
+    prompts, histories = long_rows(suffix)
+    config = GenerationConfig(max_tokens=60)
+    ids = [decoder.add(p, config, history=h) for p, h in zip(prompts, histories, strict=True)]
+    out, most = {i: [] for i in ids}, dict.fromkeys(ids, 0)
+    head_steps = 0
+    while len(decoder):
+        for row, u in decoder.step().items():
+            out[row] += u.tokens
+            most[row] = max(most[row], u.round.accepted)
+            head_steps += u.round.draft_steps
+    for p, i in zip(prompts, ids, strict=True):
+        assert out[i] == reference(suffix, p, 60), f"row {i}"
+    assert most[ids[0]] > K_MAX and head_steps > 0
+    assert_greedy_rows_equal_each_alone(suffix, make_batch_decoder(suffix, k), False)
