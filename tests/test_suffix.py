@@ -295,22 +295,34 @@ def run_rows_longest(decoder, prompts, histories, max_tokens: int = 60) -> tuple
     return [out[i] for i in ids], [most[i] for i in ids]
 
 
-@pytest.mark.parametrize("dear", [False, True])
-@pytest.mark.parametrize("k", [3, "auto"])
-def test_a_batch_row_drafts_past_k_max_where_the_pass_pays(suffix_pair, monkeypatch, k, dear):
+@pytest.mark.parametrize(
+    "drafter,k,dear",
+    [("suffix", k, dear) for k in (3, "auto") for dear in (False, True)]
+    + [("suffix+model", 3, False), ("suffix+model", "auto", False), ("mamba", 3, False)],
+)
+def test_a_batch_row_drafts_past_k_max_where_the_pass_pays(
+    tiny_models, monkeypatch, drafter, k, dear
+):
     """In a batch a suffix row's lookup draft is as long as the pass's cost says, not the
     batch's k (<= K_MAX): where a wider pass costs little (memory-bound) the row that holds
     its reply accepts more than K_MAX tokens in a round; where every verified row costs a
-    step's worth, none goes past K_MAX. Every row is the target alone either way."""
+    step's worth, none goes past K_MAX. Every row is the target alone either way: beside a
+    draft model (fed every looked-up guess), and on a recurrent target (Mamba: no padding,
+    fillers) too."""
     from mlx_spec.decode.generate import make_batch_decoder
 
-    prompts, histories = long_rows(suffix_pair)
-    decoder = make_batch_decoder(suffix_pair, k)
+    if drafter == "mamba":
+        pair = load_pair(target=str(tiny_models.mamba)).configured(drafter="suffix")
+    else:
+        draft = str(tiny_models.draft) if drafter == "suffix+model" else None
+        pair = load_pair(target=str(tiny_models.target), draft=draft).configured(drafter=drafter)
+    prompts, histories = long_rows(pair)
+    decoder = make_batch_decoder(pair, k)
     per_row = 0.05 if dear else 0.0002
     monkeypatch.setattr(decoder.curve, "pass_seconds", lambda rows: 0.05 + per_row * rows)
     out, most = run_rows_longest(decoder, prompts, histories)
     for p, tokens in zip(prompts, out, strict=True):
-        assert tokens == reference(suffix_pair, p, 60)
+        assert tokens == reference(pair, p, 60)
     assert (most[0] > K_MAX) is not dear
     assert decoder.lookup_costs.rounds > 0 or dear
 
