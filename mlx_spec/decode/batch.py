@@ -21,7 +21,8 @@ Each round (`step`):
 1. every row proposes up to k tokens: the draft model batched the same way (one forward over the
    B rows per draft step), an EAGLE-3 head or an MTP layer (one head pass over the rows per
    step, from the target layers the last verify pass captured: batch_head.py), a DFlash head
-   (one forward drafts every row's block), or prompt lookup in the row's own context;
+   (one forward drafts every row's block), or prompt lookup in the row's own context; a
+   suffix row (suffix decoding) may look up past k (below);
 2. ONE target pass over (B, K+1) tokens, K the longest proposal: `[last, x1..xk, pad..]` a row;
 3. each row is verified on its own rows of logits by the function the single stream uses
    (`rounds.verify`) under its own sampling settings and random key, which
@@ -68,6 +69,15 @@ draft steps; in the verify pass it is padded to the batch's widest proposal. Gro
 k instead would take one pass per group, each reading all the weights again: in the
 memory-bound regime where speculation pays, a pass costs far more than its padded rows. When
 no row proposes anything the round is a plain step, one row of width 1 per request.
+
+Suffix rows (`--drafter suffix`, `suffix+<kind>`: a row lookup that knows its match) are not
+bound by k: where a row's match supports a long draft, `_lookups` widens the pass as far as
+`batch_policy.lookup_width` says the rows' expected tokens pay for it (the pass's measured cost
+over B x (W+1) rows, the looked-up tokens' acceptance by match length, lookup_length.py), the
+other rows padded as above. Beside a head the looked-up rows skip the head's steps (their
+guesses join its drafts: `beside`); beside a draft model the draft is fed them (one lag for
+all rows), a step a column, which the width's cost counts. Those rows' rounds teach
+`lookup_costs`, not the controller's k, as alone.
 
 Threads: one thread owns the MLX arrays (streams are per thread, threads.py). A server worker
 thread calls `add`, `step` and `cancel`'s effect from that thread; `cancel` itself only marks
@@ -340,10 +350,11 @@ class BatchDecoder:
     """Speculative decoding over a batch of requests that join and leave between rounds.
 
     `draft`: a draft model (batched like the target); `head`: an EAGLE-3 head, the
-    target's MTP layer or a DFlash head (alone, no draft or lookup beside it: batch_head.py);
-    `lookup`: (ngram_max, ngram_min) for prompt lookup per row, or a kind's row lookup made from
-    the row's history (suffix decoding, bounded by k here); both: lookup first, the model
-    where it finds nothing (ngram+model); neither: plain continuous batching.
+    target's MTP layer, a DFlash head or Gemma 4's assistant (batch_head.py; beside suffix
+    lookup only); `lookup`: (ngram_max, ngram_min) for prompt lookup per row (beside a draft
+    model: lookup first, the model where it finds nothing: ngram+model), or a kind's row
+    lookup made from the row's history (suffix decoding: past k where it pays, `_lookups`);
+    neither: plain continuous batching.
     `num_draft_tokens`: an int, `Fixed(k)` or `Auto()` (a `BatchController`: k from measured
     pass costs per row count).
     `draft_confidence`: a row's proposal stops after a guess the draft is less sure of, as
