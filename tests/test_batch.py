@@ -31,7 +31,8 @@ from mlx_spec.core.batch_policy import (
 from mlx_spec.core.caches import prefill_cache
 from mlx_spec.core.grammar import GrammarStateError
 from mlx_spec.core.processors import make_processors
-from mlx_spec.decode.batch import BatchDecoder, BatchTiming, into_decoder
+from mlx_spec.decode.batch import BatchDecoder, BatchTiming
+from mlx_spec.decode.batch_rows import into_decoder
 from mlx_spec.decode.events import RoundRecord
 from mlx_spec.decode.generate import make_batch_decoder
 from mlx_spec.decode.prompts import prompt_tokens

@@ -27,7 +27,7 @@ from test_server import serving
 
 from mlx_spec import SpecError, generate, load_pair
 from mlx_spec.core import caches
-from mlx_spec.decode.batch import check_batchable
+from mlx_spec.core.batch_caches import check_batchable
 from mlx_spec.decode.generate import make_batch_decoder
 
 FAMILIES = list(tiny.cachelist_configs(VOCAB))
@@ -120,7 +120,8 @@ def test_a_cache_class_the_batch_does_not_know_is_refused_in_one_line():
     passed through to a merge that would hand it to the wrong batched class."""
     from mlx_lm.models.cache import KVCache, _BaseCache
 
-    from mlx_spec.decode.batch import BatchDecoder, merge_layer
+    from mlx_spec.core.batch_caches import merge_layer
+    from mlx_spec.decode.batch import BatchDecoder
 
     class Mine(_BaseCache):
         offset = 0

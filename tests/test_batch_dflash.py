@@ -152,7 +152,7 @@ def test_a_row_copied_while_it_stays_keeps_its_own_spans(dflash):
     (`copy_row`, the server's parallel sub-tasks) while the row goes on: the copy's head
     spans are its own (once they were the row's list: the copy's prefill cut it, and the row
     failed its next hand-over, ending the whole batch). Both rows equal their runs alone."""
-    from mlx_spec.decode.batch import into_decoder
+    from mlx_spec.decode.batch_rows import into_decoder
     from mlx_spec.decode.generate import make_decoder
 
     config = GenerationConfig(max_tokens=24, temperature=0.0, num_draft_tokens=4)

@@ -30,7 +30,8 @@ import mlx_spec
 import mlx_spec.decode.rounds
 from mlx_spec import GenerationConfig, SpecError, generate, load_pair
 from mlx_spec.core import caches
-from mlx_spec.decode.batch import check_batchable, into_decoder
+from mlx_spec.core.batch_caches import check_batchable
+from mlx_spec.decode.batch_rows import into_decoder
 from mlx_spec.decode.generate import make_batch_decoder
 from mlx_spec.server.resident import Resident
 
@@ -111,7 +112,7 @@ def test_batch_generate_equals_generate_per_prompt(tiny_models, targets, family)
 def test_a_long_replay_ends_with_a_pass_that_cannot_be_rejected(targets, monkeypatch):
     """Past the replay limit a row drafts nothing (its pass is its replay, and fillers when a
     neighbour's pass is wider): it is still the target's output."""
-    monkeypatch.setattr(mlx_spec.decode.batch, "REPLAY_LIMIT", 2)
+    monkeypatch.setattr(mlx_spec.decode.batch_draft, "REPLAY_LIMIT", 2)
     pair = lookup_pair(targets, "qwen3_5")
     decoder = make_batch_decoder(pair, 4)
     prompts = [pair.tokenizer.encode(t) for t in REPEATS]
@@ -206,7 +207,7 @@ def test_a_sampled_row_beside_replaying_rows_follows_the_target(
     assert any(replays)  # rows beside it replayed (their passes wider than its own)
     # the harness can fail: drafts kept whatever the target says, plain steps greedy
     monkeypatch.setattr(mlx_spec.decode.rounds, "verify_stochastic", accept_everything)
-    monkeypatch.setattr(mlx_spec.decode.batch, "sample", lambda p, key: mx.argmax(p, axis=-1))
+    monkeypatch.setattr(mlx_spec.decode.batch_draft, "sample", lambda p, key: mx.argmax(p, axis=-1))
     stat, threshold = chi_square(sampled_first_two(pair, params, 600), probs)
     assert stat > threshold
 
@@ -374,7 +375,7 @@ def test_fillers_the_target_accepts(tiny_models, targets, drafter, monkeypatch):
     full = {
         tuple(p): p + alone(pair, p, m) + [0] * 40 for p, m in zip(prompts, budgets, strict=True)
     }
-    fill = mlx_spec.decode.batch.fill
+    fill = mlx_spec.decode.batch_rows.fill
 
     def oracle(rows, guesses, spare=None):
         out = []
@@ -385,7 +386,7 @@ def test_fillers_the_target_accepts(tiny_models, targets, drafter, monkeypatch):
             out.append(x[:ours] + right)
         return out
 
-    monkeypatch.setattr(mlx_spec.decode.batch, "fill", oracle)
+    monkeypatch.setattr(mlx_spec.decode.batch_draft, "fill", oracle)
     decoder = make_batch_decoder(pair, 3)
     rows = {
         decoder.add(p, GenerationConfig(max_tokens=m), keep=True): p

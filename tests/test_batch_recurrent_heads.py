@@ -27,8 +27,8 @@ from test_mtp import checkpoint, mtp_pair, random_pair  # noqa: F401 (fixtures)
 
 from mlx_spec import GenerationConfig, batch_generate, generate, load_pair, make_decoder
 from mlx_spec.core.caches import prefill_cache
-from mlx_spec.decode.batch import into_decoder
 from mlx_spec.decode.batch_head import MTPRows
+from mlx_spec.decode.batch_rows import into_decoder
 from mlx_spec.decode.generate import make_batch_decoder
 from mlx_spec.drafters.base import TargetOutput
 from mlx_spec.server.resident import Resident

@@ -18,9 +18,9 @@ from test_families import reference
 import mlx_spec
 from mlx_spec import GenerationConfig, SpecError, generate, load_pair
 from mlx_spec.core import caches
-from mlx_spec.core.batch_caches import BatchWindowedKVCache
+from mlx_spec.core.batch_caches import BatchWindowedKVCache, check_batchable, rollback_rows
 from mlx_spec.core.caches import CacheRollbackError, WindowedKVCache
-from mlx_spec.decode.batch import check_batchable, into_decoder, rollback_rows
+from mlx_spec.decode.batch_rows import into_decoder
 from mlx_spec.decode.generate import make_batch_decoder
 
 FAMILIES = ["llama_sliding", "gemma3_text"]

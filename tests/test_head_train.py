@@ -17,7 +17,7 @@ from test_greedy_equality import PROMPTS, reference
 
 from mlx_spec import generate, load_pair
 from mlx_spec.cli import main
-from mlx_spec.decode.batch import check_batchable
+from mlx_spec.core.batch_caches import check_batchable
 from mlx_spec.errors import SpecError
 from mlx_spec.train.eagle_ttt import ttt_forward
 

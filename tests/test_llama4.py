@@ -30,7 +30,7 @@ from test_families import reference
 import mlx_spec
 from mlx_spec import SpecError, generate, load_pair, make_decoder
 from mlx_spec.core import caches
-from mlx_spec.decode.batch import check_batchable
+from mlx_spec.core.batch_caches import check_batchable
 from mlx_spec.decode.generate import make_batch_decoder
 
 CONFIGS = real_configs.llama4_configs(VOCAB)

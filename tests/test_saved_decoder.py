@@ -130,7 +130,7 @@ def test_a_batch_rows_head_state_is_saved_and_drafts_on(heads, tmp_path, kind):
     holds its head's state as the batch made it (the assistant's keys and values as arrays,
     not the target's layers): saved and loaded, it proposes and drafts as the row's own."""
     from mlx_spec import GenerationConfig
-    from mlx_spec.decode.batch import into_decoder
+    from mlx_spec.decode.batch_rows import into_decoder
     from mlx_spec.decode.generate import make_batch_decoder
 
     pair = head_pair(heads, kind)

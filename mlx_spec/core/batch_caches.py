@@ -3,7 +3,8 @@ class — whether a model's caches can be batched with a roll-back per row (`che
 `why_not`), how single-stream layers merge into a batched one (`merge_layer`) and how a row is
 taken back out (`extract_layer`), the batched classes of our own (`BatchWindowedKVCache`,
 `RowsCache` and the `RowWise` pass over it) and how every row forgets what it rejected
-(`rollback_rows`; a recurrent row is restored instead, `caches.restore_rows`). The
+(`rollback_rows`; a recurrent row is restored instead, `caches.restore_rows`), and what a
+single-stream layer handed to or from a row holds (`held`, `keepable`, `fed`). The
 single-stream classes they hold are core/caches.py's. A new cache class is one case in each of
 these functions; a class none of them names is refused in one line (check_batchable, then
 merge_layer)."""
@@ -133,6 +134,38 @@ def unmasked(c: ArraysCache, rows: int) -> ArraysCache:
     c.lengths = None
     c.left_padding = None if all(a is not None for a in c.cache) else mx.zeros((rows,), mx.int32)
     return c
+
+
+def settle(cache: list, rows: int) -> None:
+    """Between rounds: every batched recurrent layer unmasked (`unmasked`) for `rows` rows."""
+    for c in _leaves(cache):
+        if isinstance(c, ArraysCache):
+            unmasked(c, rows)
+
+
+def fed(cache: list) -> bool:
+    """Whether every batched layer has been fed a token (mlx-lm's extract fails on the empty
+    keys of a layer never fed, as a lone 2-token prompt's draft that ends at once leaves it)."""
+    return all(getattr(c, "keys", True) is not None for c in _leaves(cache))
+
+
+def held(c) -> int | None:
+    """The tokens a single-stream layer has taken in (a sliding-window or chunked layer: its
+    offset, its oldest entries maybe dropped); None for a recurrent state (no length)."""
+    if isinstance(c, ArraysCache):
+        return None
+    if isinstance(c, WindowedKVCache | caches.MarginChunkedKVCache):
+        return c.offset
+    return c.size()
+
+
+def keepable(cache: list, recurrent: bool = False) -> bool:
+    """Whether a kept single-stream cache is made of classes a row can start from: plain,
+    windowed or chunked KV layers, and (`recurrent`: a target that restores and replays)
+    recurrent states."""
+    kinds = (KVCache, WindowedKVCache, caches.MarginChunkedKVCache)
+    kinds += (ArraysCache,) if recurrent else ()
+    return all(type(c) in kinds for c in _leaves(cache))
 
 
 def extract_layer(c, i: int):

@@ -25,7 +25,8 @@ from ..core.stats import Stats
 from ..drafters import Drafter, batched_kinds
 from ..errors import SpecError
 from ..models import distributed
-from .batch import BatchDecoder, row_k_max
+from .batch import BatchDecoder
+from .batch_rows import row_k_max
 from .config import GenerationConfig
 from .engine import Decoder
 from .events import Event, EventMaker, Result

@@ -59,7 +59,7 @@ from mlx_lm.utils import common_prefix_len
 from ..core.grammar import GrammarStateError
 from ..core.processors import check_vocab
 from ..core.stats import Stats
-from ..decode.batch import into_decoder
+from ..decode.batch_rows import into_decoder
 from ..decode.events import EventMaker
 from ..decode.generate import make_batch_decoder, stream_rounds
 from ..decode.prompts import prompt_tokens

@@ -33,9 +33,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..core.batch_caches import check_batchable
 from ..core.caches import make_cache
 from ..core.hidden import capturing, decoder_stack
-from ..decode.batch import check_batchable
 from ..drafters.eagle import Eagle3Head, capture_layers, load_head
 from ..errors import SpecError
 from ..measure.plots import pyplot
