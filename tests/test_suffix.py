@@ -379,3 +379,50 @@ def assert_suffix_rows_beside_the_head(pair, monkeypatch, k: int = 2) -> None:
         assert out[i] == reference(suffix, p, 60), f"row {i}"
     assert most[ids[0]] > K_MAX and head_steps > 0
     assert_greedy_rows_equal_each_alone(suffix, make_batch_decoder(suffix, k), False)
+
+
+def test_sampled_batch_rows_drafting_long_lookups_follow_the_target(tiny_models, monkeypatch):
+    """Sampled rows (temperature 1) in a batch whose rounds are lookup drafts longer than k
+    (a repeated prompt, a cheap pass): their first two tokens follow the target's exact
+    joint distribution (chi-square); the same harness with every guess accepted does not."""
+    from test_distribution import VOCAB, accept_everything
+
+    import mlx_spec.decode.rounds
+    from mlx_spec.decode.generate import make_batch_decoder
+
+    pair = load_pair(target=str(tiny_models.small_target)).configured(drafter="suffix")
+    params = SamplingParams(temperature=1.0)
+    prompt = PROMPT * 3  # repeated: every row has a long match
+    probs = exact_joint(pair, params, prompt)
+
+    def first_two_in_batch(runs: int) -> tuple[np.ndarray, int]:
+        decoder = make_batch_decoder(pair, 2)
+        decoder.eos = set()  # (the joint is over every token, as test_distribution's)
+        monkeypatch.setattr(decoder.curve, "pass_seconds", lambda rows: 0.05 + 0.0002 * rows)
+        counts, tokens = np.zeros((VOCAB, VOCAB)), {}
+        seed = longest = 0
+        while seed < runs or len(decoder):
+            while len(decoder) < 6 and seed < runs:
+                config = GenerationConfig(max_tokens=12, temperature=1.0, seed=seed)
+                tokens[decoder.add(prompt, config)] = []
+                seed += 1
+            for row, u in decoder.step().items():
+                if row not in tokens:
+                    continue
+                if not tokens[row]:  # the row's first round
+                    longest = max(longest, u.round.drafted)
+                tokens[row] += u.tokens
+                if len(tokens[row]) >= 2:
+                    t = tokens.pop(row)
+                    counts[t[0], t[1]] += 1
+                    if not u.done:
+                        decoder.cancel(row)
+        return counts, longest
+
+    counts, longest = first_two_in_batch(1500)
+    stat, threshold = chi_square(counts, probs)
+    print(f"batched suffix: chi-square {stat:.1f} (threshold {threshold:.1f})")
+    assert longest > 2 and stat < threshold  # (longer than the batch's k of 2)
+    monkeypatch.setattr(mlx_spec.decode.rounds, "verify_stochastic", accept_everything)
+    stat, threshold = chi_square(first_two_in_batch(600)[0], probs)
+    assert stat > threshold
