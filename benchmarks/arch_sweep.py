@@ -399,6 +399,11 @@ WHOLE: dict[str, tuple[str, object]] = {
         "rope parameters, linear attention: tests/tiny.py's",
         lambda v: tiny.family_configs(v)["qwen3_5"],
     ),
+    # (its own defaults compress nothing: only the window would be swept)
+    "deepseek_v41": (
+        "compression ratios and source layers: tests/tiny.py's",
+        lambda v: tiny.compressed_config(v),
+    ),
     "gemma4": ("per-layer-type settings: tests/tiny.py's", lambda v: tiny.gemma4_config(v)),
     "gemma4_text": (
         "per-layer-type settings: tests/tiny.py's",

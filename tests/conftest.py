@@ -50,7 +50,7 @@ class TinyModels:
         self.chunked = tiny.write_model(
             root / "chunked", l4, tiny.family_weights(l4, seed=0), self.tokenizer
         )
-        # a cache that cannot roll back (deepseek_v41's LayerCache): refused for speculation
+        # deepseek_v41's compressed attention (LayerCache): restored and replayed, no trim
         cc = tiny.compressed_config(VOCAB)
         self.compressed = tiny.write_model(
             root / "compressed", cc, tiny.family_weights(cc, seed=0), self.tokenizer

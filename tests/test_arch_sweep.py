@@ -26,6 +26,7 @@ SUBSET = {
     "qwen3_5": "ArraysCache",  # Gated DeltaNet beside attention
     "falcon_h1": "CacheList",  # a Mamba-2 state and attention in one layer
     "llama4": "ChunkedKVCache",  # chunked attention
+    "deepseek_v41": "LayerCache",  # a window and compressed groups, restored and replayed
 }
 
 

@@ -4,9 +4,11 @@ Each family of tests/real_configs.py (a published checkpoint's config, shrunk) r
 Python API on the loading thread and on another thread, `mlx-spec generate`, the chat app under
 `App.run_test()` (temperature 0 and 0.7, with the race), `serve` (a real process: every family
 swapped in by request, two requests each), `distill` (two steps), `probe` and `bench`. Greedy
-output equals mlx-lm's target alone on every row. A model whose cache cannot roll back
-(mlx-lm's deepseek_v41: compressed attention, `LayerCache`) is refused with one line before any
-token, on every surface.
+output equals mlx-lm's target alone on every row. A model whose cache cannot roll back is
+refused with one line before any token, on every surface (every mlx-lm cache class rolls back
+here, deepseek_v41's `LayerCache` by a snapshot: it stands for a new class, made unknown), and a
+pair that cannot load (vocabularies that differ) fails `serve` in one line: at start-up, exit 2;
+swapped in, HTTP 404.
 
 Why a matrix: since MLX 0.31/0.32 an unevaluated array can only be evaluated on the thread
 that built it, and the rope scaling classes real checkpoints use hold such arrays after
@@ -40,6 +42,7 @@ from mlx_spec import (
     stream_rounds,
 )
 from mlx_spec.cli import main
+from mlx_spec.core import caches
 from tui.app import ChatApp
 
 VOCAB = 320
@@ -69,6 +72,9 @@ def models_toml(tiny_models, tmp_path_factory):
         root / "compressed", cc, tiny.family_weights(cc, seed=0), tiny_models.tokenizer
     )
     lines += ['[pairs."compressed"]', f'target = "{compressed}"', f'draft = "{compressed}"', ""]
+    # a draft whose vocabulary differs from its target's (ids 100 and 101 swapped)
+    mismatched = [f'target = "{root / FAMILIES[0]}"', f'draft = "{tiny_models.swapped}"']
+    lines += ['[pairs."mismatched"]', *mismatched, ""]
     path = root / "models.toml"
     path.write_text("\n".join(lines))
     return path
@@ -206,16 +212,15 @@ def test_serve_start_up_failure_exits_2_with_one_line(models_toml):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLX_SPEC_MODELS": str(models_toml)}
     for _ in range(2):
         proc = subprocess.run(
-            [sys.executable, "-m", "mlx_spec", "serve", "--pair", "compressed", "--port", "0"],
+            [sys.executable, "-m", "mlx_spec", "serve", "--pair", "mismatched", "--port", "0"],
             capture_output=True,
             text=True,
             env=env,
             timeout=120,
         )
         assert proc.returncode == 2, proc.stderr
-        # (transformers warns of a model type it does not know, deepseek_v41, on its own)
         lines = [x for x in proc.stderr.splitlines() if not x.startswith("[transformers]")]
-        assert len(lines) == 1 and "LayerCache" in lines[0], proc.stderr
+        assert len(lines) == 1 and "vocabularies differ" in lines[0], proc.stderr
         assert proc.stdout == ""
 
 
@@ -322,7 +327,7 @@ async def test_chat_app_loads_on_its_model_thread(registry, monkeypatch):
 def test_serve_swaps_through_every_family(pairs, models_toml, tmp_path):
     """One server process; its start-up pair asked first, then each family swapped in by a
     request and asked again (its kept caches). Greedy text equals mlx-lm's target alone;
-    the pair that cannot roll back gets one 404 line."""
+    a pair that cannot load gets one 404 line."""
     first = FAMILIES[0]
     args = ["--pair", first, "--api-key", KEY, "--allow-swap"]
     with serving(args, tmp_path, env={"MLX_SPEC_MODELS": str(models_toml)}) as (_, url):
@@ -338,9 +343,9 @@ def test_serve_swaps_through_every_family(pairs, models_toml, tmp_path):
                 )
                 assert reply.choices[0].text == expected, family
         with pytest.raises(openai.NotFoundError) as refused:
-            client.completions.create(model="compressed", prompt=TEXT, max_tokens=4)
+            client.completions.create(model="mismatched", prompt=TEXT, max_tokens=4)
         message = refused.value.body["message"]
-        assert "LayerCache" in message and "\n" not in message
+        assert "vocabularies differ" in message and "\n" not in message
         # the refused swap left no pair resident; the next request loads its own
         reply = client.completions.create(model=first, prompt=TEXT, max_tokens=4, temperature=0)
         assert reply.choices[0].text
@@ -379,7 +384,10 @@ def test_probe_and_bench(registry, family, capsys):
     assert ("mlx-lm speculative" in configs) == (family != "qwen3.5")
 
 
-def test_an_unrollable_cache_is_refused_in_one_line_everywhere(registry, tmp_path, capsys):
+def test_an_unrollable_cache_is_refused_in_one_line_everywhere(
+    registry, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(caches, "compressed", lambda c: False)  # LayerCache: a class unknown
     with pytest.raises(SpecError, match="LayerCache.*cannot be rolled back"):
         load_pair("compressed")
     for argv in (

@@ -362,14 +362,20 @@ def family_weights(
 
 def compressed_config(vocab_size: int) -> dict:
     """mlx-lm's `deepseek_v41` (compressed attention beside a sliding window): its layer cache
-    (`LayerCache`: closed compressed groups, an open group's rows) has no trim, so the engine
-    cannot roll it back and refuses it in one line."""
+    (`LayerCache`: the window, closed compressed groups and their index keys, the open group's
+    rows) has no trim; it goes back by a snapshot and a replay (core/caches.py). Layers 1-3
+    compress groups of 4 (1 and 3 make their own, with index keys; 2 reads layer 1's), layer 0
+    has the window only; prompts and replies cross both the window of 8 and several groups."""
     return {
         "model_type": "deepseek_v41", "vocab_size": vocab_size, "hidden_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16, "q_lora_rank": 32,
-        "qk_rope_head_dim": 8, "o_lora_rank": 32, "moe_intermediate_size": 32,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 16, "q_lora_rank": 32,
+        "qk_rope_head_dim": 8, "o_groups": 2, "o_lora_rank": 16, "moe_intermediate_size": 32,
         "n_routed_experts": 4, "num_experts_per_tok": 2, "routed_scaling_factor": 1.0,
         "rms_norm_eps": 1e-5, "sliding_window": 8, "rope_theta": 1e4,
+        "compress_ratios": [0, 4, 4, 4], "kv_source_layer_ids": [1, 3],
+        "index_source_layer_ids": [1, 3], "compress_rope_theta": 1e4, "index_n_heads": 2,
+        "index_head_dim": 16, "index_topk": 3, "candidate_source_layer_id": 1,
+        "candidate_topk_blocks": 2, "candidate_block_size": 2, "hc_mult": 2,
         "max_position_embeddings": 512, "eos_token_id": 2,
     }  # fmt: skip
 

@@ -3,8 +3,9 @@ class — whether a model's caches can be batched with a roll-back per row (`che
 `why_not`), how single-stream layers merge into a batched one (`merge_layer`) and how a row is
 taken back out (`extract_layer`), the batched classes of our own (`BatchWindowedKVCache`,
 `RowsCache` and the `RowWise` pass over it) and how every row forgets what it rejected
-(`rollback_rows`; a recurrent row is restored instead, `caches.restore_rows`), and what a
-single-stream layer handed to or from a row holds (`held`, `keepable`, `fed`). The
+(`rollback_rows`; a recurrent row, or a row of deepseek_v41's compressed layers run row by row,
+is restored instead: `snapshot`, `restore_rows`), and what a single-stream layer handed to or
+from a row holds (`held`, `keepable`, `fed`). The
 single-stream classes they hold are core/caches.py's. A new cache class is one case in each of
 these functions; a class none of them names is refused in one line (check_batchable, then
 merge_layer)."""
@@ -62,6 +63,11 @@ ONE_OFFSET = {
     "llama4": (
         "computes its chunked attention mask and its no-RoPE layers' attention temperature "
         "from one offset for the whole batch (mx.arange)"
+    ),
+    # (its LayerCache goes back by a snapshot and a replay, row by row: RowsCache)
+    "deepseek_v41": (
+        "computes its positions and its sliding window's rows from the first layer's one "
+        "offset and window for the whole batch"
     ),
 }
 
@@ -150,22 +156,23 @@ def fed(cache: list) -> bool:
 
 
 def held(c) -> int | None:
-    """The tokens a single-stream layer has taken in (a sliding-window or chunked layer: its
-    offset, its oldest entries maybe dropped); None for a recurrent state (no length)."""
+    """The tokens a single-stream layer has taken in (a sliding-window, chunked or compressed
+    layer: its offset, its oldest entries maybe dropped); None for a recurrent state (no
+    length)."""
     if isinstance(c, ArraysCache):
         return None
-    if isinstance(c, WindowedKVCache | caches.MarginChunkedKVCache):
+    if isinstance(c, WindowedKVCache | caches.MarginChunkedKVCache) or caches.compressed(c):
         return c.offset
     return c.size()
 
 
 def keepable(cache: list, recurrent: bool = False) -> bool:
     """Whether a kept single-stream cache is made of classes a row can start from: plain,
-    windowed or chunked KV layers, and (`recurrent`: a target that restores and replays)
-    recurrent states."""
+    windowed or chunked KV layers, and (`recurrent`: a batch that restores and replays)
+    recurrent states and compressed layers."""
     kinds = (KVCache, WindowedKVCache, caches.MarginChunkedKVCache)
     kinds += (ArraysCache,) if recurrent else ()
-    return all(type(c) in kinds for c in _leaves(cache))
+    return all(type(c) in kinds or (recurrent and caches.compressed(c)) for c in _leaves(cache))
 
 
 def extract_layer(c, i: int):
@@ -304,14 +311,16 @@ class RowsCache:
 
     def refusal(self, rejected: list[int]) -> str | None:
         for i, (r, n) in enumerate(zip(self.rows, rejected, strict=True)):
-            why = _refusal(r, n) if n else None
+            why = _refusal(r, n) if n and not caches.restored(r) else None
             if why is not None:
                 return f"row {i}: {why}"
         return None
 
     def rollback(self, rejected: list[int]) -> None:
+        """Each row's layer forgets its count; a row's `caches.restored` layer (its state,
+        a compressed layer) forgets nothing: the row is restored (`restore_rows`)."""
         for r, n in zip(self.rows, rejected, strict=True):
-            if n and r.trim(n) != n:  # (checked by refusal first)
+            if n and not caches.restored(r) and r.trim(n) != n:  # (checked by refusal first)
                 raise CacheRollbackError(f"{type(r).__name__} could not forget {n} tokens")
 
 
@@ -328,6 +337,29 @@ class RowWise:
                 for b in range(inputs.shape[0])
             ]
         )
+
+
+def _apart(cache: list) -> bool:
+    return bool(cache) and isinstance(cache[0], RowsCache)  # (merge_rows: every layer or none)
+
+
+def snapshot(cache: list) -> list:
+    """A batched cache's `restored` layers (`caches.snapshot`); a batch run row by row
+    (`RowsCache`): each row's own."""
+    if _apart(cache):
+        return [caches.snapshot([c.rows[b] for c in cache]) for b in range(len(cache[0].rows))]
+    return caches.snapshot(cache)
+
+
+def restore_rows(cache: list, saved: list, rows: list[bool]) -> None:
+    """The rows where `rows` is True go back to `snapshot`'s state, the others keep theirs
+    (`caches.restore_rows`; a batch run row by row: each chosen row's own caches)."""
+    if not _apart(cache):
+        caches.restore_rows(cache, saved, rows)
+        return
+    for b, back in enumerate(rows):
+        if back:
+            caches.restore([c.rows[b] for c in cache], saved[b])
 
 
 def rollback_rows(cache: list, rejected: list[int]) -> None:

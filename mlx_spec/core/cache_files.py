@@ -1,6 +1,7 @@
 """Kept decoders as files: mlx-lm's `save_prompt_cache` format (the caches' states flattened
 into safetensors, `[metadata, classes, scalars]` in its metadata), with one class of ours added
-(`WindowedKVCache`, whose `state` leaves out its offset and window), and the identity of the
+(`WindowedKVCache`, whose `state` leaves out its offset and window) and deepseek_v41's
+`LayerCache` (not mlx-lm's cache module's: its attributes and window size), and the identity of the
 models a state belongs to. The server's disk tier (server/disk_cache.py) and the Python API's
 `save_decoder` / `load_decoder` (decode/saved.py) write and read these files.
 """
@@ -24,7 +25,9 @@ FORMAT = "mlx-spec-prompt-cache/1"
 
 def layer_state(c):
     """A layer's (class name, state) as save_prompt_cache flattens it; WindowedKVCache's with
-    what its `state` leaves out (the rows it holds, offset, dropped, window settings)."""
+    what its `state` leaves out (the rows it holds, offset, dropped, window settings); a
+    LayerCache's attributes and window size. A class `from_layer_state` cannot make again is
+    refused (SpecError), never written as a file that does not load back."""
     if isinstance(c, mlx_lm_cache.CacheList):
         return "CacheList", [layer_state(x)[::-1] for x in c.caches]
     if type(c) is caches.WindowedKVCache:
@@ -36,7 +39,13 @@ def layer_state(c):
     if type(c) is mlx_lm_cache.KVCache and c.keys is not None and c.offset < c.keys.shape[2]:
         # its state is the whole buffer, grown 256 positions at a time: only the rows it holds
         return "KVCache", (c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset)
-    return type(c).__name__, c.state
+    if caches.compressed(c):  # (its `state` leaves out the window size)
+        return "LayerCache", (*(getattr(c, n) for n in caches.COMPRESSED_FIELDS), c.window_size)
+    kind = type(c)  # by exact class: a subclass may keep state its `state` leaves out
+    if getattr(mlx_lm_cache, kind.__name__, None) is not kind:
+        raise SpecError(f"a {kind.__name__} layer cannot be saved (a cache class mlx-spec "
+                        "does not know how to read back)")  # fmt: skip
+    return kind.__name__, c.state
 
 
 def from_layer_state(name: str, state):
@@ -48,6 +57,15 @@ def from_layer_state(name: str, state):
         keys, values, offset, dropped, window, margin, slack = state
         c = caches.WindowedKVCache(int(window), int(margin), int(slack))
         c.keys, c.values, c.offset, c.dropped = keys, values, int(offset), int(dropped)
+        return c
+    if name == "LayerCache":
+        from mlx_lm.models.deepseek_v41 import LayerCache  # (a model's module: loaded here)
+
+        *fields, window_size = state
+        c = LayerCache(int(window_size))
+        for field, value in zip(caches.COMPRESSED_FIELDS, fields, strict=True):
+            setattr(c, field, value)
+        c.offset = int(c.offset)
         return c
     kind = getattr(mlx_lm_cache, name, None)
     if not (isinstance(kind, type) and issubclass(kind, mlx_lm_cache._BaseCache)):

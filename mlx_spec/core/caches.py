@@ -14,6 +14,10 @@ to forget the last few tokens. mlx-lm's caches cannot always:
   all. Its state can be snapshotted and restored: MLX arrays are immutable and the layers assign
   new arrays into the cache's list, so a copy of the list is a snapshot (`c.state` returns that
   very list, so saving it would save nothing).
+- `LayerCache` (mlx-lm's `deepseek_v41`: a sliding window, closed compressed groups and their
+  index keys, the open group's rows) has no trim. Its layer replaces those arrays, never writes
+  into one, so its attributes are a snapshot too (`COMPRESSED_FIELDS`): it is restored and the
+  kept tokens replayed, as a recurrent state is.
 
 `rollback` checks that every layer forgot exactly what was asked; a cache that cannot raises
 `CacheRollbackError` — never a silently wrong state. `prefill_cache` fills a cache with a
@@ -54,6 +58,25 @@ WINDOW_MARGIN = 128
 TIMED_STEPS = 4
 # Tokens allowed to pile up before the buffer is compacted (one copy per SLACK tokens).
 WINDOW_SLACK = 256
+
+
+# deepseek_v41's LayerCache: every attribute its layer changes (the window, the closed groups
+# and their index keys, the open group's rows and gates, the position); its layer assigns new
+# arrays to them (concatenations, slices) and never writes into one
+COMPRESSED_FIELDS = ("window", "compress_kv", "index_k", "pending_kv", "pending_gate", "offset")
+
+
+def compressed(c) -> bool:
+    """Whether `c` is mlx-lm's deepseek_v41 LayerCache (by exact class, named: the model's
+    module is imported only where a model of it is loaded)."""
+    kind = type(c)
+    return kind.__name__ == "LayerCache" and kind.__module__ == "mlx_lm.models.deepseek_v41"
+
+
+def restored(c) -> bool:
+    """Whether a layer goes back by a snapshot (then a replay), never by a trim: a recurrent
+    state (ArraysCache) or a compressed-attention layer (deepseek_v41's LayerCache)."""
+    return isinstance(c, ArraysCache) or compressed(c)
 
 
 class CacheRollbackError(SpecError):
@@ -189,7 +212,8 @@ def _convert(c):
 
 
 # Layer caches whose trim is exact (checked by class, not by is_trimmable(), which says only
-# whether a trim is possible now). ArraysCache is snapshotted instead. MarginChunkedKVCache
+# whether a trim is possible now). ArraysCache and deepseek_v41's LayerCache (`restored`) are
+# snapshotted instead. MarginChunkedKVCache
 # (Llama 4's chunked attention) forgets exactly any tokens back to the start of the chunk
 # the next token attends to; a roll-back past what it still holds is refused (`_refusal`).
 # (not mlx-lm's ChunkedKVCache itself: it may already have dropped the front of that chunk)
@@ -207,7 +231,11 @@ def make_cache(model, role: str = "target", strict: bool = True) -> list:
     if not strict:
         return cache
     unsupported = sorted(
-        {type(c).__name__ for c in _leaves(cache) if not isinstance(c, ROLLBACK_TYPES)}
+        {
+            type(c).__name__
+            for c in _leaves(cache)
+            if not isinstance(c, ROLLBACK_TYPES) and not compressed(c)
+        }
     )
     if unsupported:
         raise SpecError(
@@ -218,8 +246,9 @@ def make_cache(model, role: str = "target", strict: bool = True) -> list:
 
 
 def is_recurrent(cache: list) -> bool:
-    """Whether some layer keeps a recurrent state (restored from snapshots, never trimmed)."""
-    return any(isinstance(c, ArraysCache) for c in _leaves(cache))
+    """Whether some layer goes back by a snapshot, never trimmed (`restored`): a recurrent
+    state, or a compressed-attention layer, which decoding treats alike (restore, replay)."""
+    return any(restored(c) for c in _leaves(cache))
 
 
 # Layer caches that forget any number of the tokens they hold (not a window, a chunk or a
@@ -232,15 +261,26 @@ def rolls_back_freely(cache: list) -> bool:
     return all(type(c) in FREE_ROLLBACK_TYPES for c in _leaves(cache))
 
 
+def _saved(c) -> list:
+    if isinstance(c, ArraysCache):
+        return list(c.cache)
+    return [getattr(c, name) for name in COMPRESSED_FIELDS]
+
+
 def snapshot(cache: list) -> list:
-    """The recurrent layers' state, cheaply: the arrays are immutable, the lists are copied."""
-    return [list(c.cache) for c in _leaves(cache) if isinstance(c, ArraysCache)]
+    """The `restored` layers' state, cheaply: the arrays are immutable, the lists are copied
+    (a compressed layer's: its attributes' arrays)."""
+    return [_saved(c) for c in _leaves(cache) if restored(c)]
 
 
 def restore(cache: list, saved: list) -> None:
-    layers = [c for c in _leaves(cache) if isinstance(c, ArraysCache)]
+    layers = [c for c in _leaves(cache) if restored(c)]
     for c, s in zip(layers, saved, strict=True):
-        c.cache = list(s)
+        if isinstance(c, ArraysCache):
+            c.cache = list(s)
+        else:
+            for name, value in zip(COMPRESSED_FIELDS, s, strict=True):
+                setattr(c, name, value)
 
 
 def restore_rows(cache: list, saved: list, rows: list[bool]) -> None:
@@ -249,7 +289,9 @@ def restore_rows(cache: list, saved: list, rows: list[bool]) -> None:
     hold yet (None: a row that had seen no token) is zeros, as the layers start from."""
     if not any(rows):
         return
-    layers = [c for c in _leaves(cache) if isinstance(c, ArraysCache)]
+    layers = [c for c in _leaves(cache) if restored(c)]
+    if any(compressed(c) for c in layers):  # (a batch runs these row by row: RowsCache)
+        raise CacheRollbackError("a compressed-attention layer cannot restore single rows")
     if all(rows):
         restore(cache, saved)
         return
@@ -266,6 +308,8 @@ def _refusal(c, n: int) -> str | None:
     """Why layer cache `c` cannot forget its last `n` tokens exactly (None: it can)."""
     if isinstance(c, ArraysCache):
         return "a recurrent layer's state cannot be rolled back"
+    if compressed(c):
+        return "a compressed-attention layer (LayerCache) cannot be rolled back"
     if isinstance(c, WindowedKVCache) and not c.can_trim(min(n, c.offset)):
         return (
             f"a sliding-window layer cannot forget {n} tokens (it keeps {c.margin} beyond "
@@ -286,16 +330,16 @@ def _refusal(c, n: int) -> str | None:
 
 
 def can_rollback(cache: list, n: int) -> bool:
-    """Whether `rollback(cache, n)` would succeed (recurrent layers only for n = 0)."""
+    """Whether `rollback(cache, n)` would succeed (`restored` layers only for n = 0)."""
     return n == 0 or all(_refusal(c, n) is None for c in _leaves(cache))
 
 
 def rollback(cache: list, n: int, skip_recurrent: bool = False) -> None:
     """Forget the last `n` tokens in every layer, or raise before any layer changed.
-    `skip_recurrent`: the caller restores the recurrent layers from a snapshot itself."""
+    `skip_recurrent`: the caller restores the `restored` layers from a snapshot itself."""
     if n == 0:
         return
-    layers = [c for c in _leaves(cache) if not (skip_recurrent and isinstance(c, ArraysCache))]
+    layers = [c for c in _leaves(cache) if not (skip_recurrent and restored(c))]
     for c in layers:
         why = _refusal(c, n)
         if why is not None:
@@ -338,6 +382,9 @@ def _copy_layer(c):
     elif kind in (ChunkedKVCache, MarginChunkedKVCache):  # (it holds start_position on)
         held = c.offset - c.start_position
         twin.keys, twin.values = _rows(c.keys, held), _rows(c.values, held)
+    elif compressed(c):  # its layer replaces these arrays, never writes into them
+        for name in COMPRESSED_FIELDS:
+            setattr(twin, name, fresh(getattr(c, name)))
     else:
         raise CacheCopyError(f"a {kind.__name__} layer cannot be copied (an unknown cache kind)")
     return twin

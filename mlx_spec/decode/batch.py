@@ -12,8 +12,10 @@ Qwen3.5 hybrids, Mamba) in the target (below) and in a draft model (its state af
 step kept, as ModelDrafter keeps it alone: each row goes back to its own). Refused with a
 one-line reason (`check_batchable`), as mlx-lm cannot batch them either: attention sinks and any
 cache class not named here. Models whose own code takes one position for the whole batch
-(`ONE_OFFSET`: gpt_bigcode, Llama 4's chunked attention) run row by row, each row on its own
-single-stream caches (`batch_caches.RowsCache`, `RowWise`): exact, not faster. A head beside a
+(`ONE_OFFSET`: gpt_bigcode, Llama 4's chunked attention, deepseek_v41's compressed attention)
+run row by row, each row on its own single-stream caches (`batch_caches.RowsCache`,
+`RowWise`): exact, not faster; deepseek_v41's `LayerCache` goes back by a snapshot and a
+replay, as a recurrent state does. A head beside a
 recurrent target takes the features of each row's kept tokens from where its last token sits
 in the pass (after its replay): `BatchHead.take`'s starts.
 Each round (`step`):
@@ -158,7 +160,8 @@ class BatchDecoder(BatchRound):
                 "a batch drafts with a head alone (or beside suffix lookup), not beside "
                 "another drafter"
             )
-        # a recurrent target (Qwen3.5, Qwen3-Next, Mamba): rows restored and replayed
+        # a recurrent target (Qwen3.5, Qwen3-Next, Mamba; deepseek_v41's compressed layers,
+        # row by row): rows restored and replayed
         self.recurrent = caches.is_recurrent(make_prompt_cache(target))
         # a recurrent draft model (Qwen3.5-0.8B for a Qwen3.5 target): each row's state is
         # restored from the snapshots its draft steps left (`_draft`, `_finish_round`)
@@ -516,7 +519,7 @@ class BatchDecoder(BatchRound):
         width = drafts.shape[1]  # K: the widest proposal; the rest of a row is padding
         saved = passes = None
         if self.recurrent:  # no padding: each row's unfed tokens, guesses, then fillers
-            saved = caches.snapshot(self.cache)
+            saved = batch_caches.snapshot(self.cache)
             passes = self._fill(drafts, lengths, guesses)
             inputs = mx.array(
                 [r.sequence[-r.unfed :] + x for r, x in zip(rows, passes, strict=True)],

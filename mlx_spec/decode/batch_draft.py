@@ -26,7 +26,7 @@ Each row feeds its unfed tokens (a replay, then its last), its guesses and fille
 model's own further picks, then its last token repeated, verified like any guess) up to one
 width (`batch_rows.fill`); a row keeps at most what the draft model was fed (the rest is
 replayed); a row that rejected anything has its recurrent state restored for its row only
-(`caches.restore_rows`), its KV layers forget the whole pass and its kept tokens are replayed
+(`batch_caches.restore_rows`), its KV layers forget the whole pass and its kept tokens are replayed
 next round (`Row.unfed`, as `engine.Decoder.unfed`; past REPLAY_LIMIT it drafts nothing). A
 seeded sampled row verifies its own guesses only (its fillers are never kept: it replays past
 them) and judges its replay limit by what it would replay alone, so its key splits as alone's
@@ -39,7 +39,7 @@ import time
 
 import mlx.core as mx
 
-from ..core import caches
+from ..core import batch_caches
 from ..core.batch_caches import rollback_rows
 from ..core.batch_policy import lookup_width
 from ..core.grammar import GrammarStateError
@@ -316,7 +316,7 @@ class BatchRound:
                 # step's state is kept (draft_states[h]: sequence[:-2] of a row that keeps h)
                 self.draft_pass(y[:, :-1], cache=self.draft_cache)
                 y = y[:, -1:]
-                self.draft_states.append(caches.snapshot(self.draft_cache))
+                self.draft_states.append(batch_caches.snapshot(self.draft_cache))
         columns, qs = [], [[] for _ in rows]
         for j in range(width):
             processed = [
@@ -347,7 +347,7 @@ class BatchRound:
             else:
                 logits = process(self.draft_pass(y, cache=self.draft_cache)[:, -1])  # (B, vocab)
                 if self.draft_recurrent:
-                    self.draft_states.append(caches.snapshot(self.draft_cache))
+                    self.draft_states.append(batch_caches.snapshot(self.draft_cache))
             picks = mx.argmax(logits, axis=-1)  # (B,)
             if self.confidence > 0:
                 top = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1)  # (B,)
@@ -472,7 +472,7 @@ class BatchRound:
         # each row fed its last token + K (padded) guesses and keeps the last and its held
         # drafts (n of them, fewer when an end token cut the round): its sequence but the last
         if saved is not None:
-            caches.restore_rows(self.cache, saved, restore)
+            batch_caches.restore_rows(self.cache, saved, restore)
             rollback_rows(self.cache, forget)
         else:
             rollback_rows(self.cache, [width - h for h in held])
@@ -487,7 +487,7 @@ class BatchRound:
             for h in set(held) if self.draft_recurrent else ():  # (steps: the state now)
                 if h < steps:
                     rows_of_h = [x == h for x in held]
-                    caches.restore_rows(self.draft_cache, self.draft_states[h], rows_of_h)
+                    batch_caches.restore_rows(self.draft_cache, self.draft_states[h], rows_of_h)
             self.draft_states = []
         elif self.draft is not None:
             self.lag += 1  # a plain round: every row grew by one token the draft has not seen
