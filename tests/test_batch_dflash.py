@@ -177,3 +177,9 @@ def test_a_row_copied_while_it_stays_keeps_its_own_spans(dflash):
         assert sum(n for _, n in state.head.spans) == state.head.cache[0].offset
     assert out[a] == generate(dflash, first, config).tokens
     assert out["b"] == generate(dflash, second, config).tokens
+
+
+def test_suffix_rows_beside_the_head_equal_each_alone(dflash, monkeypatch):
+    from test_suffix import assert_suffix_rows_beside_the_head
+
+    assert_suffix_rows_beside_the_head(dflash, monkeypatch)

@@ -71,3 +71,9 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(dspark):
     """Processors (a schema, a regex, penalties, a logit bias) see each step's logits after the
     Markov bias, in a batch as alone: each row's tokens and log-probabilities are its own."""
     assert_a_mixed_batch_as_alone(dspark)
+
+
+def test_suffix_rows_beside_the_head_equal_each_alone(dspark, monkeypatch):
+    from test_suffix import assert_suffix_rows_beside_the_head
+
+    assert_suffix_rows_beside_the_head(dspark, monkeypatch)

@@ -237,3 +237,9 @@ def test_a_one_token_row_with_forced_tokens_drafts_them_before_the_head_can(eagl
     out, _ = run_rows(decoder, {rid: None})
     assert out[rid][1][0]["kind"] != "plain" and len(out[rid][1][0]["drafted"]) > 0
     assert out[rid][0] == [e.token for e in mlx_spec.stream(eagle, prompt, config)]
+
+
+def test_suffix_rows_beside_the_head_equal_each_alone(eagle, monkeypatch):
+    from test_suffix import assert_suffix_rows_beside_the_head
+
+    assert_suffix_rows_beside_the_head(eagle, monkeypatch)

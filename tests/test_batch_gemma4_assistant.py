@@ -132,3 +132,9 @@ def test_rows_past_a_compacting_window(pair, monkeypatch):
     assert_greedy_rows_equal_each_alone(pair, make_batch_decoder(pair, 3))
     assert_seeded_rounds_as_alone(pair)
     assert compactions
+
+
+def test_suffix_rows_beside_the_head_equal_each_alone(pair, monkeypatch):
+    from test_suffix import assert_suffix_rows_beside_the_head
+
+    assert_suffix_rows_beside_the_head(pair, monkeypatch)

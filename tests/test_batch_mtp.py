@@ -122,3 +122,9 @@ def test_a_recurrent_target_with_its_mtp_layer_drafts_in_the_batch(mtp_pair):  #
     resident.install(mtp_pair, "qwen35")
     assert resident.batch is not None and not resident.batch_plain and resident.lone_alone
     assert resident.batch.heads is not None and resident.batch.recurrent
+
+
+def test_suffix_rows_beside_the_head_equal_each_alone(mtp, monkeypatch):
+    from test_suffix import assert_suffix_rows_beside_the_head
+
+    assert_suffix_rows_beside_the_head(mtp, monkeypatch)

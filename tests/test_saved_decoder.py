@@ -124,16 +124,19 @@ def test_a_saved_conversation_with_a_head_drafts_on_as_before(heads, tmp_path, k
     assert second.stats.prompt_tokens_reused >= first.stats.prompt_tokens
 
 
-@pytest.mark.parametrize("kind", ["dflash", "assistant"])
+@pytest.mark.parametrize("kind", ["dflash", "assistant", "suffix+eagle3", "suffix+dflash"])
 def test_a_batch_rows_head_state_is_saved_and_drafts_on(heads, tmp_path, kind):
     """A row leaving a batch (the server's kept entry of a batched request: `into_decoder`)
     holds its head's state as the batch made it (the assistant's keys and values as arrays,
-    not the target's layers): saved and loaded, it proposes and drafts as the row's own."""
+    not the target's layers): saved and loaded, it proposes and drafts as the row's own.
+    A `suffix+<head>` row's head becomes its decoder's suffix drafter's inner one (its
+    features all there: no prefill again)."""
     from mlx_spec import GenerationConfig
     from mlx_spec.decode.batch_rows import into_decoder
     from mlx_spec.decode.generate import make_batch_decoder
 
-    pair = head_pair(heads, kind)
+    pair = head_pair(heads, kind.removeprefix("suffix+"))
+    pair = pair.configured(drafter=kind) if kind.startswith("suffix+") else pair
     config = GenerationConfig(max_tokens=10, temperature=0.0, num_draft_tokens=3)
     batch = make_batch_decoder(pair, 2)
     prompt = prompt_ids(pair)
@@ -146,11 +149,14 @@ def test_a_batch_rows_head_state_is_saved_and_drafts_on(heads, tmp_path, kind):
                 tokens += u.tokens
                 state = u.state if u.done else state
     kept = into_decoder(make_decoder(pair), state)
+    assert kept.hidden_gap is None
     loaded = load_decoder(pair, save_decoder(kept, tmp_path / "row.safetensors"))
     assert proposal(loaded) == proposal(kept) and len(proposal(kept)) > 0
     follow = prompt + tokens + pair.tokenizer.encode(" And then?")
     second, again = ask(pair, follow, decoder=loaded), ask(pair, follow, decoder=kept)
-    assert second.tokens == again.tokens and second.accepted == again.accepted
+    assert second.tokens == again.tokens
+    if not kind.startswith("suffix+"):  # (a lookup round's length follows the timings)
+        assert second.accepted == again.accepted
     assert second.stats.prompt_tokens_reused >= len(prompt)
 
 

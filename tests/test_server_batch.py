@@ -857,3 +857,36 @@ def test_an_own_head_pair_drafts_alone_and_in_a_batch(own_head_server):
         head_pair.tokenizer.apply_chat_template(chat(PROMPTS[1]), add_generation_prompt=True)
     )
     assert again["spec"]["prompt_tokens_reused"] == prompt - 1
+
+
+def test_a_suffix_head_pair_drafts_in_the_batch(models, pair, tmp_path):
+    """`--drafter suffix+eagle3` batches (it was served one stream at a time): a request
+    asked again while another runs joins the batch and drafts its earlier reply from its
+    key's suffix history, the head drafting the other rows; every reply is the target's."""
+    _, target, _ = models
+    head = tmp_path / "eagle3"
+    cfg = json.loads((target / "config.json").read_text())
+    write_eagle(head, cfg, head_weights(cfg, subset(VOCAB, 96, 1), seed=5, embed=False))
+    args = ["--target", str(target), "--drafter", "suffix+eagle3", "--head", str(head),
+            "--max-batch", "4", "--api-key", KEY_A, "--admin-key", KEY_A]  # fmt: skip
+    with serving(args, tmp_path) as (_, url):
+        log = (tmp_path / "stderr.log").read_text()
+        assert "not batched" not in log and "batch without drafts" not in log
+        first = streamed(url, KEY_A, "completion", PROMPTS[2], temperature=0)
+        anchor = long_anchor(url)  # alone; the next ones join it in a batch
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            again = pool.submit(streamed, url, KEY_A, "completion", PROMPTS[2], temperature=0)
+            other = pool.submit(streamed, url, KEY_A, "chat", PROMPTS[0], temperature=0)
+            again, other = again.result(), other.result()
+        size = metrics(url)["mlx_spec_batch_size_max"]
+        anchor.close()
+    assert first["text"] == again["text"] == generate(pair, PROMPTS[2], max_tokens=TOKENS).text
+    assert other["text"] == generate(pair, chat(PROMPTS[0]), max_tokens=TOKENS).text
+    assert size >= 2
+    for got in (again, other):
+        assert got["spec"]["batched"] is True and got["spec"]["drafter"] == "suffix+eagle3"
+    # the repeated request drafted its reply from the history in the batch (unloaded: 2 passes,
+    # 19 tokens drafted a round; alone, 13 passes; 2026-12-06). How long its rounds are follows
+    # the measured pass costs (under the suite's load: 7.2 a round): past K_MAX by pinned costs
+    # in test_suffix.py
+    assert again["spec"]["accepted"] >= 0.7 * TOKENS

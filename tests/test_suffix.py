@@ -15,7 +15,7 @@ from test_eagle import heads, target_cfg  # noqa: F401  (fixtures)
 from test_greedy_equality import reference
 from test_server import serving
 
-from mlx_spec import SamplingParams, generate, load_pair
+from mlx_spec import GenerationConfig, SamplingParams, generate, load_pair
 from mlx_spec.cli import main
 from mlx_spec.core.lookup_length import LookupCosts
 from mlx_spec.core.policies import K_MAX, Auto
@@ -411,3 +411,163 @@ def test_suffix_eagle3_equals_target_alone_and_keeps_the_heads_cache(suffix_eagl
         assert res.stats.draft_lengths[1] > 0  # and head rounds
     inner = SimpleNamespace(drafter=decoder.drafter.inner, sequence=decoder.sequence)
     check_sglang_cache(inner, pair, made, cfg)
+
+
+def long_rows(pair, max_tokens: int = 60):
+    """Three prompts and the first one's history: the key's earlier request and the target's
+    reply to it, the same prompt again (an agent repeating itself), so its suffix match
+    supports a draft far past K_MAX that the target accepts; the others have none."""
+    first = pair.tokenizer.encode(REPEATING)
+    history = SuffixHistory()
+    history.add(first + reference(pair, first, max_tokens))
+    prompts = [first, pair.tokenizer.encode("The quick brown fox"), pair.tokenizer.encode("Once")]
+    return prompts, [history, None, None]
+
+
+def run_rows_longest(decoder, prompts, histories, max_tokens: int = 60) -> tuple[list, list]:
+    """Every prompt a row from the start: (each row's tokens, the most it accepted in a
+    round)."""
+    config = GenerationConfig(max_tokens=max_tokens)
+    ids = [decoder.add(p, config, history=h) for p, h in zip(prompts, histories, strict=True)]
+    out, most = {i: [] for i in ids}, dict.fromkeys(ids, 0)
+    for _ in range(4 * max_tokens):
+        if not len(decoder):
+            break
+        for row, u in decoder.step().items():
+            out[row] += u.tokens
+            most[row] = max(most[row], u.round.accepted)
+    assert not len(decoder)
+    return [out[i] for i in ids], [most[i] for i in ids]
+
+
+@pytest.mark.parametrize(
+    "drafter,k,dear",
+    [("suffix", k, dear) for k in (3, "auto") for dear in (False, True)]
+    + [("suffix+model", 3, False), ("suffix+model", "auto", False), ("mamba", 3, False)],
+)
+def test_a_batch_row_drafts_past_k_max_where_the_pass_pays(
+    tiny_models, monkeypatch, drafter, k, dear
+):
+    """In a batch a suffix row's lookup draft is as long as the pass's cost says, not the
+    batch's k (<= K_MAX): where a wider pass costs little (memory-bound) the row that holds
+    its reply accepts more than K_MAX tokens in a round; where every verified row costs a
+    step's worth, none goes past K_MAX. Every row is the target alone either way: beside a
+    draft model (fed every looked-up guess), and on a recurrent target (Mamba: no padding,
+    fillers) too."""
+    from mlx_spec.decode.generate import make_batch_decoder
+
+    if drafter == "mamba":
+        pair = load_pair(target=str(tiny_models.mamba)).configured(drafter="suffix")
+    else:
+        draft = str(tiny_models.draft) if drafter == "suffix+model" else None
+        pair = load_pair(target=str(tiny_models.target), draft=draft).configured(drafter=drafter)
+    prompts, histories = long_rows(pair)
+    decoder = make_batch_decoder(pair, k)
+    per_row = 0.05 if dear else 0.0002
+    monkeypatch.setattr(decoder.curve, "pass_seconds", lambda rows: 0.05 + per_row * rows)
+    out, most = run_rows_longest(decoder, prompts, histories)
+    for p, tokens in zip(prompts, out, strict=True):
+        assert tokens == reference(pair, p, 60)
+    assert (most[0] > K_MAX) is not dear
+    assert decoder.lookup_costs.rounds > 0 or dear
+
+
+@pytest.mark.parametrize("cheap", [True, False])
+def test_the_lookup_width_is_what_the_pass_cost_pays_for(cheap):
+    """A long match widens the pass while a wider pass costs little; where each column costs
+    as much as the batch's whole pass, it does not (the rows draft their k as before). A
+    draft model fed every column pays a step a column: a shorter lookup."""
+    from mlx_spec.core.batch_policy import lookup_width
+
+    per_row = 0.001 if cheap else 1.0
+
+    def pass_seconds(rows):
+        return 1.0 + per_row * (rows - 3)
+
+    found = {0: (0.93, 64)}  # row 0: a long match, accepted 93 %; rows 1, 2: their k of 2
+    chosen = lookup_width([2, 2, 2], [2.0, 2.0, 2.0], found, pass_seconds, 0.0)
+    if cheap:
+        assert chosen[0] > K_MAX
+        fed = lookup_width([2, 2, 2], [2.0, 2.0, 2.0], found, pass_seconds, 0.05, fed=True)
+        assert fed[0] < chosen[0]
+        # the same beside a head: its steps are its own rows' (k), not the width's
+        head = lookup_width([2, 2, 2], [2.0, 2.0, 2.0], found, pass_seconds, 0.05)
+        assert head[0] > K_MAX
+    else:  # (a lookup within the pass's width still goes where it beats the row's k)
+        assert all(n <= 2 for n in chosen.values())
+
+
+def assert_suffix_rows_beside_the_head(pair, monkeypatch, k: int = 2) -> None:
+    """`suffix+<the pair's head kind>` in a batch: a row whose match supports a long lookup
+    drafts it past K_MAX (accepted), the others draft with the head, and every row is the
+    target alone; then the join / leave / cancel schedule of test_batch_eagle, exact too."""
+    from test_batch_eagle import assert_greedy_rows_equal_each_alone
+
+    from mlx_spec.decode.generate import make_batch_decoder
+
+    suffix = pair.configured(drafter=f"suffix+{pair.config.drafter}")
+    decoder = make_batch_decoder(suffix, k)
+    assert decoder.heads is not None and decoder.suffix
+    # a memory-bound pass (a wider one costs little): long lookups pay
+    monkeypatch.setattr(decoder.curve, "pass_seconds", lambda rows: 0.05 + 0.0002 * rows)
+    prompts, histories = long_rows(suffix)
+    config = GenerationConfig(max_tokens=60)
+    ids = [decoder.add(p, config, history=h) for p, h in zip(prompts, histories, strict=True)]
+    out, most = {i: [] for i in ids}, dict.fromkeys(ids, 0)
+    head_steps = 0
+    while len(decoder):
+        for row, u in decoder.step().items():
+            out[row] += u.tokens
+            most[row] = max(most[row], u.round.accepted)
+            head_steps += u.round.draft_steps
+    for p, i in zip(prompts, ids, strict=True):
+        assert out[i] == reference(suffix, p, 60), f"row {i}"
+    assert most[ids[0]] > K_MAX and head_steps > 0
+    assert_greedy_rows_equal_each_alone(suffix, make_batch_decoder(suffix, k), False)
+
+
+def test_sampled_batch_rows_drafting_long_lookups_follow_the_target(tiny_models, monkeypatch):
+    """Sampled rows (temperature 1) in a batch whose rounds are lookup drafts longer than k
+    (a repeated prompt, a cheap pass): their first two tokens follow the target's exact
+    joint distribution (chi-square); the same harness with every guess accepted does not."""
+    from test_distribution import VOCAB, accept_everything
+
+    import mlx_spec.decode.rounds
+    from mlx_spec.decode.generate import make_batch_decoder
+
+    pair = load_pair(target=str(tiny_models.small_target)).configured(drafter="suffix")
+    params = SamplingParams(temperature=1.0)
+    prompt = PROMPT * 3  # repeated: every row has a long match
+    probs = exact_joint(pair, params, prompt)
+
+    def first_two_in_batch(runs: int) -> tuple[np.ndarray, int]:
+        decoder = make_batch_decoder(pair, 2)
+        decoder.eos = set()  # (the joint is over every token, as test_distribution's)
+        monkeypatch.setattr(decoder.curve, "pass_seconds", lambda rows: 0.05 + 0.0002 * rows)
+        counts, tokens = np.zeros((VOCAB, VOCAB)), {}
+        seed = longest = 0
+        while seed < runs or len(decoder):
+            while len(decoder) < 6 and seed < runs:
+                config = GenerationConfig(max_tokens=12, temperature=1.0, seed=seed)
+                tokens[decoder.add(prompt, config)] = []
+                seed += 1
+            for row, u in decoder.step().items():
+                if row not in tokens:
+                    continue
+                if not tokens[row]:  # the row's first round
+                    longest = max(longest, u.round.drafted)
+                tokens[row] += u.tokens
+                if len(tokens[row]) >= 2:
+                    t = tokens.pop(row)
+                    counts[t[0], t[1]] += 1
+                    if not u.done:
+                        decoder.cancel(row)
+        return counts, longest
+
+    counts, longest = first_two_in_batch(1500)
+    stat, threshold = chi_square(counts, probs)
+    print(f"batched suffix: chi-square {stat:.1f} (threshold {threshold:.1f})")
+    assert longest > 2 and stat < threshold  # (longer than the batch's k of 2)
+    monkeypatch.setattr(mlx_spec.decode.rounds, "verify_stochastic", accept_everything)
+    stat, threshold = chi_square(first_two_in_batch(600)[0], probs)
+    assert stat > threshold

@@ -3,6 +3,10 @@
 A batch (batch.py) verifies B x (k+1) rows in one pass: the pass gets dearer as B grows (on the
 Linux CPU with OpenBLAS 8 rows cost ~1.3x one in float32, ~8x in bfloat16), so the k that pays
 shrinks with B and reaches 0 (plain continuous batching) where drafting no longer pays.
+
+A row whose suffix match supports a long lookup draft (drafters/suffix.py) is not bound by
+that k: `lookup_width` widens the pass where the rows' lookups pay for it, by the same pass
+costs (`BatchController.pass_seconds`) and lookup_length.py's acceptance per match length.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .lookup_length import expected_tokens as lookup_tokens
 from .policies import (
     ACCEPT_MEMORY,
     EXPLORE_EVERY,
@@ -90,6 +95,61 @@ def choose_batch_k(
         for k in range(k_max + 1)
     ]
     return -max(speeds)[1]
+
+
+def lookup_width(
+    requested: Sequence[int],
+    rival: Sequence[float],
+    lookups: dict[int, tuple[float, int]],
+    pass_seconds,
+    draft_step: float,
+    fed: bool = False,
+    block: bool = False,
+) -> dict[int, int]:
+    """Each looking-up row's lookup draft length this round ({row: L}; a row left out drafts
+    `requested[row]` as it would without: its k, 0 for none). Pure.
+
+    `rival[b]`: the tokens row b's round gives without a lookup past its k (its k-draft's
+    E(k), 1 for a plain row); `lookups[b]`: (a, reach), the acceptance of row b's looked-up
+    tokens (by its match length) and the longest draft its match supports. At a pass width W
+    a row looks up min(reach, W) tokens where E = (1 - a^(n+1)) / (1 - a) beats its rival;
+    the round costs one pass over B x (width + 1) rows (the shorter rows padded, as ever)
+    plus its draft steps: those of the rows that draft with the model (`draft_step` each;
+    `block`: one for the block), or of every column when the draft model is `fed` each guess
+    (a looked-up one too: it keeps one lag for all rows). The W with the most tokens a second
+    wins, against no lookup at all (ties: the narrower). `pass_seconds` None (nothing
+    measured yet): a plain pass of the batch plus PRIOR_VERIFY_SLOPE of it a column, and
+    `draft_step` in those units."""
+    batch = len(requested)
+    if pass_seconds is None:
+
+        def pass_seconds(rows: int) -> float:
+            return 1.0 + PRIOR_VERIFY_SLOPE * (rows / batch - 1)
+
+    def speed(width_cap: int | None) -> tuple[float, dict[int, int]]:
+        tokens, width, model, chosen = 0.0, 0, 0, {}
+        for b in range(batch):
+            if width_cap is not None and b in lookups:
+                a, reach = lookups[b]
+                n = min(reach, width_cap)
+                e = lookup_tokens(a, n)
+                if e > rival[b]:
+                    chosen[b] = n
+                    tokens += e
+                    width = max(width, n)
+                    continue
+            tokens += rival[b]
+            width = max(width, requested[b])
+            model = max(model, requested[b])
+        steps = width if fed else (min(model, 1) if block else model)
+        return tokens / (pass_seconds(batch * (width + 1)) + steps * draft_step), chosen
+
+    best, chosen = speed(None)
+    for w in range(1, max((reach for _, reach in lookups.values()), default=0) + 1):
+        s, c = speed(w)
+        if s > best * (1 + 1e-9):
+            best, chosen = s, c
+    return chosen
 
 
 @dataclass

@@ -23,7 +23,8 @@ Each round (`step`):
 1. every row proposes up to k tokens: the draft model batched the same way (one forward over the
    B rows per draft step), an EAGLE-3 head or an MTP layer (one head pass over the rows per
    step, from the target layers the last verify pass captured: batch_head.py), a DFlash head
-   (one forward drafts every row's block), or prompt lookup in the row's own context;
+   (one forward drafts every row's block), or prompt lookup in the row's own context; a
+   suffix row (suffix decoding) may look up past k (batch_draft.py);
 2. ONE target pass over (B, K+1) tokens, K the longest proposal: `[last, x1..xk, pad..]` a row;
 3. each row is verified on its own rows of logits by the function the single stream uses
    (`rounds.verify`) under its own sampling settings and random key, which
@@ -82,6 +83,7 @@ from ..core.batch_policy import BatchController
 from ..core.caches import prefill_cache
 from ..core.grammar import grammar_of
 from ..core.hidden import capturing
+from ..core.lookup_length import LookupCosts
 from ..core.policies import Auto, DraftLength, Fixed, draft_length
 from ..core.sampling import random_key
 from ..drafters.ngram import NGramDrafter
@@ -114,10 +116,11 @@ class BatchDecoder(BatchRound):
     """Speculative decoding over a batch of requests that join and leave between rounds.
 
     `draft`: a draft model (batched like the target); `head`: an EAGLE-3 head, the
-    target's MTP layer or a DFlash head (alone, no draft or lookup beside it: batch_head.py);
-    `lookup`: (ngram_max, ngram_min) for prompt lookup per row, or a kind's row lookup made from
-    the row's history (suffix decoding, bounded by k here); both: lookup first, the model
-    where it finds nothing (ngram+model); neither: plain continuous batching.
+    target's MTP layer, a DFlash head or Gemma 4's assistant (batch_head.py; beside suffix
+    lookup only); `lookup`: (ngram_max, ngram_min) for prompt lookup per row (beside a draft
+    model: lookup first, the model where it finds nothing: ngram+model), or a kind's row
+    lookup made from the row's history (suffix decoding: past k where it pays,
+    batch_draft.py's `_lookups`); neither: plain continuous batching.
     `num_draft_tokens`: an int, `Fixed(k)` or `Auto()` (a `BatchController`: k from measured
     pass costs per row count).
     `draft_confidence`: a row's proposal stops after a guess the draft is less sure of, as
@@ -156,8 +159,14 @@ class BatchDecoder(BatchRound):
             )
         self.target_pass = RowWise(target) if self.apart else target
         self.draft_pass = RowWise(draft) if self.draft_apart else draft
-        if head is not None and (draft is not None or lookup is not None):
-            raise SpecError("a batch drafts with a head alone, not beside another drafter")
+        # a kind's own row lookup (suffix decoding: a callable making each row's) may go
+        # beside a head or a draft model, its drafts past k where they pay (`_lookups`)
+        self.suffix = callable(lookup)
+        if head is not None and (draft is not None or (lookup is not None and not self.suffix)):
+            raise SpecError(
+                "a batch drafts with a head alone (or beside suffix lookup), not beside "
+                "another drafter"
+            )
         # a recurrent target (Qwen3.5, Qwen3-Next, Mamba; deepseek_v41's compressed layers,
         # row by row): rows restored and replayed
         self.recurrent = caches.is_recurrent(make_prompt_cache(target))
@@ -189,6 +198,13 @@ class BatchDecoder(BatchRound):
             if self.fixed_k is None
             else None
         )
+        # suffix rows: their looked-up tokens' acceptance per match length (lookup_length.py)
+        # and the pass costs their lookup drafts are chosen by (the controller's; with a fixed
+        # k, a controller kept for its measured costs only)
+        self.lookup_costs = LookupCosts()
+        self.curve = self.controller
+        if self.curve is None and self.suffix:
+            self.curve = BatchController(k_max, draft is not None or head is not None)
         self.pair = None  # make_batch_decoder's: what a row's grammar compiles against
         self.rows: list[Row] = []
         self.cache: list | None = None
@@ -479,7 +495,7 @@ class BatchDecoder(BatchRound):
         if self.fixed_k is not None:
             return self.fixed_k
         available = None  # (with a draft model too, every row can draft)
-        if self.lookup is not None and self.draft is None:
+        if self.lookup is not None and self.draft is None and self.heads is None:
             available = [r.use_draft and r.lookup.has_proposal() for r in self.rows]
         missed = self.lag - 2 if self.draft is not None else 0
         return self.controller.next(len(self.rows), available, missed)
@@ -501,14 +517,18 @@ class BatchDecoder(BatchRound):
             return updates
         rows = self.rows
         k = self._choose_k()
-        requested, forced, overrides, draft_keys = self._proposals(k)
+        requested, forced, overrides, draft_keys, looked = self._proposals(k)
         models = self.draft is not None or self.heads is not None
-        drafting = models and max(requested) > 0
+        # a head drafts the other rows only (a looked-up row's guesses join after: `beside`)
+        by_head = self.heads is not None and bool(looked)
+        drafting = models and any(
+            q and not (by_head and b in looked) for b, q in enumerate(requested)
+        )
         if drafting and self.draft is not None and self.lag > 2 + CATCH_UP_RIDES:
             self._catch_up()
         start = time.perf_counter()
         drafts, qs, lengths, steps, guesses = self._guess(
-            drafting, requested, draft_keys, forced, overrides
+            drafting, requested, draft_keys, forced, overrides, looked
         )
         drafted_at = time.perf_counter()
         width = drafts.shape[1]  # K: the widest proposal; the rest of a row is padding
@@ -526,6 +546,7 @@ class BatchDecoder(BatchRound):
         with capturing(self.target, self.hidden_layers) as hidden:  # (a head's layers)
             logits = self.target_pass(inputs, cache=self.cache)  # (B, K+1, vocab)
         out, lps = self._verify_rows(passes, drafts, requested, lengths, qs, logits)
+        overrides.update({b: guess for b, (_, guess) in looked.items()})  # (no draft steps)
         done = self._finish_round(
             out.tolist(), passes or drafts.tolist(), requested, lengths, steps, lps, forced,
             overrides, hidden, saved,
@@ -543,15 +564,20 @@ class BatchDecoder(BatchRound):
         # look dearer than a 16-row drafting one (120 against 110 ms, 2026-12-04: it is only
         # ever measured right after the joins) and the server drafted where plain was faster
         timed, self.reshaped = not self.reshaped, False
-        if self.controller is not None and k:
+        lookup_ids = {rows[b].id: match for b, (match, _) in looked.items()}
+        if self.curve is not None and k:
             outcomes = [  # (a forced round is not the policy's: kept out, as alone; fillers
-                # are no row's proposal)
+                # are no row's proposal; nor is a lookup draft, as alone: lookup_costs')
                 (u.round.requested, d, min(u.round.accepted, d))
-                for u in done.values()
-                if not u.round.forced
+                for i, u in done.items()
+                if not u.round.forced and i not in lookup_ids
                 for d in [u.round.drafted - u.round.filled]
             ]
-            self.controller.update(len(rows), self.timing, outcomes, timed)
-        elif self.controller is not None and timed:
-            self.controller.update_plain(len(rows), self.timing)
+            self.curve.update(len(rows), self.timing, outcomes, timed)
+        elif self.curve is not None and timed:
+            self.curve.update_plain(len(rows), self.timing)
+        for i, match in lookup_ids.items():
+            r = done[i].round
+            if r.drafted:
+                self.lookup_costs.update(match, r.drafted, r.accepted, self.timing.verify_seconds)
         return updates

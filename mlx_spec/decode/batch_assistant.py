@@ -14,7 +14,7 @@ import mlx.core as mx
 from ..core.hidden import FINAL_NORM
 from ..drafters.assistant import AssistantDrafter, AssistantHead
 from ..drafters.base import TargetOutput
-from .batch_head import BatchHead
+from .batch_head import BatchHead, own_drafter
 
 
 class AssistantBatch:
@@ -44,7 +44,7 @@ class AssistantBatch:
         self.states: list = []  # per row: (backbone,) or None (nothing to draft from yet)
 
     def kept_drafter(self, kept):
-        d = getattr(kept, "drafter", None)
+        d = own_drafter(kept)
         ok = isinstance(d, AssistantDrafter) and d.head is self.head
         return d.fork() if ok else None
 

@@ -12,6 +12,15 @@ k instead would take one pass per group, each reading all the weights again: in 
 memory-bound regime where speculation pays, a pass costs far more than its padded rows. When
 no row proposes anything the round is a plain step, one row of width 1 per request.
 
+Suffix rows (`--drafter suffix`, `suffix+<kind>`: a row lookup that knows its match) are not
+bound by k: where a row's match supports a long draft, `_lookups` widens the pass as far as
+`batch_policy.lookup_width` says the rows' expected tokens pay for it (the pass's measured cost
+over B x (W+1) rows, the looked-up tokens' acceptance by match length: lookup_length.py), the
+other rows padded as above. Beside a head the looked-up rows skip the head's steps (their
+guesses join its drafts: `beside`); beside a draft model the draft is fed them (one lag for
+all rows), a step a column, which the width's cost counts. Those rows' rounds teach the
+decoder's `lookup_costs`, not the controller's k, as alone.
+
 A recurrent target (docs/design.md): no padding in a pass, which would enter a row's state.
 Each row feeds its unfed tokens (a replay, then its last), its guesses and fillers (the draft
 model's own further picks, then its last token repeated, verified like any guess) up to one
@@ -32,7 +41,11 @@ import mlx.core as mx
 
 from ..core import batch_caches
 from ..core.batch_caches import rollback_rows
+from ..core.batch_policy import lookup_width
 from ..core.grammar import GrammarStateError
+from ..core.lookup_length import expected_tokens as lookup_tokens
+from ..core.payoff import expected_tokens
+from ..core.policies import FIXED_LOOKUP_MATCH
 from ..core.processors import apply as apply_processors
 from ..core.sampling import probabilities, sample
 from ..errors import SpecError
@@ -41,6 +54,18 @@ from .engine import REPLAY_LIMIT  # a recurrent row's replay past which it draft
 from .rounds import Round, cut_at_end, read_logprobs, target_logprobs, verify
 
 FORCED_MAX = 8  # the most forced tokens a row drafts in a round (engine.FORCED_MAX)
+# a draft step's cost before one is measured, as a share of a pass (suffix rows' lookup widths)
+PRIOR_DRAFT_SHARE = 0.1
+
+
+def beside(drafts: mx.array, lengths: list[int], looked: dict) -> tuple[mx.array, list[int]]:
+    """A head's (B, K) drafts with the looked-up rows' guesses in their rows ({row: (match,
+    guess)}), as wide as the widest: (B, K'), each row's length (the rest is padding)."""
+    picks, lengths = drafts.tolist(), list(lengths)
+    for b, (_, guess) in looked.items():
+        picks[b], lengths[b] = list(guess), len(guess)
+    width = max(len(p) for p in picks)
+    return mx.array([p + [0] * (width - len(p)) for p in picks], mx.uint32), lengths
 
 
 class BatchRound:
@@ -60,7 +85,8 @@ class BatchRound:
     def _proposals(self, k: int) -> tuple:
         """How many tokens each row asks for at `k` (requested), the rows whose grammar
         forces tokens (forced: row -> tokens), those and the rows lookup found a guess for
-        beside a draft model (overrides: row -> tokens), and each drafting row's draft key."""
+        beside a draft model (overrides: row -> tokens), each drafting row's draft key, and
+        the suffix rows that look up this round (looked: row -> (match, tokens): `_lookups`)."""
         rows = self.rows
         # the round adds at most k+1 tokens to a row: never draft past its max_tokens
         requested = [
@@ -87,7 +113,13 @@ class BatchRound:
         # lookup and a draft model (ngram+model): lookup first, the model where it finds
         # nothing; the draft is fed a looked-up guess as it would be its own
         overrides = dict(forced)
-        if self.lookup is not None and self.draft is not None:
+        # suffix rows: a lookup draft where the cost says it pays, past k where it does
+        looked = self._lookups(requested, forced, ending) if self.suffix else {}
+        for b, (_, guess) in looked.items():
+            requested[b] = len(guess)
+            if self.draft is not None:  # fed to the draft as its own (one lag for all rows)
+                overrides[b] = guess
+        if self.lookup is not None and self.draft is not None and not self.suffix:
             for b, r in enumerate(rows):
                 if b not in overrides and requested[b]:
                     guess = r.lookup.lookup(requested[b])
@@ -99,17 +131,71 @@ class BatchRound:
             r.next_key() if req and not r.params.greedy else None
             for r, req in zip(rows, requested, strict=True)
         ]
-        return requested, forced, overrides, draft_keys
+        return requested, forced, overrides, draft_keys, looked
 
-    def _guess(self, drafting: bool, requested, draft_keys, forced, overrides) -> tuple:
+    def _lookups(self, requested, forced, ending) -> dict[int, tuple[int, list[int]]]:
+        """Suffix rows whose lookup draft this round pays, {row: (match length, guess)}: as
+        long as the pass's cost says (`batch_policy.lookup_width`, past the batch's k and
+        K_MAX up to what the match supports), where its expected tokens beat the row's own
+        k-draft (beside a head or a draft model; with a fixed k, only matches of
+        FIXED_LOOKUP_MATCH tokens or more, as alone); a suffix row alone only where it goes
+        past the k it drafts anyway. The output stays the target's: the costs are past
+        rounds', and every guess is verified."""
+        rows = self.rows
+        rival_kind = self.draft is not None or self.heads is not None
+        found = {}
+        for b, r in enumerate(rows):
+            if not r.use_draft or b in forced or b in ending or r.lookup is None:
+                continue
+            match, reach = r.lookup.suffix_match()
+            reach = min(reach, r.max_tokens - r.emitted - 1)
+            short = rival_kind and self.fixed_k is not None and match < FIXED_LOOKUP_MATCH
+            if match > 0 and reach > 0 and not short:
+                found[b] = (self.lookup_costs.acceptance(match), reach)
+        if not found:
+            return {}
+        curve, batch = self.curve, len(rows)
+        acceptance = curve.acceptance()
+        own, rival = [], []  # what each row drafts without a lookup past k, and its tokens
+        for b, req in enumerate(requested):
+            if not rival_kind:  # its own lookup within k (nothing: no match)
+                n = min(found[b][1], req) if b in found and b not in forced else 0
+                n = len(forced[b]) if b in forced else n
+                a = found[b][0] if b in found else acceptance[0]
+                own.append(n)
+                rival.append(lookup_tokens(a, n) if b in found else expected_tokens([a] * n))
+            else:
+                own.append(req)
+                rival.append(expected_tokens(acceptance[:req]))
+        # (not measured yet: None, the prior slope over a pass of the batch)
+        pass_seconds = curve.pass_seconds if curve.pass_seconds(batch) is not None else None
+        draft_step = curve.draft_seconds(batch) if pass_seconds is not None else None
+        if draft_step is None:  # (not measured yet: a share of a pass of the batch)
+            plain = pass_seconds(batch) if pass_seconds is not None else 1.0
+            draft_step = PRIOR_DRAFT_SHARE * plain if curve.draft_model else 0.0
+        block = self.heads is not None and bool(self.heads.kind.block)
+        fed = self.draft is not None
+        chosen = lookup_width(own, rival, found, pass_seconds, draft_step, fed, block)
+        looked = {}
+        for b, n in chosen.items():
+            if rival_kind or n > own[b]:
+                guess = rows[b].lookup.lookup(n)
+                if guess:
+                    looked[b] = (rows[b].lookup.suffix_match()[0], guess)
+        return looked
+
+    def _guess(self, drafting: bool, requested, draft_keys, forced, overrides, looked) -> tuple:
         """Every row's guesses: (B, K) ids (K the widest, the rest padding), per row its
         q (k_i, V) or None and its length k_i, the draft steps taken, and the guesses as lists
-        when no model drafted (None when one did)."""
+        when no model drafted (None when one did). Beside a head, the `looked` rows' guesses
+        join the head's drafts (it drafts the others only)."""
         rows = self.rows
         if not drafting:  # forced tokens and lookup only
             guesses = [
                 forced[b]
                 if b in forced
+                else looked[b][1]
+                if b in looked
                 else r.lookup.lookup(req)
                 if r.lookup is not None and req
                 else []
@@ -120,12 +206,18 @@ class BatchRound:
             drafts = mx.array([g + [0] * (width - len(g)) for g in guesses], mx.uint32)
             return drafts, [None] * len(rows), lengths, 0, guesses
         # (B, K), per row (k_i, V) | None, and k_i after a confidence stop
+        by_head = self.heads is not None and bool(looked)
+        if by_head:
+            requested = [0 if b in looked else q for b, q in enumerate(requested)]
+            draft_keys = [None if b in looked else key for b, key in enumerate(draft_keys)]
         drafts, qs, lengths = self._draft(requested, draft_keys, overrides)
         block = self.heads is not None and self.heads.kind.block
         steps = 1 if block else drafts.shape[1]  # a block head: one forward
         # a sync between draft and verify (the pass waits on the draft anyway): the
         # controller learns the two costs apart
         mx.eval(drafts, *[q for q in qs if q is not None])
+        if by_head:
+            drafts, lengths = beside(drafts, lengths, looked)
         return drafts, qs, lengths, steps, None
 
     def _fill(self, drafts: mx.array, lengths: list[int], guesses) -> list[list[int]]:

@@ -59,9 +59,16 @@ from ..drafters.dflash2 import DFlash2Drafter, DFlash2Head
 from ..drafters.dspark import DSparkDrafter, DSparkHead
 from ..drafters.eagle import Eagle3Head, EagleDrafter
 from ..drafters.mtp import MTPDrafter, target_parts
+from ..drafters.suffix import SuffixDrafter
 from ..errors import SpecError
 
 PENDING_MAX = 16  # features a row piles up in plain rounds before a head pass takes them in
+
+
+def own_drafter(kept):
+    """A kept decoder's drafter: a suffix drafter's inner one (suffix+<head>: the head's)."""
+    d = getattr(kept, "drafter", None)
+    return d.inner if isinstance(d, SuffixDrafter) and d.inner is not None else d
 
 
 class ChainRows:
@@ -95,7 +102,7 @@ class EagleRows(ChainRows):
 
     def drafter(self, kept):
         """A kept decoder's drafter of this head (a copy of its state), or None."""
-        d = getattr(kept, "drafter", None)
+        d = own_drafter(kept)
         ok = isinstance(d, EagleDrafter) and d.head is self.head
         return copy.copy(d) if ok else None
 
@@ -148,7 +155,7 @@ class MTPRows(ChainRows):
         self.dtype = mx.float32  # (a row's zeros, while no row has an output to take after)
 
     def drafter(self, kept):
-        d = getattr(kept, "drafter", None)
+        d = own_drafter(kept)
         ok = isinstance(d, MTPDrafter) and d.head is self.head
         return copy.copy(d) if ok else None
 
@@ -213,7 +220,7 @@ class DFlashRows:
         self.dtype = mx.float32
 
     def drafter(self, kept):
-        d = getattr(kept, "drafter", None)
+        d = own_drafter(kept)
         ok = isinstance(d, self.drafter_type) and d.head is self.head
         if not ok:
             return None

@@ -265,6 +265,11 @@ class Decoder:
         if head is not None and type(head) is type(self.drafter):
             self.drafter, self.hidden_gap = head, None  # the head has every position's features
             return self
+        inner = getattr(self.drafter, "inner", None)  # suffix+<head>: the head is its inner
+        if head is not None and inner is not None and type(head) is type(inner):
+            self.drafter.adopt_inner(head)
+            self.hidden_gap = None
+            return self
         # a head reads the target's layers, which this row did not keep: the next drafting
         # prefill starts over, as after a reply decoded without drafts
         self.hidden_gap = 0 if self.hidden_layers else None

@@ -187,6 +187,8 @@ class DrafterKind:
     def batch_drafting(cls, pair) -> dict | None:
         """How a batch of requests drafts with this kind: the keywords of
         `batch.BatchDecoder` (`draft=` a draft model batched like the target, `lookup=`
-        (ngram_max, ngram_min) per row, `head=` an EAGLE-3, MTP or DFlash head); None: not
-        batched yet (the batch then decodes plainly, or the pair runs one stream at a time)."""
+        (ngram_max, ngram_min) per row or a callable making each row's suffix drafter, also
+        beside a draft model or a head, `head=` a head: EAGLE-3, MTP, DFlash, DSpark, Gemma 4's
+        assistant); None: not batched yet (the batch then decodes plainly, or the pair runs one
+        stream at a time)."""
         return None

@@ -254,10 +254,9 @@ def suffix_kind(base: type[DrafterKind]) -> type[DrafterKind]:
         return SuffixDrafter(base.build(pair))
 
     def batch_drafting(cls, pair):
+        # each row's lookup beside the base's draft model or head (batch.py's `_lookups`)
         drafting = base.batch_drafting(pair)
-        if drafting is None or "head" in drafting:
-            return None  # a batch drafts with a head alone (batch.py): one stream at a time
-        return {**drafting, "lookup": _suffix_lookup(pair)}
+        return None if drafting is None else {**drafting, "lookup": _suffix_lookup(pair)}
 
     return type(
         f"Suffix{base.__name__}",
