@@ -35,6 +35,18 @@ REPLAY_LIMIT = 8
 FORCED_MAX = 8
 
 
+def timed(r: Round, last: float, policy: Policy, update, outcome: tuple, more=()):
+    """Yield round `r` after `update(*outcome, seconds, *more)` tells the policy its wall time
+    since `last` (the previous round's end), then the caller's share of it (detokenizing,
+    printing, sending: `policy.consumed`), which is in the next round's time and which plain
+    decoding pays too (FixedK.plain_token). Returns the round's end, the next `last`."""
+    now = time.perf_counter()  # before the yield: a caller may stop after any round
+    update(*outcome, now - last, *more)
+    yield r
+    policy.consumed(time.perf_counter() - now)
+    return now
+
+
 class Decoder:
     """Speculative decoding over one target and an optional drafter.
 
@@ -48,13 +60,11 @@ class Decoder:
     """
 
     def __init__(self, target, drafter: Drafter | None, eos_token_ids=(), seed: int | None = None):
-        self.target = target
-        self.drafter = drafter
+        self.target, self.drafter = target, drafter
         self.cache = self._new_cache()
         self.recurrent = caches.is_recurrent(self.cache)
         self.eos = set(eos_token_ids)
-        self.sequence: list[int] = []
-        self.unfed = 1
+        self.sequence, self.unfed = [], 1  # (the class docstring says what unfed is)
         self.stale = False  # the caches may not match `sequence`: the next prefill starts over
         self.key = random_key(seed)
         mx.eval(self.key)  # nothing lazy may cross to the thread that generates (threads.py)
@@ -136,8 +146,7 @@ class Decoder:
         twin.key = random_key(seed)
         twin.epoch, twin.active = 0, False
         twin.take_measured(self.measured())
-        twin._drafting = self._drafting
-        twin.hidden_layers = self.hidden_layers
+        twin._drafting, twin.hidden_layers = self._drafting, self.hidden_layers
         twin.settle()  # the key and the copies' slices, lazy until now
         return twin
 
@@ -262,13 +271,11 @@ class Decoder:
         batch's EAGLE-3 head), which becomes this decoder's."""
         self.cache, self.sequence, self.unfed = cache, list(sequence), 1
         self.stale = self.active = False
-        if head is not None and type(head) is type(self.drafter):
-            self.drafter, self.hidden_gap = head, None  # the head has every position's features
-            return self
         inner = getattr(self.drafter, "inner", None)  # suffix+<head>: the head is its inner
-        if head is not None and inner is not None and type(head) is type(inner):
-            self.drafter.adopt_inner(head)
-            self.hidden_gap = None
+        if head is not None and type(head) in (type(self.drafter), type(inner)):
+            self.hidden_gap = None  # the head has every position's features
+            own = type(head) is type(self.drafter)
+            self.drafter = head if own else self.drafter.adopt_inner(head)
             return self
         # a head reads the target's layers, which this row did not keep: the next drafting
         # prefill starts over, as after a reply decoded without drafts
@@ -359,11 +366,8 @@ class Decoder:
                 match = self.drafter.suffix_match()[0]
                 r = self._speculative_round(n, params, lookup=True, **extra)
                 emitted += len(r.tokens)
-                now = time.perf_counter()
-                policy.update_lookup(match, r.drafted, r.accepted, now - last)
-                last = now
-                yield r
-                policy.consumed(time.perf_counter() - now)
+                outcome = (match, r.drafted, r.accepted)
+                last = yield from timed(r, last, policy, policy.update_lookup, outcome)
                 if r.finished:
                     return
                 continue
@@ -379,11 +383,7 @@ class Decoder:
                 for r in self._plain_steps(n, params, plain=True, until=until, **extra):
                     emitted += len(r.tokens)
                     self.drafter.commit(self.sequence[-1:], r.target_output)
-                    now = time.perf_counter()
-                    policy.update_plain(1, now - last)
-                    last = now
-                    yield r
-                    policy.consumed(time.perf_counter() - now)
+                    last = yield from timed(r, last, policy, policy.update_plain, (1,))
                     if r.finished:
                         return
                 continue
@@ -396,13 +396,8 @@ class Decoder:
                 last += time.perf_counter() - caught
             r = self._speculative_round(k_round, params, split, **extra)
             emitted += len(r.tokens)
-            now = time.perf_counter()  # before the yield: a caller may stop after any round
-            policy.update(k_round, r.drafted, r.accepted, now - last, r.split, r.replayed)
-            last = now
-            yield r
-            # the caller's share of the round (detokenizing, printing, sending): it is in the
-            # next round's wall time, and plain decoding pays it too (FixedK.plain_token)
-            policy.consumed(time.perf_counter() - now)
+            outcome, more = (k_round, r.drafted, r.accepted), (r.split, r.replayed)
+            last = yield from timed(r, last, policy, policy.update, outcome, more)
             if r.finished:
                 return
 

@@ -286,12 +286,13 @@ class SuffixDrafter(Drafter):
         self._draft = None
         self.inner.adopt(cache, cached, unfed)
 
-    def adopt_inner(self, inner: Drafter) -> None:
+    def adopt_inner(self, inner: Drafter) -> SuffixDrafter:
         """A head's drafter from a batch row (its state over the row's sequence) as the inner
-        one; the request's index is rebuilt from the next prompt."""
+        one; the request's index is rebuilt from the next prompt. Returns itself."""
         self.inner = inner
         self.context.reset()
         self._draft = None
+        return self
 
     def disk_state(self):
         return self.inner.disk_state() if self.inner is not None else None
