@@ -571,3 +571,29 @@ def test_sampled_batch_rows_drafting_long_lookups_follow_the_target(tiny_models,
     monkeypatch.setattr(mlx_spec.decode.rounds, "verify_stochastic", accept_everything)
     stat, threshold = chi_square(first_two_in_batch(600)[0], probs)
     assert stat > threshold
+
+
+def test_a_recurrent_batchs_lookups_keep_its_pass_within_bounds(tiny_models):
+    """On a recurrent target every row feeds its replay and fillers up to one common width,
+    which a window must be able to roll back: a row's lookup is cut so that the widest
+    replay plus it stays within RECURRENT_PASS_MAX (a seeded sampled row, which keeps no
+    fillers, may replay a whole round's width; on a windowed hybrid a wider pass would be
+    refused, failing every row of the batch)."""
+    from mlx_spec.decode.batch_draft import RECURRENT_PASS_MAX
+    from mlx_spec.decode.generate import make_batch_decoder
+
+    pair = load_pair(target=str(tiny_models.mamba)).configured(drafter="suffix")
+    prompts, histories = long_rows(pair)
+    decoder = make_batch_decoder(pair, 3)
+    decoder.curve.pass_seconds = lambda rows: 0.05 + 0.0002 * rows  # wide passes pay
+    config = GenerationConfig(max_tokens=60)
+    for p, h in zip(prompts, histories, strict=True):
+        decoder.add(p, config, history=h)
+    decoder.step()
+    requested = [3] * len(decoder.rows)
+    wide = decoder._lookups(requested, {}, set())
+    assert wide and max(len(g) for _, g in wide.values()) > 3 * K_MAX // 2
+    for replay in (40, RECURRENT_PASS_MAX - 2, RECURRENT_PASS_MAX):
+        decoder.rows[2].unfed = replay  # (only what `_lookups` reads: no pass runs)
+        looked = decoder._lookups(requested, {}, set())
+        assert all(replay + len(g) <= RECURRENT_PASS_MAX for _, g in looked.values())

@@ -281,8 +281,9 @@ class BatchWindowedKVCache(BatchKVCache):
 class RowsCache:
     """One layer of a batch whose rows stay single-stream caches, apart: for a model whose own
     code takes one position for the whole batch (core/batch_caches.py's ONE_OFFSET: gpt_bigcode,
-    Llama 4's chunked attention), which the batch then runs row by row (`RowWise`), each row
-    on its own caches, exactly as alone. It batches the requests, not the passes: each row's
+    Llama 4's chunked attention, deepseek_v41's compressed layers, whose rows are restored, not
+    trimmed), which the batch then runs row by row (`RowWise`), each row on its own caches,
+    exactly as alone. It batches the requests, not the passes: each row's
     pass reads the weights again."""
 
     def __init__(self, rows: list):

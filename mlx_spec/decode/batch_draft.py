@@ -54,6 +54,9 @@ from .engine import REPLAY_LIMIT  # a recurrent row's replay past which it draft
 from .rounds import Round, cut_at_end, read_logprobs, target_logprobs, verify
 
 FORCED_MAX = 8  # the most forced tokens a row drafts in a round (engine.FORCED_MAX)
+# a recurrent target's widest pass with lookups (replay and guesses of a row): half what a
+# window keeps for a roll-back (caches.WINDOW_MARGIN, 128), as the one-stream draft's 64
+RECURRENT_PASS_MAX = 64
 # a draft step's cost before one is measured, as a share of a pass (suffix rows' lookup widths)
 PRIOR_DRAFT_SHARE = 0.1
 
@@ -143,12 +146,18 @@ class BatchRound:
         rounds', and every guess is verified."""
         rows = self.rows
         rival_kind = self.draft is not None or self.heads is not None
+        # a recurrent target feeds every row its replay and fillers up to one common width,
+        # which a roll-back undoes: lookups keep that pass within RECURRENT_PASS_MAX (a seeded
+        # row, which keeps no fillers, replays a whole round's width after each)
+        room = RECURRENT_PASS_MAX - max(r.unfed for r in rows) if self.recurrent else None
         found = {}
         for b, r in enumerate(rows):
             if not r.use_draft or b in forced or b in ending or r.lookup is None:
                 continue
             match, reach = r.lookup.suffix_match()
             reach = min(reach, r.max_tokens - r.emitted - 1)
+            if room is not None:
+                reach = min(reach, room)
             short = rival_kind and self.fixed_k is not None and match < FIXED_LOOKUP_MATCH
             if match > 0 and reach > 0 and not short:
                 found[b] = (self.lookup_costs.acceptance(match), reach)

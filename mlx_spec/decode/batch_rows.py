@@ -27,6 +27,7 @@ from ..core import batch_caches, caches
 from ..core.policies import Fixed, draft_length
 from ..core.sampling import SamplingParams
 from ..drafters.ngram import NGramDrafter
+from ..drafters.suffix import SuffixDrafter
 from ..errors import SpecError
 from .rounds import Round, pad_vocab, point_mass
 
@@ -41,7 +42,7 @@ class Row:
     max_tokens: int
     key: mx.array | None  # None: greedy rows draw nothing
     use_draft: bool = True
-    lookup: NGramDrafter | None = None
+    lookup: NGramDrafter | SuffixDrafter | None = None
     emitted: int = 0
     prompt_tokens: int = 0
     reused: int = 0  # prompt tokens a kept decoder's caches held

@@ -254,7 +254,7 @@ def suffix_kind(base: type[DrafterKind]) -> type[DrafterKind]:
         return SuffixDrafter(base.build(pair))
 
     def batch_drafting(cls, pair):
-        # each row's lookup beside the base's draft model or head (batch.py's `_lookups`)
+        # each row's lookup beside the base's draft model or head (batch_draft.py's `_lookups`)
         drafting = base.batch_drafting(pair)
         return None if drafting is None else {**drafting, "lookup": _suffix_lookup(pair)}
 
