@@ -66,6 +66,8 @@ completions, installed with `pip install --no-deps --target DIR vllm-mlx==0.6.0`
 rapid-mlx==0.16.10) and run by --peer-python, a Python holding what they import (fastapi,
 uvicorn, transformers, mlx-lm <= 0.31.1 for vllm-mlx's prefix cache). --clear-after N: the user
 types /clear after the parent's N-th turn (a new conversation on the same system prompt).
+--peer-flags NAME=FLAGS adds flags to a peer's serve (rapid-mlx's suffix decoding:
+`rapid-mlx=--speculative-config '{"method":"suffix","num_speculative_tokens":8}'`).
 --variant NAME=FLAGS (repeatable) adds an mlx-spec server in chat completions with more flags
 (e.g. `--variant "suffix=--drafter suffix"` against `--serve-flags "--drafter ngram"`): its
 decode time (wall less time to first token) is compared with the first mlx-spec server's.
@@ -81,6 +83,7 @@ import http.client
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -669,9 +672,10 @@ def peer_command(args, name: str, where: str, root, target) -> list[str]:
     from mlx_spec.runtime.blas import installed
 
     entry, flags = PEERS[name]
+    more = [shlex.split(f.partition("=")[2]) for f in args.peer_flags if f.startswith(name + "=")]
     env = [f"HOME={root / ('home-' + name)}", f"PYTHONPATH={os.path.abspath(where)}"]
     return ["env", *env, args.peer_python, "-c", PEER_LAUNCH.format(entry), installed(), name,
-            "serve", str(target), *flags]  # fmt: skip
+            "serve", str(target), *flags, *(f for m in more for f in m)]  # fmt: skip
 
 
 def logged_prefill(log) -> int:
@@ -700,7 +704,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def replay_session(args) -> int:
-    import shlex
     import tempfile
     from pathlib import Path
 
@@ -1050,6 +1053,14 @@ def main():
         help=f"also replay on a peer ({', '.join(PEERS)}) installed in DIR",
     )
     session.add_argument("--peer-python", default=sys.executable, help="the peers' Python")
+    session.add_argument(
+        "--peer-flags",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="more flags for a peer's serve (rapid-mlx's suffix decoding: "
+        """'rapid-mlx=--speculative-config {"method":"suffix","num_speculative_tokens":8}')""",
+    )
     session.add_argument("--restart-signal", choices=["term", "kill"], default="term")
     args = parser.parse_args()
     shapes = args.shapes.split(",")
