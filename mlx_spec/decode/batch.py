@@ -73,7 +73,6 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..core import batch_caches, caches
 from ..core.batch_caches import (
     ONE_OFFSET,
-    RowsCache,
     RowWise,
     check_batchable,
     extract_layer,
@@ -420,13 +419,14 @@ class BatchDecoder(BatchRound):
         request that shares the start of its sequence (an agent's sub-task beside its parent,
         one system prompt) starts from it rather than prefilling that part again."""
         state = self._extract(self._index(row_id))
-        # a batch run row by row (RowsCache) hands over the row's own cache objects, which the
-        # row goes on writing into: the copy gets caches of its own
-        if any(isinstance(c, RowsCache) for c in self.cache):
+        # a model run row by row (`apart`: RowsCache) hands over the row's own cache objects,
+        # which the row goes on writing into: the copy gets caches of its own
+        if self.apart:
             state.cache = caches.copy(state.cache)
-        if self.draft_cache is not None and any(isinstance(c, RowsCache) for c in self.draft_cache):
-            state.draft_cache = caches.copy(state.draft_cache) if state.draft_cache else None
-        caches.eval_state(state.cache + (state.draft_cache or []))
+        if self.draft_apart and state.draft_cache:
+            state.draft_cache = caches.copy(state.draft_cache)
+        if self.apart or self.draft_apart:  # (the copies' slices, lazy until now)
+            caches.eval_state(state.cache + (state.draft_cache or []))
         return state
 
     def _extract(self, i: int) -> RowState:
