@@ -32,16 +32,11 @@ def layer_state(c):
     if isinstance(c, mlx_lm_cache.CacheList):
         return "CacheList", [layer_state(x)[::-1] for x in c.caches]
     if type(c) is caches.WindowedKVCache:
-        held = c.stored
-        keys, values = (
-            (None, None) if c.keys is None else (c.keys[..., :held, :], c.values[..., :held, :])
-        )
+        keys, values = caches._rows(c.keys, c.stored), caches._rows(c.values, c.stored)
         return "WindowedKVCache", (keys, values, c.offset, c.dropped, c.window, c.margin, c.slack)
     if type(c) is caches.MarginChunkedKVCache:  # (Llama 4's: its margin and slack besides)
         held = c.offset - c.start_position
-        keys, values = (
-            (None, None) if c.keys is None else (c.keys[..., :held, :], c.values[..., :held, :])
-        )
+        keys, values = caches._rows(c.keys, held), caches._rows(c.values, held)
         return "MarginChunkedKVCache", (keys, values, c.offset, c.start_position, c.chunk_size,
                                         c.margin, c.slack)  # fmt: skip
     if type(c) is mlx_lm_cache.KVCache and c.keys is not None and c.offset < c.keys.shape[2]:
