@@ -20,6 +20,7 @@ from ..models.memory import check_memory
 from ..models.model_dir import context_length, read_config, text_config
 from ..models.quantize import requantized_copy
 from ..models.resolve import resolve_model
+from ..runtime import cpu_attention
 from ..runtime.threads import materialize
 from .config import PairConfig
 from .registry import load_registry
@@ -236,6 +237,7 @@ def load_pair(
             target_path, target_config, draft_path, config.draft_bits, context, shards, head_path
         )
 
+    cpu_attention.install()  # MLX's CPU softmax is scalar (runtime/cpu_attention.py)
     report("Loading the target weights…")
     link = None
     if group is None:
