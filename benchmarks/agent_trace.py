@@ -70,7 +70,9 @@ types /clear after the parent's N-th turn (a new conversation on the same system
 `rapid-mlx=--speculative-config '{"method":"suffix","num_speculative_tokens":8}'`).
 --variant NAME=FLAGS (repeatable) adds an mlx-spec server in chat completions with more flags
 (e.g. `--variant "suffix=--drafter suffix"` against `--serve-flags "--drafter ngram"`): its
-decode time (wall less time to first token) is compared with the first mlx-spec server's.
+decode time (wall less time to first token) is compared with the first mlx-spec server's. A
+VAR=VALUE among the flags goes into its environment (`--variant
+"mlx-attention=MLX_SPEC_CPU_ATTENTION=0"`: MLX's own attention on the CPU).
 
     flock /tmp/bench.lock python benchmarks/agent_trace.py --shapes session --out session.json
         [--turns 12] [--system-tokens 3000] [--reply-tokens 32] [--rewrite-tokens 640]
@@ -766,8 +768,10 @@ def replay_session(args) -> int:
             raise SystemExit("--variant takes NAME=FLAGS")
         folder = ["--cache-dir", str(root / f"prompt-cache-{len(servers)}")]
         flags = shlex.split(flags)
-        servers[f"mlx-spec {name}"] = ([*spec, *flags, *([] if "--cache-dir" in flags else folder)],
-                                       "chat", args.pair)  # fmt: skip
+        env = [f for f in flags if re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", f)]  # VAR=VALUE: its env
+        flags = [f for f in flags if f not in env]
+        cmd = [*spec, *flags, *([] if "--cache-dir" in flags else folder)]
+        servers[f"mlx-spec {name}"] = (["env", *env, *cmd] if env else cmd, "chat", args.pair)
     if not args.no_mlx_lm:
         target, _ = write_mlx_dirs(args.pair, root, pair)
         # mlx_lm.server unchanged, but on the OpenBLAS mlx-spec loads (importing mlx_spec first

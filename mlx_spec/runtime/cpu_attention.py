@@ -90,7 +90,8 @@ def attention(q, k, v, *, scale, mask=None, sinks=None, **options):
     # summed by MLX, not NumPy: MLX adds a row in order, so a batch row's left padding (exact
     # zeros) leaves the sum as it is alone; NumPy's pairwise sum regroups it (1 ulp apart)
     out = (weights @ v) / weights.sum(-1, keepdims=True)  # (B, KH, G*L, D)
-    return out.reshape(batch, heads, queries, dim).astype(q.dtype)
+    # the values' width, not the queries': MLA (DeepSeek) attends with wider queries and keys
+    return out.reshape(batch, heads, queries, v.shape[-1]).astype(q.dtype)
 
 
 def wanted() -> bool:
