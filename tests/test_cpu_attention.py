@@ -44,8 +44,13 @@ def masks(batch: int, heads: int, queries: int, keys: int) -> dict:
 
 @pytest.mark.parametrize(
     "shape",  # batch, query heads, KV heads, queries, keys, the values' width
-    [(1, 9, 3, 256, 300, 16), (2, 4, 2, 17, 100, 16), (1, 4, 4, 1, 50, 16), (3, 8, 2, 5, 5, 16),
-     (1, 4, 4, 9, 40, 8)],  # fmt: skip  (the last: MLA's values narrower than its keys)
+    [
+        (1, 9, 3, 256, 300, 16),
+        (2, 4, 2, 17, 100, 16),
+        (1, 4, 4, 1, 50, 16),
+        (3, 8, 2, 5, 5, 16),
+        (1, 4, 4, 9, 40, 8),
+    ],  # fmt: skip  (the last: MLA's values narrower than its keys)
 )
 def test_same_numbers_as_mlx_for_every_mask(every_call, shape):
     batch, heads, kv_heads, queries, keys, width = shape
