@@ -19,7 +19,7 @@ Three shapes of agent:
 
 Run (the machine is shared: one benchmark at a time):
     flock /tmp/bench.lock python benchmarks/agent_trace.py [--pair smollm2-lookup] [--k auto,8]
-        [--shapes conversation,fresh,tools]
+        [--shapes conversation,fresh,tools] [--drafters suffix]
 Greedy decoding: every configuration must produce the same text (checked).
 
 The session shape (`--shapes session`): a recorded coding-agent session, the shape Claude Code and
@@ -1009,11 +1009,13 @@ def replay(
             proc.wait(60)
 
 
-def configurations(ks: list[str]) -> dict[str, list[str]]:
+def configurations(ks: list[str], drafters: list[str] = ()) -> dict[str, list[str]]:
     configs = {"drafting off": ["--no-draft"]}
     for k in ks:
         configs[f"lookup, no history, k={k}"] = ["--no-history", "--num-draft-tokens", k]
         configs[f"lookup + history, k={k}"] = ["--num-draft-tokens", k]
+    for drafter in drafters:  # another kind (--drafters suffix): its default k, history on
+        configs[f"{drafter} + history"] = ["--drafter", drafter]
     return configs
 
 
@@ -1023,6 +1025,9 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--k", default="auto,8", help="draft lengths to compare, comma-separated")
     parser.add_argument("--json", help="write every row to this file")
+    parser.add_argument(
+        "--drafters", default="", help="more drafter kinds to compare (suffix,suffix+eagle3)"
+    )
     parser.add_argument(
         "--shapes", default=",".join(SHAPES), help="conversation,fresh,tools and/or session"
     )
@@ -1079,7 +1084,10 @@ def main():
 
 
 def trace_shapes(args, shapes: list[str]) -> int:
-    results = replay(args.pair, configurations(args.k.split(",")), args.max_tokens, shapes)
+    drafters = [d for d in args.drafters.split(",") if d]
+    results = replay(
+        args.pair, configurations(args.k.split(","), drafters), args.max_tokens, shapes
+    )
     texts = {name: [r["text"] for r in rows] for name, rows in results.items()}
     same = len({json.dumps(t) for t in texts.values()}) == 1
     print(f"pair {args.pair}, {len(CHANGES)} turns per shape, max_tokens {args.max_tokens}, "

@@ -84,6 +84,42 @@ def test_mlx_own_path_where_numpy_does_not_apply(every_call):
         ).item()
 
 
+def test_small_calls_keep_mlx_path_and_large_ones_take_numpys(monkeypatch):
+    """MIN_SCORES as documented: below it MLX's own path (bit for bit), from it NumPy's."""
+    taken = []
+    softmax = cpu_attention._softmax_in_place
+    monkeypatch.setattr(
+        cpu_attention, "_softmax_in_place", lambda *a: taken.append(1) or softmax(*a)
+    )
+    heads, width = 4, 8
+    for keys, numpy in (
+        (cpu_attention.MIN_SCORES // heads - 1, False),
+        (cpu_attention.MIN_SCORES // heads, True),
+    ):
+        q = mx.random.normal((1, heads, 1, width))
+        k, v = mx.random.normal((2, 1, 2, keys, width))
+        ours = cpu_attention.attention(q, k, v, scale=0.3)
+        assert bool(taken) == numpy
+        assert mx.allclose(ours, MLX(q, k, v, scale=0.3), atol=2e-6).item()
+        if not numpy:
+            assert mx.array_equal(ours, MLX(q, k, v, scale=0.3)).item()
+
+
+def test_under_compile_a_bfloat16_mask_or_another_mask_name_as_mlx(every_call):
+    q = mx.random.normal((1, 4, 3, 8))
+    k = mx.random.normal((1, 2, 6, 8))
+    v = mx.random.normal((1, 2, 6, 8))
+    compiled = mx.compile(
+        lambda q, k, v: cpu_attention.attention(q, k, v, scale=0.3, mask="causal")
+    )
+    assert mx.allclose(compiled(q, k, v), MLX(q, k, v, scale=0.3, mask="causal"), atol=2e-6).item()
+    half = mx.where(mx.random.uniform(shape=(3, 6)) > 0.3, 0.0, -1e4).astype(mx.bfloat16)
+    ours = cpu_attention.attention(q, k, v, scale=0.3, mask=half)
+    assert mx.allclose(ours, MLX(q, k, v, scale=0.3, mask=half), atol=2e-6).item()
+    with pytest.raises(ValueError):  # what MLX says of a mask name it does not know
+        cpu_attention.attention(q, k, v, scale=0.3, mask="sliding")
+
+
 def test_installed_by_load_pair_on_the_cpu_and_turned_off_by_the_environment(tiny_models):
     load_pair(target=str(tiny_models.target), draft=str(tiny_models.draft))
     assert mx.fast.scaled_dot_product_attention is cpu_attention.attention  # no GPU here

@@ -16,10 +16,11 @@ the fused kernel is used as before. `MLX_SPEC_CPU_ATTENTION=0` leaves MLX's own 
 (for comparisons). Calls too small to gain (fewer than MIN_SCORES scores: the extra sync costs
 ~130 us), with attention sinks, other dtypes or options keep MLX's path.
 
-Lossless: both paths compute the same float32 softmax (max-subtracted, then normalised), within
-MLX's own differences between shapes (~3e-7 here); a boolean mask fills with float32's lowest
-value as MLX does, so a row masked everywhere averages the values (a batch's padding) rather
-than turning to NaN.
+Lossless: both paths compute the same float32 attention, max-subtracted exponentials (here
+normalised after the product with the values rather than before), within MLX's own differences
+between shapes (~3e-7 here); masked scores get float32's lowest value as in MLX, so a row
+masked everywhere averages the values (a batch's padding) rather than turning to NaN. Inside
+`mx.compile` or `mx.vmap`, where nothing can be evaluated, MLX's path is taken.
 """
 
 from __future__ import annotations
@@ -38,58 +39,77 @@ _mlx_attention = mx.fast.scaled_dot_product_attention
 _LOWEST = np.finfo(np.float32).min
 
 
-def _mask_shape(mask: np.ndarray, kv_heads: int, groups: int) -> np.ndarray | None:
-    """A (.., L, S) mask laid out as the scores are, (B, KV heads, groups, L, S); None if its
-    shape is not one this knows."""
+def _mask_shape(mask, kv_heads: int, groups: int) -> tuple | None:
+    """The shape that lays a (.., L, S) mask out as the scores are, (B, KV heads, groups, L, S);
+    None where MLX's path should take it (another shape, or a dtype NumPy has no view of)."""
+    if mask.dtype not in (mx.bool_, mx.float32, mx.float16):
+        return None
     if mask.ndim == 2:
-        return mask
+        return mask.shape
     if mask.ndim == 4:
         heads = mask.shape[1]
         if heads == 1:
-            return mask[:, :, None]
+            return (mask.shape[0], 1, 1, *mask.shape[2:])
         if heads == kv_heads * groups:
-            return mask.reshape(mask.shape[0], kv_heads, groups, *mask.shape[2:])
+            return (mask.shape[0], kv_heads, groups, *mask.shape[2:])
     return None
+
+
+def _softmax_in_place(a: np.ndarray, mask, layout: tuple | None) -> None:
+    """Mask, then exponentiate `a` (B, KH, G, L, S) less each row's maximum, in place."""
+    queries, keys = a.shape[-2:]
+    if isinstance(mask, str):  # "causal", aligned to the last keys as MLX aligns it
+        if queries > 1:
+            later = np.triu(np.ones((queries, queries), dtype=bool), 1)
+            np.copyto(a[..., keys - queries :], _LOWEST, where=later)
+    elif mask is not None:
+        m = np.asarray(mask).reshape(layout)  # a view where the mask is contiguous
+        if m.dtype == np.bool_:
+            np.copyto(a, _LOWEST, where=~m)
+        else:
+            a += m
+    with np.errstate(invalid="ignore", over="ignore"):  # a row of -inf is NaN, as in MLX
+        a -= a.max(-1, keepdims=True)
+        np.exp(a, out=a)
 
 
 def attention(q, k, v, *, scale, mask=None, sinks=None, **options):
     """`mx.fast.scaled_dot_product_attention` with the softmax in NumPy (see the module)."""
     batch, heads, queries, dim = q.shape  # (B, H, L, D)
     kv_heads, keys = k.shape[1], k.shape[2]  # (B, KH, S, D)
+    groups = heads // kv_heads if kv_heads else 0
+    layout = None
+    if mask is not None and not isinstance(mask, str):
+        layout = _mask_shape(mask, kv_heads, groups)
     mlx_own = (
         sinks is not None
         or options
         or q.dtype != mx.float32
         or k.dtype != mx.float32
+        or not groups
         or heads % kv_heads
+        or k.shape[0] != batch
         or queries > keys
         or batch * heads * queries * keys < MIN_SCORES
-        or (mask is not None and not isinstance(mask, str) and mask.ndim not in (2, 4))
+        or (isinstance(mask, str) and mask != "causal")
+        or (mask is not None and not isinstance(mask, str) and layout is None)
     )
     if mlx_own:
         return _mlx_attention(q, k, v, scale=scale, mask=mask, sinks=sinks, **options)
-    groups = heads // kv_heads
     scores = (q * scale).reshape(batch, kv_heads, groups * queries, dim) @ k.swapaxes(-1, -2)
-    mx.eval(scores)  # (B, KH, G*L, S)
-    a = np.array(scores, copy=False).reshape(batch, kv_heads, groups, queries, keys)
-    if isinstance(mask, str):  # "causal", aligned to the last keys as MLX aligns it
-        if queries > 1:
-            later = np.triu(np.ones((queries, queries), dtype=bool), 1)
-            np.copyto(a[..., keys - queries :], -np.inf, where=later)
-    elif mask is not None:
-        m = _mask_shape(np.array(mask), kv_heads, groups)
-        if m is None:
-            return _mlx_attention(q, k, v, scale=scale, mask=mask)
-        if m.dtype == np.bool_:
-            np.copyto(a, _LOWEST, where=~m)
-        else:
-            a += m.astype(np.float32, copy=False)
-    a -= a.max(-1, keepdims=True)
-    np.exp(a, out=a)
-    weights = mx.array(a.reshape(batch, kv_heads, groups * queries, keys))  # (B, KH, G*L, S)
-    # summed by MLX, not NumPy: MLX adds a row in order, so a batch row's left padding (exact
-    # zeros) leaves the sum as it is alone; NumPy's pairwise sum regroups it (1 ulp apart)
-    out = (weights @ v) / weights.sum(-1, keepdims=True)  # (B, KH, G*L, D)
+    try:
+        mx.eval(scores)  # (B, KH, G*L, S)
+    except ValueError:  # inside mx.compile or mx.vmap: nothing can be evaluated there
+        return _mlx_attention(q, k, v, scale=scale, mask=mask)
+    # the exponentials are written over the scores' own buffer (a fresh matmul's, no one
+    # else's), which then serves as the weights: no second copy of a (B, H, L, S) array
+    _softmax_in_place(
+        np.array(scores, copy=False).reshape(batch, kv_heads, groups, queries, keys), mask, layout
+    )
+    # normalised after the product with the values (L x D divisions, not L x S), and summed
+    # by MLX: it adds a row in order, so a batch row's left padding (exact zeros) leaves the
+    # sum as it is alone, where NumPy's pairwise sum regroups it (1 ulp apart)
+    out = (scores @ v) / scores.sum(-1, keepdims=True)  # (B, KH, G*L, Dv)
     # the values' width, not the queries': MLA (DeepSeek) attends with wider queries and keys
     return out.reshape(batch, heads, queries, v.shape[-1]).astype(q.dtype)
 
