@@ -9,8 +9,9 @@ run at 120-170 GFLOP/s; a 17-token verify pass at 4,800 tokens 14.7 ms a layer a
 token's 2.3 ms, which made long drafts dear at agent-sized contexts on this CPU and on no Mac.
 
 Here the scores (q @ k^T, grouped-query heads as one matmul per KV head) are evaluated, the
-mask and the softmax are applied in place in NumPy, and the probabilities go back to MLX for the
-product with the values: 2-3.7x faster at those sizes (benchmarks in docs/performance.md).
+mask and the exponentials are applied over their buffer in place by NumPy, and MLX takes the
+product with the values and the normalisation: 2-3.7x faster at those sizes (benchmarks in
+docs/performance.md).
 It is installed only where MLX has no GPU (`install`, called by `load_pair`): on Metal and CUDA
 the fused kernel is used as before. `MLX_SPEC_CPU_ATTENTION=0` leaves MLX's own path in place
 (for comparisons). Calls too small to gain (fewer than MIN_SCORES scores: the extra sync costs
