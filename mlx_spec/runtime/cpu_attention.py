@@ -31,10 +31,13 @@ import os
 import mlx.core as mx
 import numpy as np
 
-# scores (batch * heads * queries * keys) below which MLX's own path is as fast: the NumPy path
-# pays one evaluation (~130 us); measured 2026-12-07, 1.2x faster from ~8k scores (9 heads, one
-# query, 1,024 keys: 1.8x; 17 queries, 2,048 keys: 3.5x), 0.3-1.0x below
-MIN_SCORES = 8192
+# scores (batch * heads * queries * keys) below which MLX's own path is kept: the NumPy path
+# pays one evaluation (~130 us) and stops MLX from building the next layer while this one runs.
+# Measured 2026-12-07: one call alone is 1.2x faster from ~8k scores (9 heads, one query, 1,024
+# keys: 1.8x; 17 queries, 2,048 keys: 3.5x), but at 8k tiny models' batches (4 heads of 16) took
+# 15 % longer over whole tests; from 64k the demo's prefill chunks and verify passes of 17 tokens
+# past ~430 keys take it, a one-token step past ~7,300 keys (1.05x at 4,096: not worth a sync)
+MIN_SCORES = 65536
 
 _mlx_attention = mx.fast.scaled_dot_product_attention
 _LOWEST = np.finfo(np.float32).min
