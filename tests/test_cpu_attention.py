@@ -85,21 +85,31 @@ def test_mlx_own_path_where_numpy_does_not_apply(every_call):
 
 
 def test_small_calls_keep_mlx_path_and_large_ones_take_numpys(monkeypatch):
-    """MIN_SCORES as documented: below it MLX's own path (bit for bit), from it NumPy's."""
+    """The thresholds as documented: below MIN_SCORES scores MLX's own path (bit for bit),
+    from it NumPy's; over MIN_KEYS keys or more NumPy's from MIN_LONG_SCORES."""
     taken = []
     softmax = cpu_attention._softmax_in_place
     monkeypatch.setattr(
         cpu_attention, "_softmax_in_place", lambda *a: taken.append(1) or softmax(*a)
     )
-    heads, width = 4, 8
-    for keys, numpy in (
-        (cpu_attention.MIN_SCORES // heads - 1, False),
-        (cpu_attention.MIN_SCORES // heads, True),
+    width, long_keys = 8, cpu_attention.MIN_KEYS
+    long_heads = cpu_attention.MIN_LONG_SCORES // long_keys
+    assert long_heads * long_keys == cpu_attention.MIN_LONG_SCORES
+    short = long_keys - 1  # keys below MIN_KEYS: MIN_SCORES decides, reached with queries
+    queries = -(-cpu_attention.MIN_SCORES // (4 * short))  # the fewest that reach it
+    for heads, rows, keys, numpy in (
+        (4, 1, short, False),
+        (4, queries - 1, short, False),
+        (4, queries, short, True),
+        (long_heads - 1, 1, long_keys, False),  # long keys, too few scores
+        (long_heads, 1, long_keys, True),
+        (long_heads, 1, long_keys - 1, False),
     ):
-        q = mx.random.normal((1, heads, 1, width))
-        k, v = mx.random.normal((2, 1, 2, keys, width))
+        taken.clear()
+        q = mx.random.normal((1, heads, rows, width))
+        k, v = mx.random.normal((2, 1, 1, keys, width))
         ours = cpu_attention.attention(q, k, v, scale=0.3)
-        assert bool(taken) == numpy
+        assert bool(taken) == numpy, (heads, rows, keys)
         assert mx.allclose(ours, MLX(q, k, v, scale=0.3), atol=2e-6).item()
         if not numpy:
             assert mx.array_equal(ours, MLX(q, k, v, scale=0.3)).item()

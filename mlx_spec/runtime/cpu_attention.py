@@ -14,8 +14,8 @@ product with the values and the normalisation: 2-3.7x faster at those sizes (ben
 docs/performance.md).
 It is installed only where MLX has no GPU (`install`, called by `load_pair`): on Metal and CUDA
 the fused kernel is used as before. `MLX_SPEC_CPU_ATTENTION=0` leaves MLX's own path in place
-(for comparisons). Calls too small to gain (fewer than MIN_SCORES scores: the extra sync costs
-~130 us), with attention sinks, other dtypes or options keep MLX's path.
+(for comparisons). Calls too small to gain (fewer than MIN_SCORES scores, or MIN_LONG_SCORES
+over MIN_KEYS keys or more: the extra sync costs ~130 us), with attention sinks, other dtypes or options keep MLX's path.
 
 Lossless: both paths compute the same float32 attention, max-subtracted exponentials (here
 normalised after the product with the values rather than before), within MLX's own differences
@@ -33,11 +33,15 @@ import numpy as np
 
 # scores (batch * heads * queries * keys) below which MLX's own path is kept: the NumPy path
 # pays one evaluation (~130 us) and stops MLX from building the next layer while this one runs.
-# Measured 2026-12-07: one call alone is 1.2x faster from ~8k scores (9 heads, one query, 1,024
-# keys: 1.8x; 17 queries, 2,048 keys: 3.5x), but at 8k tiny models' batches (4 heads of 16) took
-# 15 % longer over whole tests; from 64k the demo's prefill chunks and verify passes of 17 tokens
-# past ~430 keys take it, a one-token step past ~7,300 keys (1.05x at 4,096: not worth a sync)
+# At 8k scores tiny models' batches (4 heads of 16, short contexts) took 15 % longer over whole
+# tests (2026-12-07); from 64k the demo's prefill chunks and verify passes of 17 tokens past
+# ~430 keys take it. Over a long context (MIN_KEYS) from MIN_LONG_SCORES: a one-token step of
+# the demo target (9 heads), whole forward passes measured interleaved on a quiet CPU, MLX's
+# path against NumPy's: 1,000 keys 90.7 / 86.7 ms, 2,000 108.9 / 92.8, 4,000 136.8 / 104.0,
+# 5,700 200.5 / 146.4; at 500 keys alike (73 ms)
 MIN_SCORES = 65536
+MIN_KEYS = 1024
+MIN_LONG_SCORES = 8192
 
 _mlx_attention = mx.fast.scaled_dot_product_attention
 _LOWEST = np.finfo(np.float32).min
@@ -77,6 +81,11 @@ def _softmax_in_place(a: np.ndarray, mask, layout: tuple | None) -> None:
         np.exp(a, out=a)
 
 
+def _worth_it(scores: int, keys: int) -> bool:
+    """Whether a call is large enough for NumPy's path to gain (see MIN_SCORES)."""
+    return scores >= MIN_SCORES or (keys >= MIN_KEYS and scores >= MIN_LONG_SCORES)
+
+
 def attention(q, k, v, *, scale, mask=None, sinks=None, **options):
     """`mx.fast.scaled_dot_product_attention` with the softmax in NumPy (see the module)."""
     batch, heads, queries, dim = q.shape  # (B, H, L, D)
@@ -94,7 +103,7 @@ def attention(q, k, v, *, scale, mask=None, sinks=None, **options):
         or heads % kv_heads
         or k.shape[0] != batch
         or queries > keys
-        or batch * heads * queries * keys < MIN_SCORES
+        or not _worth_it(batch * heads * queries * keys, keys)
         or (isinstance(mask, str) and mask != "causal")
         or (mask is not None and not isinstance(mask, str) and layout is None)
     )
