@@ -15,7 +15,8 @@ docs/performance.md).
 It is installed only where MLX has no GPU (`install`, called by `load_pair`): on Metal and CUDA
 the fused kernel is used as before. `MLX_SPEC_CPU_ATTENTION=0` leaves MLX's own path in place
 (for comparisons). Calls too small to gain (fewer than MIN_SCORES scores, or MIN_LONG_SCORES
-over MIN_KEYS keys or more: the extra sync costs ~130 us), with attention sinks, other dtypes or options keep MLX's path.
+over MIN_KEYS keys or more: the extra sync costs ~130 us), with attention sinks, other dtypes
+or options keep MLX's path.
 
 Lossless: both paths compute the same float32 attention, max-subtracted exponentials (here
 normalised after the product with the values rather than before), within MLX's own differences
