@@ -45,7 +45,7 @@ CONFIGS = {
     "head k=1": {},
     "head auto": {"num_draft_tokens": "auto"},
     "suffix (auto)": {"drafter": "suffix", "num_draft_tokens": "auto"},
-    "suffix+eagle3 k=1": {"drafter": "suffix+eagle3"},
+    "suffix+eagle3 k=1": {"drafter": "suffix+eagle3", "num_draft_tokens": 1},
     "suffix+eagle3 auto": {"drafter": "suffix+eagle3", "num_draft_tokens": "auto"},
 }
 
